@@ -1,0 +1,197 @@
+//! What CUDA this process has: the runtime, the driver and the devices.
+
+use std::fmt;
+use std::path::Path;
+
+use cuda_pinned_sys::{self as sys, cudaDeviceAttr};
+
+use crate::error::Result;
+use crate::ffi;
+
+/// A CUDA version such as 13.0, as the runtime reports it (`1000 * major + 10 * minor`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Version {
+    /// Major version.
+    pub major: u32,
+    /// Minor version.
+    pub minor: u32,
+}
+
+impl Version {
+    fn from_raw(raw: i32) -> Self {
+        let raw = raw.max(0) as u32;
+        Self {
+            major: raw / 1000,
+            minor: raw % 1000 / 10,
+        }
+    }
+}
+
+impl fmt::Display for Version {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.major, self.minor)
+    }
+}
+
+/// Whether CUDA can be used here: the runtime loads and sees at least one device.
+pub fn is_available() -> bool {
+    device_count().is_ok_and(|n| n > 0)
+}
+
+/// The file libcudart was loaded from.
+///
+/// # Errors
+///
+/// [`Error::Unavailable`](crate::Error::Unavailable), listing the paths tried.
+pub fn runtime_path() -> Result<&'static Path> {
+    Ok(sys::cudart()?.path())
+}
+
+/// The version of the loaded CUDA runtime library.
+///
+/// # Errors
+///
+/// [`Error::Unavailable`](crate::Error::Unavailable) without a runtime.
+pub fn runtime_version() -> Result<Version> {
+    ffi::runtime_version().map(Version::from_raw)
+}
+
+/// The newest CUDA version the installed driver supports; `0.0` when no driver is installed.
+///
+/// # Errors
+///
+/// [`Error::Unavailable`](crate::Error::Unavailable) without a runtime.
+pub fn driver_version() -> Result<Version> {
+    ffi::driver_version().map(Version::from_raw)
+}
+
+/// The number of CUDA devices; 0 when the runtime loads but finds none.
+///
+/// # Errors
+///
+/// [`Error::Unavailable`](crate::Error::Unavailable) without a runtime;
+/// [`Error::Cuda`](crate::Error::Cuda) when the driver is missing or too old.
+pub fn device_count() -> Result<usize> {
+    ffi::device_count().map(|n| n.max(0) as usize)
+}
+
+/// One CUDA device, by ordinal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Device {
+    ordinal: i32,
+}
+
+impl Device {
+    /// The device with this ordinal.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Cuda`](crate::Error::Cuda) (`cudaErrorInvalidDevice`) when there is no such
+    /// device, or the errors of [`device_count`].
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let ordinal = i32::try_from(ordinal).unwrap_or(i32::MAX);
+        // Asking for an attribute validates the ordinal through the runtime itself.
+        ffi::device_attribute(cudaDeviceAttr::cudaDevAttrPciBusId, ordinal)?;
+        Ok(Self { ordinal })
+    }
+
+    /// Every device, in ordinal order.
+    ///
+    /// # Errors
+    ///
+    /// The errors of [`device_count`].
+    pub fn all() -> Result<Vec<Self>> {
+        Ok((0..device_count()? as i32)
+            .map(|ordinal| Self { ordinal })
+            .collect())
+    }
+
+    /// The calling thread's current device.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unavailable`](crate::Error::Unavailable) or a CUDA error.
+    pub fn current() -> Result<Self> {
+        ffi::current_device().map(|ordinal| Self { ordinal })
+    }
+
+    /// Makes this the calling thread's current device.
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error from `cudaSetDevice`.
+    pub fn set_current(self) -> Result<()> {
+        ffi::set_device(self.ordinal)
+    }
+
+    /// The device's ordinal.
+    pub fn ordinal(self) -> usize {
+        self.ordinal as usize
+    }
+
+    /// The marketing name, such as `"NVIDIA H100 80GB HBM3"`.
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error from `cudaGetDeviceProperties`.
+    pub fn name(self) -> Result<String> {
+        ffi::device_name(self.ordinal)
+    }
+
+    /// The PCI address, `domain:bus:device.function` (`"0000:01:00.0"`).
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error from `cudaDeviceGetPCIBusId`.
+    pub fn pci_bus_id(self) -> Result<String> {
+        ffi::pci_bus_id(self.ordinal)
+    }
+
+    /// Whether `cudaHostRegister` works with this device (the fast pinning path).
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error from `cudaDeviceGetAttribute`.
+    pub fn supports_host_registration(self) -> Result<bool> {
+        self.flag(cudaDeviceAttr::cudaDevAttrHostRegisterSupported)
+    }
+
+    /// Whether the device can map page-locked host memory into its address space.
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error from `cudaDeviceGetAttribute`.
+    pub fn can_map_host_memory(self) -> Result<bool> {
+        self.flag(cudaDeviceAttr::cudaDevAttrCanMapHostMemory)
+    }
+
+    /// The host NUMA node nearest the device as CUDA reports it; `None` where the driver does
+    /// not say (older drivers, or machines with one node).
+    pub fn host_numa_node(self) -> Option<u32> {
+        ffi::device_attribute(cudaDeviceAttr::cudaDevAttrHostNumaId, self.ordinal)
+            .ok()
+            .and_then(|node| u32::try_from(node).ok())
+    }
+
+    fn flag(self, attribute: cudaDeviceAttr) -> Result<bool> {
+        ffi::device_attribute(attribute, self.ordinal).map(|v| v != 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_decode_like_the_runtime_encodes_them() {
+        assert_eq!(
+            Version::from_raw(13000),
+            Version {
+                major: 13,
+                minor: 0
+            }
+        );
+        assert_eq!(Version::from_raw(12080).to_string(), "12.8");
+        assert_eq!(Version::from_raw(0).to_string(), "0.0");
+    }
+}

@@ -1,0 +1,204 @@
+//! Error types: a failed CUDA call, and everything else the world can do to an allocation.
+
+use std::ffi::CStr;
+use std::fmt;
+
+use cuda_pinned_sys::{LoadError, cudaError, cudart};
+
+/// The crate's `Result`.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A CUDA runtime call that returned an error code.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CudaError {
+    code: cudaError,
+    call: &'static str,
+}
+
+impl CudaError {
+    pub(crate) fn new(call: &'static str, code: cudaError) -> Self {
+        Self { code, call }
+    }
+
+    /// The numeric `cudaError_t`.
+    pub fn code(&self) -> u32 {
+        self.code.0
+    }
+
+    /// The raw code, for comparing with `cuda_pinned_sys::cudaError` constants.
+    pub fn raw(&self) -> cudaError {
+        self.code
+    }
+
+    /// The runtime function that returned it, such as `"cudaHostAlloc"`.
+    pub fn call(&self) -> &'static str {
+        self.call
+    }
+
+    /// The code's name from the runtime (`"cudaErrorMemoryAllocation"`), or
+    /// `"unrecognized error code"` when the runtime does not know it.
+    pub fn name(&self) -> &'static str {
+        runtime_string(self.code, |rt| rt.cudaGetErrorName()).unwrap_or("unrecognized error code")
+    }
+
+    /// The runtime's description of the code (`"out of memory"`).
+    pub fn description(&self) -> &'static str {
+        runtime_string(self.code, |rt| rt.cudaGetErrorString()).unwrap_or("no description")
+    }
+
+    /// Whether the runtime could not allocate memory (host or device).
+    pub fn is_out_of_memory(&self) -> bool {
+        self.code == cudaError::cudaErrorMemoryAllocation
+    }
+}
+
+type StringFn = unsafe extern "C" fn(cudaError) -> *const std::ffi::c_char;
+
+fn runtime_string(
+    code: cudaError,
+    get: impl FnOnce(&cuda_pinned_sys::Cudart) -> Result<StringFn, LoadError>,
+) -> Option<&'static str> {
+    let function = get(cudart().ok()?).ok()?;
+    // SAFETY: both functions take any code and return NULL or a pointer to a static,
+    // NUL-terminated string owned by libcudart, which is never unloaded.
+    let text = unsafe { function(code) };
+    if text.is_null() {
+        return None;
+    }
+    // SAFETY: non-null, NUL-terminated, static (see above).
+    unsafe { CStr::from_ptr(text) }.to_str().ok()
+}
+
+impl fmt::Debug for CudaError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaError")
+            .field("call", &self.call)
+            .field("code", &self.code.0)
+            .field("name", &self.name())
+            .finish()
+    }
+}
+
+impl fmt::Display for CudaError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} failed: {} ({}): {}",
+            self.call,
+            self.name(),
+            self.code.0,
+            self.description()
+        )
+    }
+}
+
+impl std::error::Error for CudaError {}
+
+/// Everything that can go wrong when page-locked memory is asked for or used.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Error {
+    /// The CUDA runtime library could not be loaded, or lacks a function.
+    Unavailable(LoadError),
+    /// A CUDA runtime call failed.
+    Cuda(CudaError),
+    /// Locking the pages would exceed `RLIMIT_MEMLOCK` (`ulimit -l`).
+    MemlockLimit {
+        /// Bytes the failed request would have locked.
+        requested: usize,
+        /// The process's soft limit in bytes; `None` when unlimited or unreadable.
+        limit: Option<u64>,
+    },
+    /// The operating system had no memory for the request.
+    OutOfMemory {
+        /// Bytes requested.
+        requested: usize,
+    },
+    /// The size in bytes does not fit in `isize` (or the element count overflowed).
+    CapacityOverflow,
+    /// An operating system call failed for another reason.
+    Os {
+        /// The call, such as `"mmap"`.
+        call: &'static str,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// The device or platform does not support the requested kind of memory.
+    Unsupported(&'static str),
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Unavailable(e) => write!(f, "CUDA is not available: {e}"),
+            Self::Cuda(e) => e.fmt(f),
+            Self::MemlockLimit { requested, limit } => {
+                write!(f, "cannot lock {requested} bytes of memory: ")?;
+                match limit {
+                    Some(limit) => write!(f, "RLIMIT_MEMLOCK is {limit} bytes")?,
+                    None => write!(f, "the memlock limit was reached")?,
+                }
+                write!(
+                    f,
+                    "; raise it with `ulimit -l unlimited`, LimitMEMLOCK= in a systemd unit, \
+                     or `--ulimit memlock=-1` for a container"
+                )
+            }
+            Self::OutOfMemory { requested } => {
+                write!(f, "out of host memory allocating {requested} bytes")
+            }
+            Self::CapacityOverflow => write!(f, "requested size overflows the address space"),
+            Self::Os { call, source } => write!(f, "{call} failed: {source}"),
+            Self::Unsupported(what) => write!(f, "not supported: {what}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Unavailable(e) => Some(e),
+            Self::Cuda(e) => Some(e),
+            Self::Os { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}
+
+impl From<LoadError> for Error {
+    fn from(e: LoadError) -> Self {
+        Self::Unavailable(e)
+    }
+}
+
+impl From<CudaError> for Error {
+    fn from(e: CudaError) -> Self {
+        Self::Cuda(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memlock_message_names_the_limit_and_a_fix() {
+        let text = Error::MemlockLimit {
+            requested: 1 << 20,
+            limit: Some(65536),
+        }
+        .to_string();
+        assert!(text.contains("1048576 bytes"), "{text}");
+        assert!(text.contains("RLIMIT_MEMLOCK is 65536 bytes"), "{text}");
+        assert!(text.contains("ulimit -l"), "{text}");
+    }
+
+    #[test]
+    fn cuda_error_keeps_code_and_call() {
+        let error = CudaError::new("cudaHostAlloc", cudaError::cudaErrorMemoryAllocation);
+        assert_eq!(error.code(), 2);
+        assert_eq!(error.call(), "cudaHostAlloc");
+        assert!(error.is_out_of_memory());
+        assert!(error.to_string().starts_with("cudaHostAlloc failed"));
+    }
+}

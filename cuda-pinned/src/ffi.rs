@@ -1,0 +1,339 @@
+//! The one place that calls the CUDA runtime: thin `Result` functions over the sys crate.
+//!
+//! Every function turns a missing library or symbol into [`Error::Unavailable`] and a
+//! non-success code into [`Error::Cuda`], clearing the runtime's per-thread last error so a
+//! failure here does not resurface in a user's next, unrelated CUDA call.
+
+use std::ffi::{c_int, c_void};
+use std::ptr::{self, NonNull};
+
+use cuda_pinned_sys::{self as sys, cudaError, cudart};
+
+use crate::error::{CudaError, Error, Result};
+
+/// Calls one runtime function and checks its status.
+///
+/// Every use site is inside an `unsafe fn` of this module whose `# Safety` section (or a safe
+/// fn whose body) establishes the C function's preconditions for the given arguments.
+macro_rules! cuda {
+    ($name:ident($($arg:expr),* $(,)?)) => {{
+        let function = cudart()?.$name()?;
+        // SAFETY: see the macro's documentation: the enclosing function guarantees the
+        // arguments satisfy the C function's contract.
+        let status = unsafe { function($($arg),*) };
+        check(stringify!($name), status)
+    }};
+}
+
+fn check(call: &'static str, status: cudaError) -> Result<()> {
+    if status == cudaError::cudaSuccess {
+        return Ok(());
+    }
+    // Reset the per-thread "last error" so it does not poison later, unrelated calls.
+    if let Ok(Ok(clear)) = cudart().map(|rt| rt.cudaGetLastError()) {
+        // SAFETY: cudaGetLastError takes no arguments and only resets thread-local state.
+        unsafe { clear() };
+    }
+    Err(Error::Cuda(CudaError::new(call, status)))
+}
+
+/// Like [`check`] for a call whose `NotReady` answer is a normal outcome.
+fn query(call: &'static str, status: cudaError) -> Result<bool> {
+    if status == cudaError::cudaErrorNotReady {
+        return Ok(false);
+    }
+    check(call, status).map(|()| true)
+}
+
+// ---- versions and devices ------------------------------------------------------------------
+
+pub(crate) fn runtime_version() -> Result<i32> {
+    let mut version = 0;
+    cuda!(cudaRuntimeGetVersion(&mut version))?;
+    Ok(version)
+}
+
+pub(crate) fn driver_version() -> Result<i32> {
+    let mut version = 0;
+    cuda!(cudaDriverGetVersion(&mut version))?;
+    Ok(version)
+}
+
+pub(crate) fn device_count() -> Result<i32> {
+    let mut count = 0;
+    match cuda!(cudaGetDeviceCount(&mut count)) {
+        Err(Error::Cuda(e)) if e.raw() == cudaError::cudaErrorNoDevice => Ok(0),
+        other => other.map(|()| count),
+    }
+}
+
+pub(crate) fn current_device() -> Result<i32> {
+    let mut device = 0;
+    cuda!(cudaGetDevice(&mut device))?;
+    Ok(device)
+}
+
+pub(crate) fn set_device(device: i32) -> Result<()> {
+    cuda!(cudaSetDevice(device))
+}
+
+pub(crate) fn device_attribute(attribute: sys::cudaDeviceAttr, device: i32) -> Result<i32> {
+    let mut value = 0;
+    cuda!(cudaDeviceGetAttribute(&mut value, attribute, device))?;
+    Ok(value)
+}
+
+pub(crate) fn pci_bus_id(device: i32) -> Result<String> {
+    let mut buffer = [0 as std::ffi::c_char; 64];
+    cuda!(cudaDeviceGetPCIBusId(
+        buffer.as_mut_ptr(),
+        buffer.len() as c_int,
+        device
+    ))?;
+    Ok(c_chars_to_string(&buffer))
+}
+
+pub(crate) fn device_name(device: i32) -> Result<String> {
+    // `cudaDeviceProp` grows between CUDA versions, and the runtime writes its own version's
+    // layout; `name` is the first field in all of them. An 8 KiB zeroed buffer holds every
+    // layout to date with room to spare, and only the name is read back.
+    let mut buffer = vec![0u64; 1024];
+    let prop = buffer.as_mut_ptr().cast::<sys::cudaDeviceProp>();
+    const _: () = assert!(std::mem::size_of::<sys::cudaDeviceProp>() < 8192);
+    cuda!(cudaGetDeviceProperties(prop, device))?;
+    // SAFETY: the buffer is 8-byte aligned, initialised, and 8 KiB long; the first 256 bytes
+    // are `char name[256]` in every layout.
+    let name =
+        unsafe { std::slice::from_raw_parts(buffer.as_ptr().cast::<std::ffi::c_char>(), 256) };
+    Ok(c_chars_to_string(name))
+}
+
+fn c_chars_to_string(chars: &[std::ffi::c_char]) -> String {
+    let bytes: Vec<u8> = chars
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+pub(crate) fn device_synchronize() -> Result<()> {
+    cuda!(cudaDeviceSynchronize())
+}
+
+// ---- host memory ---------------------------------------------------------------------------
+
+pub(crate) fn host_alloc(bytes: usize, flags: u32) -> Result<NonNull<u8>> {
+    let mut ptr = ptr::null_mut();
+    cuda!(cudaHostAlloc(&mut ptr, bytes, flags))?;
+    NonNull::new(ptr.cast()).ok_or(Error::OutOfMemory { requested: bytes })
+}
+
+/// # Safety
+///
+/// - `ptr` came from [`host_alloc`] and is not used afterwards.
+pub(crate) unsafe fn free_host(ptr: NonNull<u8>) -> Result<()> {
+    cuda!(cudaFreeHost(ptr.as_ptr().cast()))
+}
+
+/// # Safety
+///
+/// - `ptr..ptr + bytes` is memory this process has mapped and keeps mapped until
+///   [`host_unregister`] is called on `ptr`.
+pub(crate) unsafe fn host_register(ptr: NonNull<u8>, bytes: usize, flags: u32) -> Result<()> {
+    cuda!(cudaHostRegister(ptr.as_ptr().cast(), bytes, flags))
+}
+
+/// # Safety
+///
+/// - `ptr` is the start of a range registered with [`host_register`] and no copy on any
+///   stream still uses it.
+pub(crate) unsafe fn host_unregister(ptr: NonNull<u8>) -> Result<()> {
+    cuda!(cudaHostUnregister(ptr.as_ptr().cast()))
+}
+
+pub(crate) fn host_device_pointer(ptr: NonNull<u8>) -> Result<u64> {
+    let mut device = ptr::null_mut();
+    // cudaHostGetDevicePointer only looks the address up; it never dereferences it.
+    cuda!(cudaHostGetDevicePointer(
+        &mut device,
+        ptr.as_ptr().cast(),
+        0
+    ))?;
+    Ok(device as u64)
+}
+
+// ---- device memory -------------------------------------------------------------------------
+
+pub(crate) fn device_malloc(bytes: usize) -> Result<u64> {
+    let mut ptr = ptr::null_mut();
+    cuda!(cudaMalloc(&mut ptr, bytes))?;
+    Ok(ptr as u64)
+}
+
+/// # Safety
+///
+/// - `ptr` came from [`device_malloc`], is not used afterwards, and no pending work uses it.
+pub(crate) unsafe fn device_free(ptr: u64) -> Result<()> {
+    cuda!(cudaFree(ptr as *mut c_void))
+}
+
+/// Direction of a copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Direction {
+    HostToDevice,
+    DeviceToHost,
+    DeviceToDevice,
+    HostToHost,
+}
+
+impl Direction {
+    fn kind(self) -> sys::cudaMemcpyKind {
+        match self {
+            Self::HostToDevice => sys::cudaMemcpyKind::cudaMemcpyHostToDevice,
+            Self::DeviceToHost => sys::cudaMemcpyKind::cudaMemcpyDeviceToHost,
+            Self::DeviceToDevice => sys::cudaMemcpyKind::cudaMemcpyDeviceToDevice,
+            Self::HostToHost => sys::cudaMemcpyKind::cudaMemcpyHostToHost,
+        }
+    }
+}
+
+/// # Safety
+///
+/// - `src` is readable and `dst` writable for `bytes` bytes, in the memory the direction
+///   names, until the copy finishes on `stream` (which stays alive until then);
+/// - nothing else writes `dst` or `src` (or reads `dst`) while the copy is pending.
+pub(crate) unsafe fn memcpy_async(
+    dst: *mut c_void,
+    src: *const c_void,
+    bytes: usize,
+    direction: Direction,
+    stream: sys::cudaStream_t,
+) -> Result<()> {
+    cuda!(cudaMemcpyAsync(dst, src, bytes, direction.kind(), stream))
+}
+
+/// # Safety
+///
+/// - `ptr` is device memory writable for `bytes` bytes until the work on `stream` finishes.
+pub(crate) unsafe fn memset_async(
+    ptr: u64,
+    value: u8,
+    bytes: usize,
+    stream: sys::cudaStream_t,
+) -> Result<()> {
+    cuda!(cudaMemsetAsync(
+        ptr as *mut c_void,
+        c_int::from(value),
+        bytes,
+        stream
+    ))
+}
+
+// ---- streams and events --------------------------------------------------------------------
+
+pub(crate) fn stream_create(flags: u32) -> Result<sys::cudaStream_t> {
+    let mut stream = ptr::null_mut();
+    cuda!(cudaStreamCreateWithFlags(&mut stream, flags))?;
+    Ok(stream)
+}
+
+/// # Safety
+///
+/// - `stream` came from [`stream_create`] and is not used afterwards.
+pub(crate) unsafe fn stream_destroy(stream: sys::cudaStream_t) -> Result<()> {
+    cuda!(cudaStreamDestroy(stream))
+}
+
+/// # Safety
+///
+/// - `stream` is a live stream (or null for the legacy default stream).
+pub(crate) unsafe fn stream_synchronize(stream: sys::cudaStream_t) -> Result<()> {
+    cuda!(cudaStreamSynchronize(stream))
+}
+
+/// Whether all work on the stream has finished.
+///
+/// # Safety
+///
+/// - `stream` is a live stream.
+pub(crate) unsafe fn stream_query(stream: sys::cudaStream_t) -> Result<bool> {
+    let function = cudart()?.cudaStreamQuery()?;
+    // SAFETY: the caller guarantees the stream is live.
+    query("cudaStreamQuery", unsafe { function(stream) })
+}
+
+/// # Safety
+///
+/// - `stream` and `event` are live.
+pub(crate) unsafe fn stream_wait_event(
+    stream: sys::cudaStream_t,
+    event: sys::cudaEvent_t,
+) -> Result<()> {
+    cuda!(cudaStreamWaitEvent(stream, event, 0))
+}
+
+/// # Safety
+///
+/// - `stream` is live; `function(data)` is sound to call once from a CUDA driver thread at
+///   any later time, and must not call CUDA itself.
+pub(crate) unsafe fn launch_host_func(
+    stream: sys::cudaStream_t,
+    function: unsafe extern "C" fn(*mut c_void),
+    data: *mut c_void,
+) -> Result<()> {
+    cuda!(cudaLaunchHostFunc(stream, Some(function), data))
+}
+
+pub(crate) fn event_create(flags: u32) -> Result<sys::cudaEvent_t> {
+    let mut event = ptr::null_mut();
+    cuda!(cudaEventCreateWithFlags(&mut event, flags))?;
+    Ok(event)
+}
+
+/// # Safety
+///
+/// - `event` came from [`event_create`] and is not used afterwards.
+pub(crate) unsafe fn event_destroy(event: sys::cudaEvent_t) -> Result<()> {
+    cuda!(cudaEventDestroy(event))
+}
+
+/// # Safety
+///
+/// - `event` and `stream` are live.
+pub(crate) unsafe fn event_record(
+    event: sys::cudaEvent_t,
+    stream: sys::cudaStream_t,
+) -> Result<()> {
+    cuda!(cudaEventRecord(event, stream))
+}
+
+/// Whether the work captured by the event has finished.
+///
+/// # Safety
+///
+/// - `event` is live.
+pub(crate) unsafe fn event_query(event: sys::cudaEvent_t) -> Result<bool> {
+    let function = cudart()?.cudaEventQuery()?;
+    // SAFETY: the caller guarantees the event is live.
+    query("cudaEventQuery", unsafe { function(event) })
+}
+
+/// # Safety
+///
+/// - `event` is live.
+pub(crate) unsafe fn event_synchronize(event: sys::cudaEvent_t) -> Result<()> {
+    cuda!(cudaEventSynchronize(event))
+}
+
+/// # Safety
+///
+/// - both events are live and were created with timing enabled.
+pub(crate) unsafe fn event_elapsed_ms(
+    start: sys::cudaEvent_t,
+    end: sys::cudaEvent_t,
+) -> Result<f32> {
+    let mut ms = 0.0f32;
+    cuda!(cudaEventElapsedTime(&mut ms, start, end))?;
+    Ok(ms)
+}

@@ -1,0 +1,1 @@
+//! A caching allocator of page-locked host memory (in progress).
