@@ -125,6 +125,13 @@ pub enum Error {
     },
     /// The device or platform does not support the requested kind of memory.
     Unsupported(&'static str),
+    /// A copy between buffers of different lengths (in elements).
+    LengthMismatch {
+        /// Elements on the host side.
+        host: usize,
+        /// Elements on the device side.
+        device: usize,
+    },
 }
 
 impl fmt::Display for Error {
@@ -150,6 +157,10 @@ impl fmt::Display for Error {
             Self::CapacityOverflow => write!(f, "requested size overflows the address space"),
             Self::Os { call, source } => write!(f, "{call} failed: {source}"),
             Self::Unsupported(what) => write!(f, "not supported: {what}"),
+            Self::LengthMismatch { host, device } => write!(
+                f,
+                "copy between {host} host elements and {device} device elements: lengths differ"
+            ),
         }
     }
 }

@@ -117,10 +117,6 @@ fn c_chars_to_string(chars: &[std::ffi::c_char]) -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
-pub(crate) fn device_synchronize() -> Result<()> {
-    cuda!(cudaDeviceSynchronize())
-}
-
 // ---- host memory ---------------------------------------------------------------------------
 
 pub(crate) fn host_alloc(bytes: usize, flags: u32) -> Result<NonNull<u8>> {
@@ -183,8 +179,6 @@ pub(crate) unsafe fn device_free(ptr: u64) -> Result<()> {
 pub(crate) enum Direction {
     HostToDevice,
     DeviceToHost,
-    DeviceToDevice,
-    HostToHost,
 }
 
 impl Direction {
@@ -192,8 +186,6 @@ impl Direction {
         match self {
             Self::HostToDevice => sys::cudaMemcpyKind::cudaMemcpyHostToDevice,
             Self::DeviceToHost => sys::cudaMemcpyKind::cudaMemcpyDeviceToHost,
-            Self::DeviceToDevice => sys::cudaMemcpyKind::cudaMemcpyDeviceToDevice,
-            Self::HostToHost => sys::cudaMemcpyKind::cudaMemcpyHostToHost,
         }
     }
 }

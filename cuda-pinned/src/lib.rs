@@ -1,13 +1,146 @@
 //! Safe page-locked ("pinned") host memory for CUDA.
-#![deny(unsafe_op_in_unsafe_fn)]
-#![allow(dead_code)]
+//!
+//! # What pinned memory is for
+//!
+//! A GPU copies to and from host memory with DMA engines, which need the memory's physical
+//! pages to stay put. From ordinary (pageable) memory the driver first copies into a hidden
+//! pinned staging buffer, and the copy runs synchronously; from page-locked memory the DMA
+//! engines read directly and the copy runs asynchronously beside compute. On an H100 over
+//! PCIe 5.0 that is 55 GB/s each way against 8–13.6 GB/s from pageable memory.
+//!
+//! **When not to use it:** pinned pages cannot be swapped out or moved. Pinning much of a
+//! machine's memory starves the rest of the system; pin what you transfer, reuse it (see the
+//! `pinned-pool` crate), and give it back. Getting pinned memory is also slow (about 1 ms
+//! for a small `cudaHostAlloc`), so allocate once and reuse.
+//!
+//! # `Vec` and `PinnedVec`
+//!
+//! | | `Vec<T>` | [`PinnedVec<T, A>`] |
+//! |---|---|---|
+//! | memory | pageable heap | page-locked, from allocator `A` |
+//! | H2D / D2H copy | staged by the driver, synchronous | direct DMA, async ([`Stream::copy_to_device`]) |
+//! | allocation cost | ~50 ns | 0.2–1.5 ms (cache it: `pinned-pool`) |
+//! | failure | aborts | `try_*` methods return [`Error`] |
+//! | without CUDA | — | `mlock`ed memory ([`HostLocked`]), same API |
+//! | access | `Deref<Target = [T]>` | `Deref<Target = [T]>`, never blocks |
+//!
+//! # Example
+//!
+//! ```
+//! use cuda_pinned::{DeviceBuffer, PinnedVec, Stream};
+//!
+//! let mut batch = PinnedVec::<f32>::with_capacity(1024)?;
+//! batch.extend((0..1024).map(|i| i as f32));
+//! println!("{} floats in {} memory", batch.len(), batch.memory_kind().unwrap());
+//!
+//! if cuda_pinned::is_available() {
+//!     let stream = Stream::new()?;
+//!     let mut on_device = DeviceBuffer::<f32>::zeroed(batch.len())?;
+//!     // The copy takes the buffer and returns it once the DMA is done.
+//!     let transfer = stream.copy_to_device(batch, &mut on_device)?;
+//!     // ... queue kernels, other copies ...
+//!     let batch = transfer.wait()?;
+//!     assert_eq!(on_device.to_vec()?, batch.as_slice());
+//! }
+//! # Ok::<(), cuda_pinned::Error>(())
+//! ```
+//!
+//! # Kinds of memory
+//!
+//! Every allocator implements [`PinnedAllocator`]; every buffer says its [`MemoryKind`].
+//!
+//! | allocator | how | needs |
+//! |---|---|---|
+//! | [`DefaultPinned`] | [`Registered`] with CUDA, [`HostLocked`] without | nothing |
+//! | [`CudaHost`] | `cudaHostAlloc` ([`HostAllocFlags`]: portable by default, mapped, write-combined) | CUDA |
+//! | [`Registered`] | `mmap` + huge pages + parallel pre-fault + `cudaHostRegister`: ~10× faster to get | CUDA |
+//! | [`Registration`], [`RegisteredVec`] | registers memory you already own | CUDA |
+//! | [`HostLocked`] | `mmap` + `mlock` | `RLIMIT_MEMLOCK` room |
+//!
+//! They also implement allocator-api2's `Allocator`, so `allocator_api2::vec::Vec<T, _>` and
+//! hashbrown maps can live in pinned memory.
+//!
+//! # Safety model
+//!
+//! No safe API lets a device read or write memory that is freed, reused, or accessed by the
+//! host at the same time:
+//!
+//! - An async copy takes the pinned buffer **by value** and returns a [`Transfer`]; the host
+//!   gets the buffer back from [`Transfer::wait`], after the copy. Host access during the
+//!   copy is a compile error, and `Deref` never has to wait or fail.
+//! - Dropping a `Transfer` hands the buffer to its allocator together with the copy's event:
+//!   a plain allocator waits for it, a caching pool reuses the block only after it.
+//! - `mem::forget` on a `Transfer` leaks the buffer: leaked memory is never reused.
+//! - Work the crate cannot see (your kernels on a mapped buffer) is declared with
+//!   [`PinnedVec::record_stream`], and is waited for or deferred on in the same way.
+//! - Copies need plain-old-data: `bytemuck::NoUninit` to the device, `AnyBitPattern` back.
+//! - Raw-pointer copies are `unsafe`.
+//!
+//! Buffers move into a copy, so they cannot be touched while it runs:
+//!
+//! ```compile_fail
+//! # use cuda_pinned::{DeviceBuffer, PinnedVec, Stream};
+//! # fn f(stream: &Stream, mut device: DeviceBuffer<u8>) -> cuda_pinned::Result<()> {
+//! let mut host = PinnedVec::from_slice(&[1u8, 2, 3])?;
+//! let transfer = stream.copy_to_device(host, &mut device)?;
+//! host.push(4); // error: `host` was moved into the copy
+//! # Ok(()) }
+//! ```
+//!
+//! `Send` and `Sync` follow the element type, as for `Vec`:
+//!
+//! ```compile_fail
+//! fn send<T: Send>(_: T) {}
+//! let v = cuda_pinned::PinnedVec::<std::rc::Rc<u8>>::new();
+//! send(v); // error: `Rc<u8>` is not `Send`
+//! ```
+//!
+//! ```compile_fail
+//! fn share<T: Sync>(_: &T) {}
+//! let b = cuda_pinned::PinnedBox::new(std::cell::Cell::new(0u8)).unwrap();
+//! share(&b); // error: `Cell<u8>` is not `Sync`
+//! ```
+//!
+//! # Errors
+//!
+//! Everything the world can do is an [`Error`] value: no CUDA ([`Error::Unavailable`] lists
+//! where libcudart was looked for), a CUDA error ([`CudaError`] with code, name and
+//! description), the memlock limit ([`Error::MemlockLimit`] with the limit and a fix), out of
+//! memory, and sizes that overflow. A failed CUDA call clears the runtime's sticky last-error
+//! so it does not resurface in your next, unrelated call.
 
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod alloc;
+mod api2;
+mod boxed;
 mod device;
+mod device_buffer;
 mod error;
 mod ffi;
+mod host_alloc;
+mod locked;
+mod os;
+mod pin;
+mod registered;
+mod registration;
+mod stream;
+mod transfer;
+mod vec;
 
+pub use alloc::{Allocation, DefaultPinned, MemoryKind, PendingUses, PinnedAllocator};
+pub use boxed::PinnedBox;
 pub use cuda_pinned_sys::LoadError;
 pub use device::{
     Device, Version, device_count, driver_version, is_available, runtime_path, runtime_version,
 };
+pub use device_buffer::DeviceBuffer;
 pub use error::{CudaError, Error, Result};
+pub use host_alloc::{CudaHost, HostAllocFlags};
+pub use locked::HostLocked;
+pub use pin::PinMemory;
+pub use registered::{RegisterFlags, Registered};
+pub use registration::{RegisteredVec, Registration};
+pub use stream::{Event, Stream};
+pub use transfer::{CopyError, HostBuffer, Transfer};
+pub use vec::{IntoIter, PinnedVec};

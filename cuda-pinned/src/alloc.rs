@@ -1,0 +1,348 @@
+//! The allocator trait behind every pinned container, and the record of work that may still
+//! use a buffer when it is dropped.
+
+use std::alloc::Layout;
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::{Arc, OnceLock};
+
+use crate::error::{Error, Result};
+use crate::host_alloc::{CudaHost, HostAllocFlags};
+use crate::locked::HostLocked;
+use crate::registered::Registered;
+use crate::stream::{Event, Stream};
+
+/// Which kind of page-locked memory an allocation is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum MemoryKind {
+    /// `cudaHostAlloc` with these flags.
+    HostAlloc(HostAllocFlags),
+    /// Memory this crate mapped (huge pages, pre-faulted) and registered with
+    /// `cudaHostRegister`.
+    Registered,
+    /// A caller's memory, registered with `cudaHostRegister` for as long as it is borrowed.
+    UserRegistered,
+    /// `mlock`ed host memory on a machine without CUDA: page-locked, but unknown to any GPU,
+    /// so copies from it are staged by the driver like pageable memory.
+    Locked,
+}
+
+impl MemoryKind {
+    /// Whether a CUDA device can DMA directly from or to this memory.
+    pub fn is_cuda_pinned(self) -> bool {
+        !matches!(self, Self::Locked)
+    }
+}
+
+impl fmt::Display for MemoryKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::HostAlloc(flags) => write!(f, "cudaHostAlloc({flags})"),
+            Self::Registered => f.write_str("registered"),
+            Self::UserRegistered => f.write_str("user-registered"),
+            Self::Locked => f.write_str("mlock"),
+        }
+    }
+}
+
+/// One block of page-locked memory handed out by a [`PinnedAllocator`].
+#[derive(Debug, PartialEq, Eq)]
+pub struct Allocation {
+    ptr: NonNull<u8>,
+    bytes: usize,
+    kind: MemoryKind,
+    tag: usize,
+}
+
+// SAFETY: an `Allocation` is a description of memory (address, size, kind); it grants no
+// access by itself, and every use of the address goes through unsafe code with its own proof.
+unsafe impl Send for Allocation {}
+// SAFETY: as above; `&Allocation` only reads plain fields.
+unsafe impl Sync for Allocation {}
+
+impl Allocation {
+    /// Describes `bytes` bytes at `ptr` of the given kind. `tag` is the allocator's own word
+    /// (a block index, say) and is handed back on deallocation.
+    pub fn new(ptr: NonNull<u8>, bytes: usize, kind: MemoryKind, tag: usize) -> Self {
+        Self {
+            ptr,
+            bytes,
+            kind,
+            tag,
+        }
+    }
+
+    /// The start of the block.
+    pub fn ptr(&self) -> NonNull<u8> {
+        self.ptr
+    }
+
+    /// Usable bytes: at least what was asked for.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The kind of memory.
+    pub fn kind(&self) -> MemoryKind {
+        self.kind
+    }
+
+    /// The allocator's own word.
+    pub fn tag(&self) -> usize {
+        self.tag
+    }
+}
+
+/// A source of page-locked memory for [`PinnedVec`](crate::PinnedVec),
+/// [`PinnedBox`](crate::PinnedBox) and the pool.
+///
+/// # Safety
+///
+/// Implementors promise that:
+/// - a successful [`allocate`](Self::allocate) returns memory that is valid for reads and
+///   writes of [`Allocation::bytes`] ≥ `layout.size()` bytes, aligned to `layout.align()`,
+///   page-locked as its [`MemoryKind`] says, and used by nobody else until it is given back;
+/// - the memory stays valid until it is passed to [`deallocate`](Self::deallocate) or
+///   [`deallocate_after`](Self::deallocate_after), and is not reused before the
+///   [`PendingUses`] given with it have completed;
+/// - no method calls back into the container that is allocating or freeing.
+pub unsafe trait PinnedAllocator {
+    /// Allocates page-locked memory for `layout` (`layout.size() > 0`).
+    ///
+    /// # Errors
+    ///
+    /// Whatever the kind of memory can fail with: no CUDA, out of memory, the memlock limit,
+    /// an alignment above the page size.
+    fn allocate(&self, layout: Layout) -> Result<Allocation>;
+
+    /// Gives memory back at once.
+    ///
+    /// # Safety
+    ///
+    /// - `allocation` came from `allocate` on this allocator (or a clone of it);
+    /// - no work on any device still uses it, and nothing uses it afterwards.
+    unsafe fn deallocate(&self, allocation: Allocation);
+
+    /// Gives memory back once `pending` work is done. The default waits for it, then
+    /// deallocates; if waiting fails (the device is in an error state) the memory is leaked,
+    /// since a device that may still be writing it must not see it reused. A caching
+    /// allocator keeps the block aside instead and reuses it once the work has finished.
+    ///
+    /// # Safety
+    ///
+    /// - `allocation` came from `allocate` on this allocator (or a clone of it);
+    /// - `pending` covers every use by device work that is not yet known to be finished;
+    ///   nothing on the host uses the memory afterwards.
+    unsafe fn deallocate_after(&self, allocation: Allocation, pending: PendingUses) {
+        if pending.wait().is_ok() {
+            // SAFETY: the pending work finished; the caller's guarantees cover the rest.
+            unsafe { self.deallocate(allocation) };
+        }
+    }
+}
+
+/// Work on devices that may still read or write a buffer: events recorded after its last use
+/// on each stream. Handed to [`PinnedAllocator::deallocate_after`] when a buffer is dropped.
+#[derive(Debug, Default)]
+pub struct PendingUses {
+    events: Vec<Arc<Event>>,
+}
+
+impl PendingUses {
+    /// Nothing pending.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Whether no event is left to wait for.
+    pub fn is_empty(&self) -> bool {
+        self.events.is_empty()
+    }
+
+    /// Forgets the events that have finished; `Ok(true)` when none is left.
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error from querying an event; the events stay.
+    pub fn poll(&mut self) -> Result<bool> {
+        let mut first_error = None;
+        self.events.retain(|event| match event.query() {
+            Ok(done) => !done,
+            Err(e) => {
+                first_error.get_or_insert(e);
+                true
+            }
+        });
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(self.events.is_empty()),
+        }
+    }
+
+    /// Blocks until every event has finished.
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error from waiting.
+    pub fn wait(&self) -> Result<()> {
+        self.events.iter().try_for_each(|event| event.synchronize())
+    }
+
+    pub(crate) fn push(&mut self, event: Arc<Event>) {
+        self.events.push(event);
+    }
+
+    pub(crate) fn events(&self) -> &[Arc<Event>] {
+        &self.events
+    }
+}
+
+/// A buffer's record of the streams it was used on (PyTorch's `record_stream`): at drop, one
+/// event per stream marks the end of those uses.
+#[derive(Debug, Default)]
+pub struct StreamUses {
+    streams: Vec<Stream>,
+    events: PendingUses,
+}
+
+impl StreamUses {
+    pub(crate) const fn new() -> Self {
+        Self {
+            streams: Vec::new(),
+            events: PendingUses { events: Vec::new() },
+        }
+    }
+
+    pub(crate) fn record_stream(&mut self, stream: &Stream) {
+        if !self.streams.contains(stream) {
+            self.streams.push(stream.clone());
+        }
+    }
+
+    pub(crate) fn push_event(&mut self, event: Arc<Event>) {
+        self.events.push(event);
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.streams.is_empty() && self.events.is_empty()
+    }
+
+    /// The uses as events; `None` when an event could not be recorded and the stream could
+    /// not be waited for either: then nobody can know when the memory is free.
+    pub(crate) fn finish(self) -> Option<PendingUses> {
+        let mut pending = self.events;
+        for stream in self.streams {
+            match stream.record_event_untimed() {
+                Ok(event) => pending.push(Arc::new(event)),
+                Err(_) => stream.synchronize().ok()?,
+            }
+        }
+        Some(pending)
+    }
+}
+
+/// Releases `allocation` through `allocator`, deferring on `uses` if there are any; leaks it
+/// when the uses cannot be known.
+///
+/// # Safety
+///
+/// As [`PinnedAllocator::deallocate_after`]; `uses` covers every device use.
+pub(crate) unsafe fn release<A: PinnedAllocator + ?Sized>(
+    allocator: &A,
+    allocation: Allocation,
+    uses: StreamUses,
+) {
+    if uses.is_empty() {
+        // SAFETY: no device work was recorded; the caller's guarantees cover the rest.
+        unsafe { allocator.deallocate(allocation) };
+    } else if let Some(pending) = uses.finish() {
+        // SAFETY: `pending` covers every recorded use.
+        unsafe { allocator.deallocate_after(allocation, pending) };
+    }
+}
+
+/// The allocator containers use unless told otherwise: the fast registration path
+/// ([`Registered`]) where CUDA and a device are present and support it, `cudaHostAlloc`
+/// where registration is not supported, and `mlock`ed memory ([`HostLocked`]) without CUDA,
+/// so code and its tests run on CPU-only machines. The choice is made once per process;
+/// [`MemoryKind`] on each buffer says which it got.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DefaultPinned;
+
+#[derive(Debug)]
+enum Backend {
+    Registered(Registered),
+    HostAlloc(CudaHost),
+    Locked(HostLocked),
+}
+
+fn backend() -> &'static Backend {
+    static BACKEND: OnceLock<Backend> = OnceLock::new();
+    BACKEND.get_or_init(|| {
+        let device = crate::device::is_available().then(crate::Device::current);
+        match device {
+            Some(Ok(device)) if device.supports_host_registration().unwrap_or(false) => {
+                Backend::Registered(Registered::new())
+            }
+            Some(_) => Backend::HostAlloc(CudaHost::new()),
+            None => Backend::Locked(HostLocked::new()),
+        }
+    })
+}
+
+impl DefaultPinned {
+    /// The bytes a block for `layout` spans (as the backend rounds it).
+    pub(crate) fn layout_bytes(layout: Layout) -> Option<usize> {
+        match backend() {
+            Backend::Registered(a) => a.layout_bytes(layout),
+            Backend::HostAlloc(_) => Some(layout.size()),
+            Backend::Locked(_) => HostLocked::layout_bytes(layout),
+        }
+    }
+
+    /// The kind of memory this process's default allocator hands out.
+    pub fn kind() -> MemoryKind {
+        match backend() {
+            Backend::Registered(_) => MemoryKind::Registered,
+            Backend::HostAlloc(a) => MemoryKind::HostAlloc(a.flags()),
+            Backend::Locked(_) => MemoryKind::Locked,
+        }
+    }
+}
+
+// SAFETY: forwards to one of three allocators, chosen once per process, so every allocation
+// is given back to the allocator that made it.
+unsafe impl PinnedAllocator for DefaultPinned {
+    fn allocate(&self, layout: Layout) -> Result<Allocation> {
+        match backend() {
+            Backend::Registered(a) => a.allocate(layout),
+            Backend::HostAlloc(a) => a.allocate(layout),
+            Backend::Locked(a) => a.allocate(layout),
+        }
+    }
+
+    unsafe fn deallocate(&self, allocation: Allocation) {
+        // SAFETY: the same backend made it (fixed per process); the caller's guarantees hold.
+        unsafe {
+            match backend() {
+                Backend::Registered(a) => a.deallocate(allocation),
+                Backend::HostAlloc(a) => a.deallocate(allocation),
+                Backend::Locked(a) => a.deallocate(allocation),
+            }
+        }
+    }
+}
+
+/// Checks what every kind needs of a layout: a size, and an alignment it can give.
+pub(crate) fn check_layout(layout: Layout) -> Result<()> {
+    if layout.size() == 0 {
+        return Err(Error::Unsupported(
+            "zero-sized allocation (containers never ask for one)",
+        ));
+    }
+    if layout.align() > crate::os::page_size() {
+        return Err(Error::Unsupported("alignment above the page size"));
+    }
+    Ok(())
+}

@@ -1,0 +1,89 @@
+//! `allocator_api2::alloc::Allocator` for the pinned allocators, so that
+//! `allocator_api2::vec::Vec<T, _>` and hashbrown's maps can live in page-locked memory.
+//!
+//! Such containers know nothing of streams: copies from them go through the crate's raw,
+//! `unsafe` copy functions, whose callers keep the memory alive until the copies finish.
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+
+use allocator_api2::alloc::{AllocError, Allocator};
+
+use crate::alloc::{Allocation, DefaultPinned, MemoryKind, PinnedAllocator};
+use crate::host_alloc::CudaHost;
+use crate::locked::HostLocked;
+use crate::registered::Registered;
+
+/// A zero-sized request gets a dangling, aligned pointer, as allocator-api2 allows.
+fn dangling(layout: Layout) -> NonNull<[u8]> {
+    // SAFETY: an alignment is never zero.
+    let ptr = unsafe { NonNull::new_unchecked(layout.align() as *mut u8) };
+    NonNull::slice_from_raw_parts(ptr, 0)
+}
+
+fn allocate_with<A: PinnedAllocator>(
+    allocator: &A,
+    layout: Layout,
+) -> Result<NonNull<[u8]>, AllocError> {
+    if layout.size() == 0 {
+        return Ok(dangling(layout));
+    }
+    let allocation = allocator.allocate(layout).map_err(|_| AllocError)?;
+    // `Allocation` is plain data; deallocation describes the block again from the layout.
+    Ok(NonNull::slice_from_raw_parts(
+        allocation.ptr(),
+        allocation.bytes(),
+    ))
+}
+
+/// Implements `Allocator` for a kind whose block size follows from the layout alone.
+macro_rules! impl_allocator {
+    ($kind:ty, |$this:ident, $layout:ident| $bytes:expr, $memory:expr) => {
+        // SAFETY: forwards to the kind's `PinnedAllocator`, whose contract gives memory valid
+        // for the returned length until deallocation. Every size between the request and the
+        // returned length maps to the same block size (sizes are rounded up to the kind's
+        // granule), so `deallocate` rebuilds exactly the allocation that was made.
+        unsafe impl Allocator for $kind {
+            fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
+                allocate_with(self, layout)
+            }
+
+            unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
+                if layout.size() == 0 {
+                    return;
+                }
+                let $this = self;
+                let $layout = layout;
+                let Some(bytes) = $bytes else { return };
+                let memory: MemoryKind = $memory;
+                // SAFETY: the caller guarantees `ptr` came from `allocate` with a layout that
+                // fits; allocator-api2 containers have no stream uses (raw copies are the
+                // caller's to finish).
+                unsafe {
+                    PinnedAllocator::deallocate(self, Allocation::new(ptr, bytes, memory, 0))
+                };
+            }
+        }
+    };
+}
+
+impl_allocator!(
+    CudaHost,
+    |this, layout| Some(layout.size()),
+    MemoryKind::HostAlloc(this.flags())
+);
+impl_allocator!(
+    Registered,
+    |this, layout| this.layout_bytes(layout),
+    MemoryKind::Registered
+);
+impl_allocator!(
+    HostLocked,
+    |_this, layout| HostLocked::layout_bytes(layout),
+    MemoryKind::Locked
+);
+impl_allocator!(
+    DefaultPinned,
+    |_this, layout| DefaultPinned::layout_bytes(layout),
+    DefaultPinned::kind()
+);

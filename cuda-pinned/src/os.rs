@@ -1,0 +1,204 @@
+//! Operating-system memory calls: anonymous mappings, huge-page advice, parallel pre-fault,
+//! `mlock`. Shared by the registered and the host-locked kinds.
+
+use std::ptr::NonNull;
+
+use crate::error::{Error, Result};
+
+/// The base page size.
+pub(crate) fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(size)
+        .ok()
+        .filter(|&s| s > 0)
+        .unwrap_or(4096)
+}
+
+/// Transparent huge pages are 2 MiB on x86-64 and on 4 KiB-page arm64.
+pub(crate) const HUGE_PAGE: usize = 2 << 20;
+
+/// `bytes` rounded up to a multiple of `to` (a power of two), or `None` on overflow.
+pub(crate) fn round_up(bytes: usize, to: usize) -> Option<usize> {
+    Some(bytes.checked_add(to - 1)? & !(to - 1))
+}
+
+/// A mapping of anonymous memory, `HUGE_PAGE`-aligned when `huge` (so that transparent huge
+/// pages can back all of it). The length is what the caller asked for, already rounded.
+pub(crate) fn map(bytes: usize, huge: bool) -> Result<NonNull<u8>> {
+    let extra = if huge { HUGE_PAGE } else { 0 };
+    let span = bytes.checked_add(extra).ok_or(Error::CapacityOverflow)?;
+    // SAFETY: an anonymous private mapping at an address of the kernel's choosing touches no
+    // existing memory.
+    let raw = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            span,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if raw == libc::MAP_FAILED {
+        let error = std::io::Error::last_os_error();
+        return Err(match error.raw_os_error() {
+            Some(libc::ENOMEM) => Error::OutOfMemory { requested: bytes },
+            _ => Error::Os {
+                call: "mmap",
+                source: error,
+            },
+        });
+    }
+    let start = raw as usize;
+    let aligned = if huge {
+        round_up(start, HUGE_PAGE).unwrap_or(start)
+    } else {
+        start
+    };
+    // Give back the slack before and after the aligned range.
+    // SAFETY: both ranges lie inside the mapping just made and are not used by anyone.
+    unsafe {
+        if aligned > start {
+            libc::munmap(raw, aligned - start);
+        }
+        let tail = start + span - (aligned + bytes);
+        if tail > 0 {
+            libc::munmap((aligned + bytes) as *mut libc::c_void, tail);
+        }
+    }
+    if huge {
+        // Advice only: without THP (or with it set to `never`) the kernel says EINVAL and the
+        // mapping keeps base pages, which is still correct.
+        // SAFETY: the range is our mapping.
+        unsafe { libc::madvise(aligned as *mut libc::c_void, bytes, libc::MADV_HUGEPAGE) };
+    }
+    // SAFETY: mmap never returns null on success; `aligned` is inside the mapping.
+    Ok(unsafe { NonNull::new_unchecked(aligned as *mut u8) })
+}
+
+/// # Safety
+///
+/// - `ptr..ptr + bytes` is a mapping made by [`map`] that nothing uses any more.
+pub(crate) unsafe fn unmap(ptr: NonNull<u8>, bytes: usize) {
+    // SAFETY: the caller guarantees the range is ours and unused. munmap only fails for
+    // invalid arguments, which a range from `map` is not.
+    unsafe { libc::munmap(ptr.as_ptr().cast(), bytes) };
+}
+
+/// Faults every page of the range in, spread over `threads` threads, so that registration
+/// finds the pages present (the kernel's page-fault path is the slow part of pinning, and it
+/// scales with threads).
+///
+/// # Safety
+///
+/// - `ptr..ptr + bytes` is a writable mapping of ours, zero-filled and not yet in use.
+pub(crate) unsafe fn prefault(ptr: NonNull<u8>, bytes: usize, threads: usize) {
+    let page = page_size();
+    let pages = bytes / page;
+    let threads = threads.clamp(1, pages.max(1));
+    // Small ranges are not worth a thread.
+    let threads = if bytes < (4 << 20) { 1 } else { threads };
+    let per_thread = pages.div_ceil(threads);
+    let base = ptr.as_ptr() as usize;
+    let touch = move |first: usize, last: usize| {
+        for page_index in first..last {
+            // SAFETY: the page lies inside the range; writing the zero it already holds (fresh
+            // anonymous memory) changes nothing but makes the kernel allocate the page.
+            unsafe { std::ptr::write_volatile((base + page_index * page) as *mut u8, 0) };
+        }
+    };
+    if threads == 1 {
+        touch(0, pages);
+        return;
+    }
+    std::thread::scope(|scope| {
+        for t in 0..threads {
+            let (first, last) = (t * per_thread, ((t + 1) * per_thread).min(pages));
+            scope.spawn(move || touch(first, last));
+        }
+    });
+}
+
+/// `mlock`s the range, turning the kernel's refusal into [`Error::MemlockLimit`].
+///
+/// # Safety
+///
+/// - `ptr..ptr + bytes` is a mapping of ours.
+pub(crate) unsafe fn lock(ptr: NonNull<u8>, bytes: usize) -> Result<()> {
+    // SAFETY: the caller guarantees the range is mapped.
+    if unsafe { libc::mlock(ptr.as_ptr().cast(), bytes) } == 0 {
+        return Ok(());
+    }
+    let error = std::io::Error::last_os_error();
+    let limit = memlock_limit();
+    Err(match error.raw_os_error() {
+        // EPERM: limit 0 and unprivileged; ENOMEM: over the limit, or out of memory.
+        Some(libc::EPERM) => Error::MemlockLimit {
+            requested: bytes,
+            limit,
+        },
+        Some(libc::ENOMEM) if limit.is_some() => Error::MemlockLimit {
+            requested: bytes,
+            limit,
+        },
+        Some(libc::ENOMEM) => Error::OutOfMemory { requested: bytes },
+        _ => Error::Os {
+            call: "mlock",
+            source: error,
+        },
+    })
+}
+
+/// # Safety
+///
+/// - `ptr..ptr + bytes` was locked with [`lock`].
+pub(crate) unsafe fn unlock(ptr: NonNull<u8>, bytes: usize) {
+    // SAFETY: the caller guarantees the range is ours; munlock cannot fail for it.
+    unsafe { libc::munlock(ptr.as_ptr().cast(), bytes) };
+}
+
+/// The soft `RLIMIT_MEMLOCK` in bytes; `None` when unlimited or unreadable.
+pub(crate) fn memlock_limit() -> Option<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `limit` is a valid out-pointer.
+    let status = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) };
+    (status == 0 && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur)
+}
+
+/// Default number of pre-fault threads: the cores available to us, at most 8 (more threads
+/// stop helping: the kernel's page allocator becomes the limit).
+pub(crate) fn default_prefault_threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(8)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounds_up_and_detects_overflow() {
+        assert_eq!(round_up(1, 4096), Some(4096));
+        assert_eq!(round_up(4096, 4096), Some(4096));
+        assert_eq!(round_up(usize::MAX, 4096), None);
+    }
+
+    #[test]
+    fn huge_mappings_are_aligned_and_usable() {
+        let bytes = 3 * HUGE_PAGE;
+        let ptr = map(bytes, true).unwrap();
+        assert_eq!(ptr.as_ptr() as usize % HUGE_PAGE, 0);
+        // SAFETY: fresh mapping of `bytes` bytes, unmapped once below.
+        unsafe {
+            prefault(ptr, bytes, 4);
+            std::ptr::write_bytes(ptr.as_ptr(), 7, bytes);
+            assert_eq!(*ptr.as_ptr().add(bytes - 1), 7);
+            unmap(ptr, bytes);
+        }
+    }
+}

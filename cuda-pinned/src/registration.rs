@@ -1,0 +1,207 @@
+//! Kind 3: registering memory the caller already owns.
+
+use std::fmt;
+use std::ops::{Deref, DerefMut};
+use std::ptr::NonNull;
+
+use crate::alloc::{MemoryKind, StreamUses};
+use crate::error::Result;
+use crate::ffi;
+use crate::registered::RegisterFlags;
+use crate::stream::Stream;
+
+/// Registers `bytes` at `ptr`; `None` for an empty range (nothing to register).
+fn register(ptr: *mut u8, bytes: usize, flags: RegisterFlags) -> Result<Option<NonNull<u8>>> {
+    let Some(ptr) = NonNull::new(ptr).filter(|_| bytes > 0) else {
+        return Ok(None);
+    };
+    // SAFETY: the callers hold the memory (a unique borrow or an owned `Vec`) for as long as
+    // the registration lives, and unregister it before giving the memory up.
+    unsafe { ffi::host_register(ptr, bytes, flags.bits())? };
+    Ok(Some(ptr))
+}
+
+/// A caller's slice, page-locked with `cudaHostRegister` for as long as it is borrowed.
+///
+/// Copies to and from it run at pinned speed through the blocking copies
+/// ([`DeviceBuffer::copy_from_host`](crate::DeviceBuffer::copy_from_host)). Async copies need
+/// an owned buffer ([`RegisteredVec`]): a borrowed one could be given back to its owner while
+/// the device still writes it.
+///
+/// Registration works on whole pages: two registrations of memory sharing a page fail with
+/// `cudaErrorHostMemoryAlreadyRegistered`. Registering costs about as much as allocating
+/// pinned memory; it pays off for large buffers that stay registered a while.
+pub struct Registration<'a, T> {
+    slice: &'a mut [T],
+    registered: Option<NonNull<u8>>,
+}
+
+impl<'a, T> Registration<'a, T> {
+    /// Registers `slice` (portable).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unavailable`](crate::Error::Unavailable) without CUDA, or the CUDA error.
+    pub fn new(slice: &'a mut [T]) -> Result<Self> {
+        Self::with_flags(slice, RegisterFlags::default())
+    }
+
+    /// Registers `slice` with `flags`.
+    ///
+    /// # Errors
+    ///
+    /// As [`new`](Self::new).
+    pub fn with_flags(slice: &'a mut [T], flags: RegisterFlags) -> Result<Self> {
+        let registered = register(slice.as_mut_ptr().cast(), size_of_val(slice), flags)?;
+        Ok(Self { slice, registered })
+    }
+
+    /// Always [`MemoryKind::UserRegistered`].
+    pub fn memory_kind(&self) -> MemoryKind {
+        MemoryKind::UserRegistered
+    }
+}
+
+impl<T> Drop for Registration<'_, T> {
+    fn drop(&mut self) {
+        if let Some(ptr) = self.registered {
+            // SAFETY: registered in `with_flags`; only blocking copies used it, and they
+            // finished before returning.
+            let _ = unsafe { ffi::host_unregister(ptr) };
+        }
+    }
+}
+
+impl<T> Deref for Registration<'_, T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        self.slice
+    }
+}
+
+impl<T> DerefMut for Registration<'_, T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        self.slice
+    }
+}
+
+impl<T: fmt::Debug> fmt::Debug for Registration<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.slice.iter()).finish()
+    }
+}
+
+/// A `Vec<T>` made page-locked with `cudaHostRegister`, for data that already lives in a
+/// `Vec` (read from a file, produced by another library). It takes part in async copies like
+/// [`PinnedVec`](crate::PinnedVec); [`into_inner`](Self::into_inner) unregisters it and gives
+/// the `Vec` back. The length is fixed while registered.
+pub struct RegisteredVec<T> {
+    vec: Vec<T>,
+    registered: Option<NonNull<u8>>,
+    uses: StreamUses,
+}
+
+// SAFETY: owns its `Vec<T>`; the raw pointer is the Vec's own buffer.
+unsafe impl<T: Send> Send for RegisteredVec<T> {}
+// SAFETY: `&RegisteredVec<T>` only gives `&[T]`.
+unsafe impl<T: Sync> Sync for RegisteredVec<T> {}
+
+impl<T> RegisteredVec<T> {
+    /// Registers the whole capacity of `vec` (portable).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unavailable`](crate::Error::Unavailable) without CUDA, or the CUDA error;
+    /// the `Vec` is dropped. Use [`with_flags`](Self::with_flags) to choose flags.
+    pub fn new(vec: Vec<T>) -> Result<Self> {
+        Self::with_flags(vec, RegisterFlags::default())
+    }
+
+    /// Registers the whole capacity of `vec` with `flags`.
+    ///
+    /// # Errors
+    ///
+    /// As [`new`](Self::new).
+    pub fn with_flags(mut vec: Vec<T>, flags: RegisterFlags) -> Result<Self> {
+        let bytes = vec.capacity() * size_of::<T>();
+        let registered = register(vec.as_mut_ptr().cast(), bytes, flags)?;
+        Ok(Self {
+            vec,
+            registered,
+            uses: StreamUses::new(),
+        })
+    }
+
+    /// Always [`MemoryKind::UserRegistered`].
+    pub fn memory_kind(&self) -> MemoryKind {
+        MemoryKind::UserRegistered
+    }
+
+    /// Marks the buffer as used by work on `stream` this crate cannot see; see
+    /// [`PinnedVec::record_stream`](crate::PinnedVec::record_stream).
+    pub fn record_stream(&mut self, stream: &Stream) {
+        self.uses.record_stream(stream);
+    }
+
+    pub(crate) fn uses_mut(&mut self) -> &mut StreamUses {
+        &mut self.uses
+    }
+
+    /// Waits for recorded uses, unregisters, and returns the `Vec`.
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error while waiting or unregistering; the memory is then leaked, since the
+    /// device may still use it.
+    pub fn into_inner(self) -> Result<Vec<T>> {
+        let mut this = std::mem::ManuallyDrop::new(self);
+        let uses = std::mem::take(&mut this.uses);
+        if let Some(pending) = uses.finish() {
+            pending.wait()?;
+        } else {
+            return Err(crate::Error::Unsupported("the device is in an error state"));
+        }
+        if let Some(ptr) = this.registered {
+            // SAFETY: registered by us; every device use has finished.
+            unsafe { ffi::host_unregister(ptr)? };
+        }
+        // SAFETY: `this` is never dropped; the Vec is moved out once.
+        Ok(unsafe { std::ptr::read(&this.vec) })
+    }
+}
+
+impl<T> Drop for RegisteredVec<T> {
+    fn drop(&mut self) {
+        let uses = std::mem::take(&mut self.uses);
+        let finished = uses.finish().is_some_and(|pending| pending.wait().is_ok());
+        let unregistered = match self.registered {
+            // SAFETY: registered by us; every device use has finished.
+            Some(ptr) if finished => unsafe { ffi::host_unregister(ptr) }.is_ok(),
+            Some(_) => false,
+            None => true,
+        };
+        if !unregistered {
+            // The device may still use the memory: leak it rather than free it.
+            std::mem::forget(std::mem::take(&mut self.vec));
+        }
+    }
+}
+
+impl<T> Deref for RegisteredVec<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.vec
+    }
+}
+
+impl<T> DerefMut for RegisteredVec<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.vec
+    }
+}
+
+impl<T: fmt::Debug> fmt::Debug for RegisteredVec<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.vec.iter()).finish()
+    }
+}

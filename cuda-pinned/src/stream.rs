@@ -1,0 +1,232 @@
+//! Minimal CUDA streams and events: enough to enqueue tracked copies and to know when they end.
+
+use std::ffi::c_void;
+use std::fmt;
+use std::sync::Arc;
+
+use cuda_pinned_sys::{self as sys, cudaEvent_t, cudaStream_t};
+
+use crate::error::Result;
+use crate::ffi;
+
+struct StreamHandle(cudaStream_t);
+
+// SAFETY: a CUDA stream handle may be used from any thread (the runtime API is thread-safe
+// for streams); the handle is only destroyed once, in Drop, when the last clone goes.
+unsafe impl Send for StreamHandle {}
+// SAFETY: as above; every operation through `&StreamHandle` is a thread-safe runtime call.
+unsafe impl Sync for StreamHandle {}
+
+impl Drop for StreamHandle {
+    fn drop(&mut self) {
+        // SAFETY: the last reference is going; the runtime releases the stream's resources
+        // once its pending work is done, so destroying it with work queued is allowed.
+        let _ = unsafe { ffi::stream_destroy(self.0) };
+    }
+}
+
+/// A non-blocking CUDA stream (it does not synchronise with the legacy default stream).
+///
+/// Cloning is cheap and gives another handle to the same stream; the stream is destroyed when
+/// the last handle goes, so buffers that recorded a use on it can still record events there.
+#[derive(Clone)]
+pub struct Stream {
+    handle: Arc<StreamHandle>,
+}
+
+impl fmt::Debug for Stream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Stream").field(&self.handle.0).finish()
+    }
+}
+
+impl PartialEq for Stream {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.handle, &other.handle)
+    }
+}
+
+impl Eq for Stream {}
+
+impl Stream {
+    /// Creates a non-blocking stream on the calling thread's current device.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unavailable`](crate::Error::Unavailable) without CUDA, or the CUDA error.
+    pub fn new() -> Result<Self> {
+        let raw = ffi::stream_create(sys::cudaStreamNonBlocking)?;
+        Ok(Self {
+            handle: Arc::new(StreamHandle(raw)),
+        })
+    }
+
+    /// The raw `cudaStream_t`, for passing to other CUDA libraries (cudarc's and cust's
+    /// stream handles are the same object).
+    pub fn as_raw(&self) -> cudaStream_t {
+        self.handle.0
+    }
+
+    /// Blocks until all work queued on the stream has finished.
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error, including errors of earlier asynchronous work.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: the handle is live while `self` exists.
+        unsafe { ffi::stream_synchronize(self.as_raw()) }
+    }
+
+    /// Whether all work queued on the stream has finished, without blocking.
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error, including errors of earlier asynchronous work.
+    pub fn query(&self) -> Result<bool> {
+        // SAFETY: the handle is live while `self` exists.
+        unsafe { ffi::stream_query(self.as_raw()) }
+    }
+
+    /// Records a new event capturing all work queued on the stream so far.
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error from creating or recording the event.
+    pub fn record_event(&self) -> Result<Event> {
+        let event = Event::new()?;
+        event.record(self)?;
+        Ok(event)
+    }
+
+    /// Like [`record_event`](Self::record_event), without timing (cheaper).
+    pub(crate) fn record_event_untimed(&self) -> Result<Event> {
+        let event = Event::untimed()?;
+        event.record(self)?;
+        Ok(event)
+    }
+
+    /// Makes future work on this stream wait (on the device) for `event`.
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error.
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
+        // SAFETY: both handles are live while borrowed.
+        unsafe { ffi::stream_wait_event(self.as_raw(), event.raw) }
+    }
+
+    /// Queues `function` to run on a driver thread once the work before it has finished;
+    /// work queued after it waits for it to return.
+    ///
+    /// The function must not call CUDA (the runtime may refuse or deadlock). A panic inside
+    /// it is caught and discarded, since it cannot unwind into the driver.
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error; then `function` is dropped without running.
+    pub fn launch_host_fn<F: FnOnce() + Send + 'static>(&self, function: F) -> Result<()> {
+        unsafe extern "C" fn trampoline<F: FnOnce() + Send + 'static>(data: *mut c_void) {
+            // SAFETY: `data` is the `Box<F>` leaked below; the driver calls this exactly once.
+            let function = unsafe { Box::from_raw(data.cast::<F>()) };
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(function));
+        }
+        let data = Box::into_raw(Box::new(function));
+        // SAFETY: the stream is live; the trampoline takes ownership of `data` exactly once;
+        // `F: Send + 'static`, so running it later on another thread is sound.
+        let queued = unsafe { ffi::launch_host_func(self.as_raw(), trampoline::<F>, data.cast()) };
+        if queued.is_err() {
+            // SAFETY: the driver did not take the function; we still own the box.
+            drop(unsafe { Box::from_raw(data) });
+        }
+        queued
+    }
+}
+
+/// A CUDA event: a marker in a stream's work that can be waited for and timed.
+pub struct Event {
+    raw: cudaEvent_t,
+}
+
+// SAFETY: event handles may be used from any thread; destroyed once, in Drop.
+unsafe impl Send for Event {}
+// SAFETY: every operation through `&Event` is a thread-safe runtime call.
+unsafe impl Sync for Event {}
+
+impl fmt::Debug for Event {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Event").field(&self.raw).finish()
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: the event is ours; destroying an event whose work is pending is allowed
+        // (the runtime releases it when the work completes).
+        let _ = unsafe { ffi::event_destroy(self.raw) };
+    }
+}
+
+impl Event {
+    /// Creates an event that can be timed.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unavailable`](crate::Error::Unavailable) without CUDA, or the CUDA error.
+    pub fn new() -> Result<Self> {
+        Ok(Self {
+            raw: ffi::event_create(sys::cudaEventDefault)?,
+        })
+    }
+
+    /// An event for ordering only, without timing (cheaper to record and query).
+    pub(crate) fn untimed() -> Result<Self> {
+        Ok(Self {
+            raw: ffi::event_create(sys::cudaEventDisableTiming)?,
+        })
+    }
+
+    /// Captures the work queued on `stream` so far.
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error.
+    pub fn record(&self, stream: &Stream) -> Result<()> {
+        // SAFETY: both handles are live while borrowed.
+        unsafe { ffi::event_record(self.raw, stream.as_raw()) }
+    }
+
+    /// Whether the captured work has finished.
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error, including errors of the captured work.
+    pub fn query(&self) -> Result<bool> {
+        // SAFETY: the handle is live.
+        unsafe { ffi::event_query(self.raw) }
+    }
+
+    /// Blocks until the captured work has finished.
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error, including errors of the captured work.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: the handle is live.
+        unsafe { ffi::event_synchronize(self.raw) }
+    }
+
+    /// Milliseconds between `start` and this event, both recorded and finished.
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error (`cudaErrorNotReady` if either has not finished).
+    pub fn elapsed_ms_since(&self, start: &Event) -> Result<f32> {
+        // SAFETY: both handles are live and were created with timing enabled (`new`).
+        unsafe { ffi::event_elapsed_ms(start.raw, self.raw) }
+    }
+
+    /// The raw `cudaEvent_t`.
+    pub fn as_raw(&self) -> cudaEvent_t {
+        self.raw
+    }
+}

@@ -1,0 +1,651 @@
+//! `PinnedVec<T, A>`: a growable array in page-locked memory.
+
+use std::alloc::Layout;
+use std::fmt;
+use std::marker::PhantomData;
+use std::mem::{self, ManuallyDrop};
+use std::ops::{Deref, DerefMut};
+use std::ptr::{self, NonNull};
+
+use bytemuck::{AnyBitPattern, NoUninit, Zeroable};
+
+use crate::alloc::{Allocation, DefaultPinned, MemoryKind, PinnedAllocator, StreamUses, release};
+use crate::error::{Error, Result};
+use crate::stream::Stream;
+
+/// A contiguous growable array in page-locked memory: `Vec<T>` whose buffer a GPU can copy
+/// from and to at full speed, asynchronously.
+///
+/// `A` says where the memory comes from: [`DefaultPinned`] (the fast registration path with
+/// CUDA, `mlock` without), [`CudaHost`](crate::CudaHost), [`Registered`](crate::Registered),
+/// [`HostLocked`](crate::HostLocked), or a caching pool.
+///
+/// Methods that allocate have a `try_` twin that returns [`Error`] instead of panicking.
+/// Zero-sized types and empty vectors never allocate.
+///
+/// # Safety
+///
+/// The buffer is only ever reachable through `&self`/`&mut self` while no device work uses
+/// it: async copies take the vector by value ([`Stream::copy_to_device`]) and give it back
+/// after they finish. Streams recorded with [`record_stream`](Self::record_stream) (work the
+/// crate cannot see, such as a kernel reading [`device_ptr`](Self::device_ptr)) are waited
+/// for, or deferred on by a caching allocator, before the memory is freed or reused.
+pub struct PinnedVec<T, A: PinnedAllocator = DefaultPinned> {
+    ptr: NonNull<T>,
+    len: usize,
+    cap: usize,
+    allocation: Option<Allocation>,
+    uses: StreamUses,
+    allocator: A,
+    _owns: PhantomData<T>,
+}
+
+// SAFETY: `PinnedVec<T>` owns its `T`s like `Vec<T>`: sending it sends them, so `T: Send`
+// suffices (the allocator must be sendable too). The raw pointer is uniquely owned.
+unsafe impl<T: Send, A: PinnedAllocator + Send> Send for PinnedVec<T, A> {}
+// SAFETY: `&PinnedVec<T>` only gives `&[T]` and reads of plain fields, like `&Vec<T>`.
+unsafe impl<T: Sync, A: PinnedAllocator + Sync> Sync for PinnedVec<T, A> {}
+
+impl<T> PinnedVec<T> {
+    /// An empty vector; allocates nothing until elements arrive.
+    pub const fn new() -> Self {
+        Self::new_in(DefaultPinned)
+    }
+
+    /// An empty vector with room for at least `capacity` elements.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::CapacityOverflow`] when the size overflows, or the allocator's error.
+    pub fn with_capacity(capacity: usize) -> Result<Self> {
+        Self::with_capacity_in(capacity, DefaultPinned)
+    }
+}
+
+impl<T: Clone> PinnedVec<T> {
+    /// A pinned copy of `slice`.
+    ///
+    /// # Errors
+    ///
+    /// The allocator's error.
+    pub fn from_slice(slice: &[T]) -> Result<Self> {
+        Self::from_slice_in(slice, DefaultPinned)
+    }
+}
+
+impl<T: Zeroable> PinnedVec<T> {
+    /// `len` zeroed elements.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::CapacityOverflow`] or the allocator's error.
+    pub fn zeroed(len: usize) -> Result<Self> {
+        Self::zeroed_in(len, DefaultPinned)
+    }
+}
+
+impl<T, A: PinnedAllocator> PinnedVec<T, A> {
+    const IS_ZST: bool = mem::size_of::<T>() == 0;
+
+    /// An empty vector using `allocator`; allocates nothing.
+    pub const fn new_in(allocator: A) -> Self {
+        Self {
+            ptr: NonNull::dangling(),
+            len: 0,
+            cap: if Self::IS_ZST { usize::MAX } else { 0 },
+            allocation: None,
+            uses: StreamUses::new(),
+            allocator,
+            _owns: PhantomData,
+        }
+    }
+
+    /// An empty vector with room for at least `capacity` elements, from `allocator`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::CapacityOverflow`] when the size overflows, or the allocator's error.
+    pub fn with_capacity_in(capacity: usize, allocator: A) -> Result<Self> {
+        let mut vec = Self::new_in(allocator);
+        vec.try_reserve_exact(capacity)?;
+        Ok(vec)
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Elements the buffer holds without reallocating (page-granular allocators often give
+    /// more than was asked for).
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    /// The allocator.
+    pub fn allocator(&self) -> &A {
+        &self.allocator
+    }
+
+    /// The kind of memory the buffer is in; `None` while nothing is allocated.
+    pub fn memory_kind(&self) -> Option<MemoryKind> {
+        self.allocation.as_ref().map(Allocation::kind)
+    }
+
+    /// A pointer to the first element (dangling when nothing is allocated).
+    pub fn as_ptr(&self) -> *const T {
+        self.ptr.as_ptr()
+    }
+
+    /// A mutable pointer to the first element (dangling when nothing is allocated).
+    pub fn as_mut_ptr(&mut self) -> *mut T {
+        self.ptr.as_ptr()
+    }
+
+    /// The elements.
+    pub fn as_slice(&self) -> &[T] {
+        // SAFETY: `ptr` is valid for `len` initialised elements (dangling and 0 when empty),
+        // and no device work writes them while `self` is borrowed (see the type's Safety).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// The elements, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
+        // SAFETY: as `as_slice`, and `&mut self` makes the access unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// Makes room for at least `additional` more elements, growing geometrically.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::CapacityOverflow`] or the allocator's error; the vector is unchanged.
+    pub fn try_reserve(&mut self, additional: usize) -> Result<()> {
+        let required = self
+            .len
+            .checked_add(additional)
+            .ok_or(Error::CapacityOverflow)?;
+        if required <= self.cap {
+            return Ok(());
+        }
+        let minimum = match mem::size_of::<T>() {
+            1 => 8,
+            ..=1024 => 4,
+            _ => 1,
+        };
+        self.grow_to(required.max(self.cap.saturating_mul(2)).max(minimum))
+    }
+
+    /// Makes room for exactly `additional` more elements (the allocator may round up).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::CapacityOverflow`] or the allocator's error; the vector is unchanged.
+    pub fn try_reserve_exact(&mut self, additional: usize) -> Result<()> {
+        let required = self
+            .len
+            .checked_add(additional)
+            .ok_or(Error::CapacityOverflow)?;
+        if required <= self.cap {
+            return Ok(());
+        }
+        self.grow_to(required)
+    }
+
+    /// As [`try_reserve`](Self::try_reserve).
+    ///
+    /// # Panics
+    ///
+    /// When the allocation fails.
+    pub fn reserve(&mut self, additional: usize) {
+        if let Err(e) = self.try_reserve(additional) {
+            panic!("PinnedVec::reserve: {e}");
+        }
+    }
+
+    fn grow_to(&mut self, capacity: usize) -> Result<()> {
+        if Self::IS_ZST {
+            return Ok(()); // capacity is already usize::MAX
+        }
+        let layout = Layout::array::<T>(capacity).map_err(|_| Error::CapacityOverflow)?;
+        let allocation = self.allocator.allocate(layout)?;
+        let new_ptr = allocation.ptr().cast::<T>();
+        // SAFETY: the new block holds ≥ `capacity` ≥ `len` elements and does not overlap the
+        // old one (both are live allocations); moving the bits moves the values.
+        unsafe { ptr::copy_nonoverlapping(self.ptr.as_ptr(), new_ptr.as_ptr(), self.len) };
+        let new_cap = allocation.bytes() / mem::size_of::<T>();
+        if let Some(old) = self.allocation.replace(allocation) {
+            let uses = mem::take(&mut self.uses);
+            // SAFETY: `old` came from this allocator; its values were moved out above and
+            // `uses` holds every recorded device use of it.
+            unsafe { release(&self.allocator, old, uses) };
+        }
+        self.ptr = new_ptr;
+        self.cap = new_cap;
+        Ok(())
+    }
+
+    /// Appends `value`.
+    ///
+    /// # Errors
+    ///
+    /// The allocator's error if the vector had to grow; `value` is dropped.
+    pub fn try_push(&mut self, value: T) -> Result<()> {
+        if self.len == self.cap {
+            self.try_reserve(1)?;
+        }
+        // SAFETY: `len < cap`, so the slot is inside the buffer and unused.
+        unsafe { self.ptr.as_ptr().add(self.len).write(value) };
+        self.len += 1;
+        Ok(())
+    }
+
+    /// Appends `value`.
+    ///
+    /// # Panics
+    ///
+    /// When growing fails; [`try_push`](Self::try_push) returns the error instead.
+    pub fn push(&mut self, value: T) {
+        if let Err(e) = self.try_push(value) {
+            panic!("PinnedVec::push: {e}");
+        }
+    }
+
+    /// Removes and returns the last element.
+    pub fn pop(&mut self) -> Option<T> {
+        if self.len == 0 {
+            return None;
+        }
+        self.len -= 1;
+        // SAFETY: the slot held an initialised value, now outside `len`, read once.
+        Some(unsafe { self.ptr.as_ptr().add(self.len).read() })
+    }
+
+    /// Keeps the first `len` elements and drops the rest.
+    pub fn truncate(&mut self, len: usize) {
+        if len >= self.len {
+            return;
+        }
+        let tail = ptr::slice_from_raw_parts_mut(
+            // SAFETY: `len < self.len`, inside the buffer.
+            unsafe { self.ptr.as_ptr().add(len) },
+            self.len - len,
+        );
+        // Shorten first: if a destructor panics, the vector never sees a dropped value.
+        self.len = len;
+        // SAFETY: the tail holds initialised values no longer reachable from the vector.
+        unsafe { ptr::drop_in_place(tail) };
+    }
+
+    /// Drops every element; keeps the buffer.
+    pub fn clear(&mut self) {
+        self.truncate(0);
+    }
+
+    /// Marks the buffer as used by work on `stream` that this crate cannot see (a kernel
+    /// reading it through [`device_ptr`](Self::device_ptr), a copy by another library).
+    /// When the buffer is freed or returned to a pool, that work is waited for, or deferred on,
+    /// first. Copies made through this crate record their use themselves.
+    pub fn record_stream(&mut self, stream: &Stream) {
+        self.uses.record_stream(stream);
+    }
+
+    pub(crate) fn uses_mut(&mut self) -> &mut StreamUses {
+        &mut self.uses
+    }
+
+    /// The address of the buffer in the device's address space, for kernels that read or
+    /// write host memory directly (mapped memory: [`HostAllocFlags::MAPPED`](crate::HostAllocFlags::MAPPED),
+    /// [`RegisterFlags::MAPPED`](crate::RegisterFlags::MAPPED), or any CUDA-pinned memory on
+    /// systems with unified addressing). Use [`record_stream`](Self::record_stream) for the
+    /// streams such kernels run on.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unsupported`] for empty vectors and `mlock`ed memory; the CUDA error when
+    /// the memory is not mapped.
+    pub fn device_ptr(&self) -> Result<u64> {
+        match &self.allocation {
+            Some(a) if a.kind().is_cuda_pinned() => crate::ffi::host_device_pointer(a.ptr()),
+            Some(_) => Err(Error::Unsupported("mlock-ed memory has no device address")),
+            None => Err(Error::Unsupported("an empty vector has no buffer")),
+        }
+    }
+
+    /// Takes the vector apart: the allocation (if any), the length and the allocator.
+    /// Uses recorded with [`record_stream`](Self::record_stream) are forgotten: whoever frees
+    /// the memory (through [`from_raw_parts`](Self::from_raw_parts) or the allocator) answers
+    /// for them.
+    pub fn into_raw_parts(self) -> (Option<Allocation>, usize, A) {
+        let mut this = ManuallyDrop::new(self);
+        let allocation = this.allocation.take();
+        let len = this.len;
+        // SAFETY: `this` is never used or dropped again; the allocator is moved out once,
+        // and `uses` is dropped in place (it owns only handles).
+        unsafe {
+            ptr::drop_in_place(&mut this.uses);
+            (allocation, len, ptr::read(&this.allocator))
+        }
+    }
+
+    /// Rebuilds a vector from [`into_raw_parts`](Self::into_raw_parts).
+    ///
+    /// # Safety
+    ///
+    /// - `allocation` came from `allocator` (or an equal clone) and is unused elsewhere;
+    ///   `None` only with `len == 0` or a zero-sized `T`;
+    /// - its first `len` elements are initialised `T`s, and `len` ≤ its capacity;
+    /// - no device work still uses the memory.
+    pub unsafe fn from_raw_parts(allocation: Option<Allocation>, len: usize, allocator: A) -> Self {
+        let mut vec = Self::new_in(allocator);
+        if let Some(allocation) = allocation {
+            vec.ptr = allocation.ptr().cast();
+            if !Self::IS_ZST {
+                vec.cap = allocation.bytes() / mem::size_of::<T>();
+            }
+            vec.allocation = Some(allocation);
+        }
+        vec.len = len;
+        vec
+    }
+}
+
+impl<T: Clone, A: PinnedAllocator> PinnedVec<T, A> {
+    /// A pinned copy of `slice`, from `allocator`.
+    ///
+    /// # Errors
+    ///
+    /// The allocator's error.
+    pub fn from_slice_in(slice: &[T], allocator: A) -> Result<Self> {
+        let mut vec = Self::with_capacity_in(slice.len(), allocator)?;
+        vec.try_extend_from_slice(slice)?;
+        Ok(vec)
+    }
+
+    /// Appends clones of `slice`'s elements.
+    ///
+    /// # Errors
+    ///
+    /// The allocator's error; the vector is unchanged.
+    pub fn try_extend_from_slice(&mut self, slice: &[T]) -> Result<()> {
+        self.try_reserve(slice.len())?;
+        for value in slice {
+            // SAFETY: room was reserved for every element.
+            unsafe { self.ptr.as_ptr().add(self.len).write(value.clone()) };
+            self.len += 1;
+        }
+        Ok(())
+    }
+
+    /// Appends clones of `slice`'s elements.
+    ///
+    /// # Panics
+    ///
+    /// When growing fails.
+    pub fn extend_from_slice(&mut self, slice: &[T]) {
+        if let Err(e) = self.try_extend_from_slice(slice) {
+            panic!("PinnedVec::extend_from_slice: {e}");
+        }
+    }
+
+    /// Grows or shrinks to `len` elements, filling with clones of `value`.
+    ///
+    /// # Errors
+    ///
+    /// The allocator's error; the vector is unchanged.
+    pub fn try_resize(&mut self, len: usize, value: T) -> Result<()> {
+        if len <= self.len {
+            self.truncate(len);
+            return Ok(());
+        }
+        self.try_reserve(len - self.len)?;
+        while self.len < len {
+            // SAFETY: room was reserved up to `len`.
+            unsafe { self.ptr.as_ptr().add(self.len).write(value.clone()) };
+            self.len += 1;
+        }
+        Ok(())
+    }
+
+    /// Grows or shrinks to `len` elements, filling with clones of `value`.
+    ///
+    /// # Panics
+    ///
+    /// When growing fails.
+    pub fn resize(&mut self, len: usize, value: T) {
+        if let Err(e) = self.try_resize(len, value) {
+            panic!("PinnedVec::resize: {e}");
+        }
+    }
+}
+
+impl<T: Clone, A: PinnedAllocator + Clone> PinnedVec<T, A> {
+    /// A copy in new pinned memory from the same allocator.
+    ///
+    /// # Errors
+    ///
+    /// The allocator's error.
+    pub fn try_clone(&self) -> Result<Self> {
+        Self::from_slice_in(self, self.allocator.clone())
+    }
+}
+
+impl<T: Zeroable, A: PinnedAllocator> PinnedVec<T, A> {
+    /// `len` zeroed elements from `allocator`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::CapacityOverflow`] or the allocator's error.
+    pub fn zeroed_in(len: usize, allocator: A) -> Result<Self> {
+        let mut vec = Self::with_capacity_in(len, allocator)?;
+        // SAFETY: capacity ≥ len; all-zero bytes are a valid `T` (`Zeroable`).
+        unsafe {
+            ptr::write_bytes(vec.ptr.as_ptr(), 0, len);
+            vec.len = len;
+        }
+        Ok(vec)
+    }
+}
+
+impl<T: NoUninit, A: PinnedAllocator> PinnedVec<T, A> {
+    /// The elements as bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        bytemuck::cast_slice(self.as_slice())
+    }
+}
+
+impl<T: NoUninit + AnyBitPattern, A: PinnedAllocator> PinnedVec<T, A> {
+    /// The elements as mutable bytes.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        bytemuck::cast_slice_mut(self.as_mut_slice())
+    }
+}
+
+impl<T, A: PinnedAllocator> Drop for PinnedVec<T, A> {
+    fn drop(&mut self) {
+        // SAFETY: the first `len` elements are initialised and dropped once here.
+        unsafe { ptr::drop_in_place(ptr::slice_from_raw_parts_mut(self.ptr.as_ptr(), self.len)) };
+        if let Some(allocation) = self.allocation.take() {
+            let uses = mem::take(&mut self.uses);
+            // SAFETY: the allocation came from this allocator; `uses` covers device work.
+            unsafe { release(&self.allocator, allocation, uses) };
+        }
+    }
+}
+
+impl<T, A: PinnedAllocator> Deref for PinnedVec<T, A> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        self.as_slice()
+    }
+}
+
+impl<T, A: PinnedAllocator> DerefMut for PinnedVec<T, A> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        self.as_mut_slice()
+    }
+}
+
+impl<T, A: PinnedAllocator> AsRef<[T]> for PinnedVec<T, A> {
+    fn as_ref(&self) -> &[T] {
+        self
+    }
+}
+
+impl<T, A: PinnedAllocator> AsMut<[T]> for PinnedVec<T, A> {
+    fn as_mut(&mut self) -> &mut [T] {
+        self
+    }
+}
+
+impl<T> Default for PinnedVec<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T: Clone, A: PinnedAllocator + Clone> Clone for PinnedVec<T, A> {
+    /// # Panics
+    ///
+    /// When the allocation fails; [`try_clone`](PinnedVec::try_clone) returns the error.
+    fn clone(&self) -> Self {
+        self.try_clone()
+            .unwrap_or_else(|e| panic!("PinnedVec::clone: {e}"))
+    }
+}
+
+impl<T: fmt::Debug, A: PinnedAllocator> fmt::Debug for PinnedVec<T, A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+impl<T: PartialEq<U>, U, A: PinnedAllocator, B: PinnedAllocator> PartialEq<PinnedVec<U, B>>
+    for PinnedVec<T, A>
+{
+    fn eq(&self, other: &PinnedVec<U, B>) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl<T: PartialEq<U>, U, A: PinnedAllocator> PartialEq<[U]> for PinnedVec<T, A> {
+    fn eq(&self, other: &[U]) -> bool {
+        self.as_slice() == other
+    }
+}
+
+impl<T: PartialEq<U>, U, A: PinnedAllocator> PartialEq<Vec<U>> for PinnedVec<T, A> {
+    fn eq(&self, other: &Vec<U>) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl<T: Eq, A: PinnedAllocator> Eq for PinnedVec<T, A> {}
+
+/// # Panics
+///
+/// When growing fails (as `Vec`'s `Extend` aborts); use `try_push` to handle it.
+impl<T, A: PinnedAllocator> Extend<T> for PinnedVec<T, A> {
+    fn extend<I: IntoIterator<Item = T>>(&mut self, iter: I) {
+        let iter = iter.into_iter();
+        self.reserve(iter.size_hint().0);
+        for value in iter {
+            self.push(value);
+        }
+    }
+}
+
+/// # Panics
+///
+/// When growing fails.
+impl<'a, T: Copy + 'a, A: PinnedAllocator> Extend<&'a T> for PinnedVec<T, A> {
+    fn extend<I: IntoIterator<Item = &'a T>>(&mut self, iter: I) {
+        self.extend(iter.into_iter().copied());
+    }
+}
+
+impl<A: PinnedAllocator> std::io::Write for PinnedVec<u8, A> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.try_extend_from_slice(buf)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::OutOfMemory, e))?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a, T, A: PinnedAllocator> IntoIterator for &'a PinnedVec<T, A> {
+    type Item = &'a T;
+    type IntoIter = std::slice::Iter<'a, T>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
+impl<'a, T, A: PinnedAllocator> IntoIterator for &'a mut PinnedVec<T, A> {
+    type Item = &'a mut T;
+    type IntoIter = std::slice::IterMut<'a, T>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter_mut()
+    }
+}
+
+impl<T, A: PinnedAllocator> IntoIterator for PinnedVec<T, A> {
+    type Item = T;
+    type IntoIter = IntoIter<T, A>;
+    fn into_iter(mut self) -> IntoIter<T, A> {
+        let end = mem::replace(&mut self.len, 0);
+        IntoIter {
+            buffer: self,
+            next: 0,
+            end,
+        }
+    }
+}
+
+/// The owning iterator of a [`PinnedVec`]; frees the buffer when dropped.
+pub struct IntoIter<T, A: PinnedAllocator = DefaultPinned> {
+    /// Holds the memory; its `len` is 0, so it drops no elements itself.
+    buffer: PinnedVec<T, A>,
+    next: usize,
+    end: usize,
+}
+
+impl<T, A: PinnedAllocator> Iterator for IntoIter<T, A> {
+    type Item = T;
+    fn next(&mut self) -> Option<T> {
+        if self.next == self.end {
+            return None;
+        }
+        // SAFETY: slots `next..end` hold initialised values not yet yielded; each is read once.
+        let value = unsafe { self.buffer.ptr.as_ptr().add(self.next).read() };
+        self.next += 1;
+        Some(value)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let left = self.end - self.next;
+        (left, Some(left))
+    }
+}
+
+impl<T, A: PinnedAllocator> ExactSizeIterator for IntoIter<T, A> {}
+
+impl<T, A: PinnedAllocator> Drop for IntoIter<T, A> {
+    fn drop(&mut self) {
+        let rest = ptr::slice_from_raw_parts_mut(
+            // SAFETY: `next ≤ end ≤ capacity`.
+            unsafe { self.buffer.ptr.as_ptr().add(self.next) },
+            self.end - self.next,
+        );
+        // SAFETY: the values not yet yielded are initialised and dropped once, here.
+        unsafe { ptr::drop_in_place(rest) };
+    }
+}

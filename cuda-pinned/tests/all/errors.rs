@@ -1,0 +1,102 @@
+//! Errors the world can cause come back as values with clear messages.
+
+use std::alloc::Layout;
+
+use cuda_pinned::{
+    CudaHost, DefaultPinned, Error, HostLocked, MemoryKind, PinnedAllocator, PinnedVec, Registered,
+};
+
+#[test]
+fn cuda_kinds_without_cuda_say_so() {
+    if cuda_pinned::is_available() {
+        return; // covered by the GPU tests
+    }
+    let layout = Layout::from_size_align(4096, 8).unwrap();
+    for result in [
+        CudaHost::new().allocate(layout),
+        Registered::new().allocate(layout),
+    ] {
+        match result {
+            Err(Error::Unavailable(load)) => assert!(load.to_string().contains("libcudart")),
+            Err(Error::Cuda(_)) => {} // a runtime without a device
+            other => panic!("expected an error without CUDA, got {other:?}"),
+        }
+    }
+    // The default falls back to mlock-ed memory and says so.
+    assert_eq!(DefaultPinned::kind(), MemoryKind::Locked);
+    let v = PinnedVec::from_slice(&[1u8, 2, 3]).unwrap();
+    assert_eq!(v.memory_kind(), Some(MemoryKind::Locked));
+    assert!(matches!(v.device_ptr(), Err(Error::Unsupported(_))));
+}
+
+#[test]
+fn alignment_above_a_page_is_refused() {
+    let layout = Layout::from_size_align(64, 1 << 16).unwrap();
+    assert!(matches!(
+        HostLocked.allocate(layout),
+        Err(Error::Unsupported(_))
+    ));
+}
+
+const CHILD: &str = "CUDA_PINNED_MEMLOCK_CHILD";
+
+/// Runs in a child process (see below): lowers RLIMIT_MEMLOCK, drops the privilege that
+/// ignores it, and asks for more than the limit.
+#[test]
+fn memlock_child_side() {
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    let limit = 64 * 1024;
+    let rlimit = libc::rlimit {
+        rlim_cur: limit,
+        rlim_max: limit,
+    };
+    // SAFETY: plain system calls on this (child) process; the parent checks the outcome.
+    unsafe {
+        assert_eq!(libc::setrlimit(libc::RLIMIT_MEMLOCK, &rlimit), 0);
+        if libc::geteuid() == 0 {
+            // Root's CAP_IPC_LOCK ignores the limit; an unprivileged user does not.
+            assert_eq!(libc::setuid(65534), 0);
+        }
+    }
+    let error = PinnedVec::<u8, _>::with_capacity_in(1 << 20, HostLocked).unwrap_err();
+    let text = error.to_string();
+    assert!(
+        matches!(
+            error,
+            Error::MemlockLimit {
+                requested: 1048576,
+                limit: Some(65536)
+            }
+        ),
+        "{error:?}"
+    );
+    assert!(
+        text.contains("RLIMIT_MEMLOCK is 65536 bytes") && text.contains("ulimit -l"),
+        "{text}"
+    );
+    // Within the limit it still works.
+    assert!(PinnedVec::<u8, _>::with_capacity_in(4096, HostLocked).is_ok());
+}
+
+#[test]
+fn memlock_limit_gives_the_clear_error() {
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "errors::memlock_child_side",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "child failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(stdout.contains("1 passed"), "child ran no test:\n{stdout}");
+}

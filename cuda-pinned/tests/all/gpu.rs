@@ -1,0 +1,316 @@
+//! Tests on a CUDA device (ignored without one).
+
+use std::alloc::Layout;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use cuda_pinned::{
+    Allocation, CudaHost, DefaultPinned, Device, DeviceBuffer, HostAllocFlags, HostLocked,
+    MemoryKind, PinnedAllocator, PinnedBox, PinnedVec, RegisterFlags, Registered, RegisteredVec,
+    Registration, Result, Stream,
+};
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+/// Host → device → host through `allocator`, checking the bytes at each end.
+fn round_trip<A: PinnedAllocator + Clone>(allocator: A, len: usize) {
+    let stream = Stream::new().unwrap();
+    let data = pattern(len, 3);
+    let src = PinnedVec::from_slice_in(&data, allocator.clone()).unwrap();
+    let mut device = DeviceBuffer::<u8>::zeroed(len).unwrap();
+    let src = stream
+        .copy_to_device(src, &mut device)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(
+        device.to_vec().unwrap(),
+        data,
+        "device copy differs ({len} bytes)"
+    );
+    let dst = PinnedVec::zeroed_in(len, allocator).unwrap();
+    let dst = stream
+        .copy_from_device(&device, dst)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(dst == src, "host copy differs ({len} bytes)");
+}
+
+const SIZES: [usize; 4] = [0, 1, 4097, 64 << 20];
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn round_trips_through_cuda_host_alloc_with_each_flag() {
+    let flags = [
+        HostAllocFlags::PORTABLE,
+        HostAllocFlags::NONE,
+        HostAllocFlags::MAPPED,
+        HostAllocFlags::WRITE_COMBINED,
+        HostAllocFlags::PORTABLE | HostAllocFlags::MAPPED,
+    ];
+    for flags in flags {
+        for len in SIZES {
+            round_trip(CudaHost::with_flags(flags), len);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn round_trips_through_registered_memory() {
+    let kinds = [
+        Registered::new(),
+        Registered::new().huge_pages(false).prefault_threads(1),
+        Registered::new().flags(RegisterFlags::PORTABLE | RegisterFlags::MAPPED),
+    ];
+    for allocator in kinds {
+        for len in SIZES {
+            round_trip(allocator, len);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn round_trips_through_locked_and_default_memory() {
+    for len in SIZES {
+        round_trip(HostLocked, len);
+        round_trip(DefaultPinned, len);
+    }
+    assert_eq!(DefaultPinned::kind(), MemoryKind::Registered);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn registers_an_existing_vec_and_a_borrowed_slice() {
+    let stream = Stream::new().unwrap();
+    for len in [1usize, 4097, 64 << 20] {
+        let data = pattern(len, 9);
+        let registered = RegisteredVec::new(data.clone()).unwrap();
+        assert_eq!(registered.memory_kind(), MemoryKind::UserRegistered);
+        let mut device = DeviceBuffer::<u8>::zeroed(len).unwrap();
+        let registered = stream
+            .copy_to_device(registered, &mut device)
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!(device.to_vec().unwrap(), data);
+        assert_eq!(registered.into_inner().unwrap(), data);
+
+        let mut out = vec![0u8; len];
+        let mut borrowed = Registration::new(&mut out).unwrap();
+        device.copy_to_host(&mut borrowed).unwrap();
+        drop(borrowed);
+        assert_eq!(out, data);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn mapped_memory_device_pointer_feeds_a_copy() {
+    let stream = Stream::new().unwrap();
+    let data = pattern(1 << 20, 5);
+    let mapped =
+        PinnedVec::from_slice_in(&data, CudaHost::with_flags(HostAllocFlags::MAPPED)).unwrap();
+    let address = mapped.device_ptr().unwrap();
+    assert_ne!(address, 0);
+    let dst = PinnedVec::<u8>::zeroed(data.len()).unwrap();
+    // SAFETY: `address` maps `mapped`, which outlives the copy (waited for below) and is not
+    // written meanwhile.
+    let dst = unsafe { stream.copy_from_device_ptr(address, dst) }
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(dst, data);
+    drop(mapped);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn pinned_box_round_trip() {
+    let stream = Stream::new().unwrap();
+    let value = PinnedBox::new([1.5f32, -2.0, 3.25, 4.0]).unwrap();
+    let mut device = DeviceBuffer::<[f32; 4]>::zeroed(1).unwrap();
+    let value = stream
+        .copy_to_device(value, &mut device)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let back = PinnedBox::new([0f32; 4]).unwrap();
+    let back = stream
+        .copy_from_device(&device, back)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(*back, *value);
+}
+
+/// Blocks `stream` for `ms` milliseconds on a driver thread.
+fn block(stream: &Stream, ms: u64) {
+    stream
+        .launch_host_fn(move || std::thread::sleep(Duration::from_millis(ms)))
+        .unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn reading_after_a_delayed_copy_sees_the_finished_data() {
+    let stream = Stream::new().unwrap();
+    let len = 32 << 20;
+    let data = pattern(len, 11);
+    let device = DeviceBuffer::from_slice(&data).unwrap();
+    let host = PinnedVec::<u8>::zeroed(len).unwrap();
+    block(&stream, 300);
+    let transfer = stream.copy_from_device(&device, host).unwrap();
+    assert!(
+        !transfer.is_done().unwrap(),
+        "the stream should still be blocked"
+    );
+    let host = transfer.wait().unwrap();
+    assert!(host == data, "the host read before the copy finished");
+}
+
+/// Wraps `CudaHost`; on deallocation checks that the block holds `expected`, i.e. that the
+/// copy into it finished before the memory was freed.
+#[derive(Clone)]
+struct CheckOnFree {
+    expected: Arc<Vec<u8>>,
+    freed: Arc<AtomicUsize>,
+    intact: Arc<AtomicBool>,
+}
+
+// SAFETY: forwards to `CudaHost`; the check only reads the block before freeing it.
+unsafe impl PinnedAllocator for CheckOnFree {
+    fn allocate(&self, layout: Layout) -> Result<Allocation> {
+        CudaHost::new().allocate(layout)
+    }
+
+    unsafe fn deallocate(&self, allocation: Allocation) {
+        // SAFETY: the block is live and holds at least `expected.len()` bytes.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(allocation.ptr().as_ptr(), self.expected.len()) };
+        self.intact
+            .store(bytes == self.expected.as_slice(), Ordering::SeqCst);
+        self.freed.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: forwarded from the caller.
+        unsafe { CudaHost::new().deallocate(allocation) }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn dropping_during_a_delayed_copy_frees_only_after_it() {
+    let stream = Stream::new().unwrap();
+    let len = 32 << 20;
+    let data = Arc::new(pattern(len, 13));
+    let device = DeviceBuffer::from_slice(&data).unwrap();
+    let allocator = CheckOnFree {
+        expected: data.clone(),
+        freed: Arc::default(),
+        intact: Arc::default(),
+    };
+    let host = PinnedVec::zeroed_in(len, allocator.clone()).unwrap();
+    block(&stream, 300);
+    let transfer = stream.copy_from_device(&device, host).unwrap();
+    drop(transfer);
+    assert_eq!(allocator.freed.load(Ordering::SeqCst), 1);
+    assert!(
+        allocator.intact.load(Ordering::SeqCst),
+        "memory was freed before the copy ended"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn dropping_a_source_during_a_delayed_upload_keeps_the_data_intact() {
+    let stream = Stream::new().unwrap();
+    let len = 32 << 20;
+    let data = pattern(len, 17);
+    let mut device = DeviceBuffer::<u8>::zeroed(len).unwrap();
+    let src = PinnedVec::from_slice_in(&data, CudaHost::new()).unwrap();
+    block(&stream, 300);
+    drop(stream.copy_to_device(src, &mut device).unwrap());
+    // Allocate and scribble over fresh pinned memory: if the source had been freed early,
+    // this is where its pages would go.
+    let _scribble = PinnedVec::from_slice_in(&vec![0xEEu8; len], CudaHost::new()).unwrap();
+    assert_eq!(device.to_vec().unwrap(), data);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn recorded_streams_are_waited_for_before_freeing() {
+    let stream = Stream::new().unwrap();
+    let finished = Arc::new(AtomicBool::new(false));
+    let flag = finished.clone();
+    stream
+        .launch_host_fn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            flag.store(true, Ordering::SeqCst);
+        })
+        .unwrap();
+    let checker = Arc::new(AtomicBool::new(false));
+    #[derive(Clone)]
+    struct Observe(Arc<AtomicBool>, Arc<AtomicBool>);
+    // SAFETY: forwards to `CudaHost`.
+    unsafe impl PinnedAllocator for Observe {
+        fn allocate(&self, layout: Layout) -> Result<Allocation> {
+            CudaHost::new().allocate(layout)
+        }
+        unsafe fn deallocate(&self, allocation: Allocation) {
+            self.1
+                .store(self.0.load(Ordering::SeqCst), Ordering::SeqCst);
+            // SAFETY: forwarded.
+            unsafe { CudaHost::new().deallocate(allocation) }
+        }
+    }
+    let mut v = PinnedVec::from_slice_in(&[1u8; 4096], Observe(finished, checker.clone())).unwrap();
+    v.record_stream(&stream);
+    drop(v);
+    assert!(
+        checker.load(Ordering::SeqCst),
+        "freed while the recorded stream was still busy"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn devices_report_names_bus_ids_and_versions() {
+    assert!(cuda_pinned::is_available());
+    let runtime = cuda_pinned::runtime_version().unwrap();
+    let driver = cuda_pinned::driver_version().unwrap();
+    assert!(
+        runtime.major >= 11 && driver >= runtime,
+        "runtime {runtime}, driver {driver}"
+    );
+    let devices = Device::all().unwrap();
+    assert!(!devices.is_empty());
+    for device in devices {
+        assert!(!device.name().unwrap().is_empty());
+        assert!(device.pci_bus_id().unwrap().contains(':'));
+        assert!(device.supports_host_registration().unwrap());
+    }
+    assert!(Device::new(1000).is_err());
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn length_mismatch_hands_the_buffer_back() {
+    let stream = Stream::new().unwrap();
+    let mut device = DeviceBuffer::<u8>::zeroed(10).unwrap();
+    let src = PinnedVec::from_slice(&[1u8; 11]).unwrap();
+    let error = stream.copy_to_device(src, &mut device).unwrap_err();
+    assert!(matches!(
+        error.error,
+        cuda_pinned::Error::LengthMismatch {
+            host: 11,
+            device: 10
+        }
+    ));
+    assert_eq!(error.buffer.len(), 11);
+}

@@ -1,0 +1,11 @@
+//! The crate's integration tests, one binary. GPU tests are ignored without a device; the
+//! GPU bundle runs them with `--include-ignored`.
+
+mod support;
+
+mod api2;
+mod boxed;
+mod errors;
+mod gpu;
+mod pin;
+mod vec_model;
