@@ -125,6 +125,15 @@ pub enum Error {
     },
     /// The device or platform does not support the requested kind of memory.
     Unsupported(&'static str),
+    /// An allocator's own cap on pinned bytes would be passed (a caching pool's limit).
+    LimitExceeded {
+        /// Bytes the request needed.
+        requested: usize,
+        /// Bytes pinned by the allocator already.
+        pinned: usize,
+        /// The cap.
+        limit: usize,
+    },
     /// A copy between buffers of different lengths (in elements).
     LengthMismatch {
         /// Elements on the host side.
@@ -157,6 +166,15 @@ impl fmt::Display for Error {
             Self::CapacityOverflow => write!(f, "requested size overflows the address space"),
             Self::Os { call, source } => write!(f, "{call} failed: {source}"),
             Self::Unsupported(what) => write!(f, "not supported: {what}"),
+            Self::LimitExceeded {
+                requested,
+                pinned,
+                limit,
+            } => write!(
+                f,
+                "pinning {requested} more bytes would pass the limit of {limit} bytes \
+                 ({pinned} already pinned)"
+            ),
             Self::LengthMismatch { host, device } => write!(
                 f,
                 "copy between {host} host elements and {device} device elements: lengths differ"

@@ -51,8 +51,8 @@ impl BitOr for RegisterFlags {
 /// and holds the driver's lock only for the short registration. Needs CUDA and a device
 /// that supports registration ([`Device::supports_host_registration`](crate::Device::supports_host_registration)).
 ///
-/// Sizes are rounded up to the page (4 KiB), or to 2 MiB where huge pages are used; the
-/// extra is usable capacity.
+/// Sizes are rounded up to the page (4 KiB), or to 2 MiB where huge pages are used (only
+/// where that adds at most 12.5%); the extra is usable capacity.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct Registered {
     flags: RegisterFlags,
@@ -104,11 +104,19 @@ impl Registered {
         }
     }
 
-    /// The bytes mapped for a request: page-rounded, or 2 MiB-rounded with huge pages.
+    /// The bytes mapped for a request, and whether huge pages back them. Huge pages are used
+    /// only where rounding up to 2 MiB adds at most an eighth (a 3 MiB buffer stays on 4 KiB
+    /// pages rather than take 4 MiB). The decision depends on the page-rounded size alone, so
+    /// every size between a request and the block it got maps to the same block.
     fn mapped_size(&self, bytes: usize) -> Option<(usize, bool)> {
-        let huge = self.huge_pages && bytes >= os::HUGE_PAGE;
-        let granule = if huge { os::HUGE_PAGE } else { os::page_size() };
-        Some((os::round_up(bytes, granule)?, huge))
+        let pages = os::round_up(bytes, os::page_size())?;
+        let huge_size = os::round_up(pages, os::HUGE_PAGE)?;
+        let huge = self.huge_pages && pages >= os::HUGE_PAGE && huge_size - pages <= pages / 8;
+        Some(if huge {
+            (huge_size, true)
+        } else {
+            (pages, false)
+        })
     }
 
     pub(crate) fn layout_bytes(&self, layout: Layout) -> Option<usize> {
@@ -145,5 +153,31 @@ unsafe impl PinnedAllocator for Registered {
         }
         // If unregistering failed the driver may still consider the pages pinned; leaking
         // the mapping is the safe choice.
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn huge_pages_only_where_rounding_is_cheap() {
+        let r = Registered::new();
+        let mib = 1 << 20;
+        assert_eq!(r.mapped_size(3 * mib), Some((3 * mib, false)));
+        assert_eq!(r.mapped_size(320 * mib - 5), Some((320 * mib, true)));
+        assert_eq!(r.mapped_size(17 * mib), Some((18 * mib, true)));
+        assert_eq!(r.mapped_size(1), Some((os::page_size(), false)));
+        assert_eq!(
+            r.huge_pages(false).mapped_size(320 * mib),
+            Some((320 * mib, false))
+        );
+        // Every size between a request and its block maps to the same block.
+        for request in [2 * mib - 100, 15 * mib + 1, 16 * mib - 4097, 100 * mib + 3] {
+            let (block, _) = r.mapped_size(request).unwrap();
+            for size in [request, request + 1, block - 1, block] {
+                assert_eq!(r.mapped_size(size).unwrap().0, block, "{request} / {size}");
+            }
+        }
     }
 }

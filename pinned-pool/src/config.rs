@@ -1,0 +1,261 @@
+//! Pool configuration: a builder, and the `CUDA_PINNED_POOL_CONF` environment variable in the
+//! style of `PYTORCH_ALLOC_CONF` (`key:value,key:value`).
+
+use std::fmt;
+use std::time::Duration;
+
+/// The environment variable [`PoolConfig::from_env`] reads.
+pub const POOL_CONF_VAR: &str = "CUDA_PINNED_POOL_CONF";
+
+/// How a pool behaves. Every limit is off by default, like PyTorch's allocator.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolConfig {
+    pub(crate) max_cached_bytes: Option<usize>,
+    pub(crate) max_pinned_bytes: Option<usize>,
+    pub(crate) max_block_cached_bytes: Option<usize>,
+    pub(crate) idle_release: Option<Duration>,
+    pub(crate) shards: usize,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            max_cached_bytes: None,
+            max_pinned_bytes: None,
+            max_block_cached_bytes: None,
+            idle_release: None,
+            shards: default_shards(),
+        }
+    }
+}
+
+/// One shard per core (at most 64): threads rarely share one, so their locks stay uncontended.
+fn default_shards() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 64)
+}
+
+/// What is wrong with a configuration string.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// An entry is not `key:value`.
+    Malformed {
+        /// The entry.
+        entry: String,
+    },
+    /// A key the pool does not know.
+    UnknownKey {
+        /// The key.
+        key: String,
+    },
+    /// A value that does not parse for its key.
+    BadValue {
+        /// The key.
+        key: String,
+        /// The value given.
+        value: String,
+        /// What the key takes.
+        expected: &'static str,
+    },
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Malformed { entry } => write!(f, "{POOL_CONF_VAR}: {entry:?} is not key:value"),
+            Self::UnknownKey { key } => write!(
+                f,
+                "{POOL_CONF_VAR}: unknown key {key:?}; known keys: {}",
+                KEYS.iter().map(|(k, _)| *k).collect::<Vec<_>>().join(", ")
+            ),
+            Self::BadValue {
+                key,
+                value,
+                expected,
+            } => {
+                write!(f, "{POOL_CONF_VAR}: {key}:{value} — expected {expected}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// Keys of the configuration string and what their values are.
+const KEYS: &[(&str, &str)] = &[
+    ("max_cached_mb", "idle bytes kept for reuse, in MiB"),
+    ("max_pinned_mb", "total pinned bytes, in MiB"),
+    (
+        "max_block_cached_mb",
+        "blocks above this size are released instead of cached, in MiB",
+    ),
+    (
+        "idle_release_ms",
+        "blocks idle longer than this are released, in milliseconds",
+    ),
+    ("shards", "number of free-list shards, 1 to 1024"),
+];
+
+impl PoolConfig {
+    /// The defaults: no limits, one shard per core.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Caps idle cached bytes: freeing beyond it releases idle blocks, oldest first.
+    pub fn max_cached_bytes(mut self, bytes: usize) -> Self {
+        self.max_cached_bytes = Some(bytes);
+        self
+    }
+
+    /// Caps the bytes pinned by the pool (in use, pending and cached). An allocation that
+    /// would pass it first releases idle cache, then fails with
+    /// [`Error::LimitExceeded`](cuda_pinned::Error::LimitExceeded).
+    pub fn max_pinned_bytes(mut self, bytes: usize) -> Self {
+        self.max_pinned_bytes = Some(bytes);
+        self
+    }
+
+    /// Blocks larger than this are given back to the system when freed instead of cached
+    /// (PyTorch's `pinned_max_cached_size_mb`).
+    pub fn max_block_cached_bytes(mut self, bytes: usize) -> Self {
+        self.max_block_cached_bytes = Some(bytes);
+        self
+    }
+
+    /// Releases blocks idle for longer than `after` (checked when the pool takes its slow
+    /// path, and by [`Pool::release_idle`](crate::Pool::release_idle)).
+    pub fn idle_release(mut self, after: Duration) -> Self {
+        self.idle_release = Some(after);
+        self
+    }
+
+    /// Number of free-list shards (threads map onto shards; more shards, less sharing).
+    pub fn shards(mut self, shards: usize) -> Self {
+        self.shards = shards.clamp(1, 1024);
+        self
+    }
+
+    /// Parses `key:value,key:value` (whitespace around entries is ignored).
+    ///
+    /// Keys: `max_cached_mb`, `max_pinned_mb`, `max_block_cached_mb`, `idle_release_ms`,
+    /// `shards`.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] naming the first malformed entry, unknown key or bad value.
+    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+        let mut config = Self::default();
+        for entry in text.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+            let (key, value) = entry
+                .split_once(':')
+                .map(|(k, v)| (k.trim(), v.trim()))
+                .ok_or_else(|| ConfigError::Malformed {
+                    entry: entry.to_owned(),
+                })?;
+            let number = |expected| {
+                value.parse::<u64>().map_err(|_| ConfigError::BadValue {
+                    key: key.to_owned(),
+                    value: value.to_owned(),
+                    expected,
+                })
+            };
+            let mib = |expected| -> Result<usize, ConfigError> {
+                number(expected)?
+                    .checked_mul(1 << 20)
+                    .and_then(|b| usize::try_from(b).ok())
+                    .ok_or(ConfigError::BadValue {
+                        key: key.to_owned(),
+                        value: value.to_owned(),
+                        expected,
+                    })
+            };
+            match key {
+                "max_cached_mb" => config.max_cached_bytes = Some(mib("a whole number of MiB")?),
+                "max_pinned_mb" => config.max_pinned_bytes = Some(mib("a whole number of MiB")?),
+                "max_block_cached_mb" => {
+                    config.max_block_cached_bytes = Some(mib("a whole number of MiB")?)
+                }
+                "idle_release_ms" => {
+                    config.idle_release = Some(Duration::from_millis(number(
+                        "a whole number of milliseconds",
+                    )?))
+                }
+                "shards" => {
+                    let shards = number("a number from 1 to 1024")?;
+                    if !(1..=1024).contains(&shards) {
+                        return Err(ConfigError::BadValue {
+                            key: key.to_owned(),
+                            value: value.to_owned(),
+                            expected: "a number from 1 to 1024",
+                        });
+                    }
+                    config.shards = shards as usize;
+                }
+                _ => {
+                    return Err(ConfigError::UnknownKey {
+                        key: key.to_owned(),
+                    });
+                }
+            }
+        }
+        Ok(config)
+    }
+
+    /// The configuration in [`POOL_CONF_VAR`], or the defaults when it is unset or empty.
+    ///
+    /// # Errors
+    ///
+    /// As [`parse`](Self::parse).
+    pub fn from_env() -> Result<Self, ConfigError> {
+        match std::env::var(POOL_CONF_VAR) {
+            Ok(text) => Self::parse(&text),
+            Err(_) => Ok(Self::default()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_key() {
+        let config = PoolConfig::parse(
+            " max_cached_mb:64, max_pinned_mb:1024,max_block_cached_mb:8,idle_release_ms:1500,shards:4 ",
+        )
+        .unwrap();
+        assert_eq!(config.max_cached_bytes, Some(64 << 20));
+        assert_eq!(config.max_pinned_bytes, Some(1 << 30));
+        assert_eq!(config.max_block_cached_bytes, Some(8 << 20));
+        assert_eq!(config.idle_release, Some(Duration::from_millis(1500)));
+        assert_eq!(config.shards, 4);
+        assert_eq!(PoolConfig::parse("").unwrap(), PoolConfig::default());
+    }
+
+    #[test]
+    fn reports_what_is_wrong() {
+        assert_eq!(
+            PoolConfig::parse("max_cached_mb:64,colour:blue"),
+            Err(ConfigError::UnknownKey {
+                key: "colour".into()
+            })
+        );
+        assert!(matches!(
+            PoolConfig::parse("max_pinned_mb:lots"),
+            Err(ConfigError::BadValue { key, .. }) if key == "max_pinned_mb"
+        ));
+        assert!(matches!(
+            PoolConfig::parse("shards:0"),
+            Err(ConfigError::BadValue { .. })
+        ));
+        assert!(matches!(
+            PoolConfig::parse("max_cached_mb"),
+            Err(ConfigError::Malformed { .. })
+        ));
+        let text = PoolConfig::parse("nope:1").unwrap_err().to_string();
+        assert!(text.contains("known keys: max_cached_mb"), "{text}");
+    }
+}

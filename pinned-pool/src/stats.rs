@@ -1,0 +1,124 @@
+//! Statistics with PyTorch's names, exact under concurrency.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// One statistic: its current value, its peak since the last reset, and the running totals
+/// of increases and decreases (`current == allocated - freed`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stat {
+    /// Value now.
+    pub current: u64,
+    /// Highest value since creation or [`Pool::reset_peak_stats`](crate::Pool::reset_peak_stats).
+    pub peak: u64,
+    /// Sum of all increases.
+    pub allocated: u64,
+    /// Sum of all decreases.
+    pub freed: u64,
+}
+
+/// Timing of a slow operation (backend allocation or release).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DurationStat {
+    /// Sum of all durations.
+    pub total: Duration,
+    /// Longest.
+    pub max: Duration,
+    /// Shortest (zero when `count` is 0).
+    pub min: Duration,
+    /// How many.
+    pub count: u64,
+}
+
+impl DurationStat {
+    /// Mean duration (zero when `count` is 0).
+    pub fn avg(&self) -> Duration {
+        if self.count == 0 {
+            Duration::ZERO
+        } else {
+            self.total / self.count as u32
+        }
+    }
+
+    pub(crate) fn record(&mut self, elapsed: Duration) {
+        self.min = if self.count == 0 {
+            elapsed
+        } else {
+            self.min.min(elapsed)
+        };
+        self.max = self.max.max(elapsed);
+        self.total += elapsed;
+        self.count += 1;
+    }
+}
+
+/// A snapshot of a pool's statistics.
+///
+/// The names follow PyTorch's `torch.cuda.host_memory_stats()`: `allocations` and
+/// `allocated_bytes` count blocks pinned from the backend; `active_requests` and
+/// `active_bytes` count blocks handed out and not yet given back. Unlike PyTorch's, peaks are
+/// true peaks of the pool-wide total (not sums of per-bucket peaks) and blocks waiting for
+/// device work are counted apart (`pending_*`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PoolStats {
+    /// Blocks pinned from the backend.
+    pub allocations: Stat,
+    /// Bytes pinned from the backend (reserved).
+    pub allocated_bytes: Stat,
+    /// Blocks handed out.
+    pub active_requests: Stat,
+    /// Bytes of blocks handed out (class sizes).
+    pub active_bytes: Stat,
+    /// Blocks given back whose device work has not finished yet.
+    pub pending_requests: u64,
+    /// Their bytes.
+    pub pending_bytes: u64,
+    /// Bytes idle in the cache, ready for reuse.
+    pub cached_bytes: u64,
+    /// Backend allocations (`cudaHostAlloc` or registrations).
+    pub num_host_alloc: u64,
+    /// Backend releases.
+    pub num_host_free: u64,
+    /// Time spent in backend allocations.
+    pub host_alloc_time: DurationStat,
+    /// Time spent in backend releases.
+    pub host_free_time: DurationStat,
+    /// Allocations served from the cache.
+    pub cache_hits: u64,
+    /// Allocations that had to pin new memory.
+    pub cache_misses: u64,
+}
+
+/// A count with an exact peak: one atomic read-modify-write per change.
+#[derive(Debug, Default)]
+pub(crate) struct PeakCounter {
+    current: AtomicU64,
+    peak: AtomicU64,
+}
+
+impl PeakCounter {
+    pub(crate) fn add(&self, amount: u64) {
+        let now = self.current.fetch_add(amount, Ordering::Relaxed) + amount;
+        // A plain load first: the peak's cache line is only written when the peak moves.
+        if now > self.peak.load(Ordering::Relaxed) {
+            self.peak.fetch_max(now, Ordering::Relaxed);
+        }
+    }
+
+    pub(crate) fn sub(&self, amount: u64) {
+        self.current.fetch_sub(amount, Ordering::Relaxed);
+    }
+
+    pub(crate) fn current(&self) -> u64 {
+        self.current.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn peak(&self) -> u64 {
+        self.peak.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn reset_peak(&self) {
+        self.peak.store(self.current(), Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,128 @@
+//! 16 threads allocating and freeing, also across threads: exact statistics and no leak.
+
+use std::sync::{Arc, Barrier, mpsc};
+
+use cuda_pinned::Allocation;
+use pinned_pool::PoolConfig;
+
+use crate::support::{Heap, TestPool};
+
+const THREADS: usize = 16;
+
+fn rounds() -> usize {
+    if cfg!(miri) { 20 } else { 4000 }
+}
+
+#[test]
+fn sixteen_threads_keep_exact_stats_and_leak_nothing() {
+    let heap = Heap::new();
+    let pool = Arc::new(TestPool::with_backend(
+        heap.clone(),
+        PoolConfig::new().shards(8),
+    ));
+    let (senders, receivers): (Vec<_>, Vec<_>) =
+        (0..THREADS).map(|_| mpsc::channel::<Allocation>()).unzip();
+    let handles: Vec<_> = receivers
+        .into_iter()
+        .enumerate()
+        .map(|(t, inbox)| {
+            let pool = pool.clone();
+            let next = senders[(t + 1) % THREADS].clone();
+            std::thread::spawn(move || {
+                let mut mine = Vec::new();
+                for i in 0..rounds() {
+                    let size = [4096, 10_000, 70_000, 1 << 20][(i + t) % 4];
+                    let block = pool.allocate_raw(size).unwrap();
+                    assert!(block.bytes() >= size);
+                    // SAFETY: the block is ours; the write stays inside it.
+                    unsafe { block.ptr().as_ptr().write(t as u8) };
+                    if i % 3 == 0 {
+                        next.send(block).unwrap(); // freed by the next thread
+                    } else {
+                        mine.push(block);
+                    }
+                    if mine.len() > 8 {
+                        // SAFETY: from this pool, unused.
+                        unsafe { pool.free_raw(mine.swap_remove(0)) };
+                    }
+                    while let Ok(foreign) = inbox.try_recv() {
+                        // SAFETY: from this pool, unused; sent by the thread that allocated it.
+                        unsafe { pool.free_raw(foreign) };
+                    }
+                }
+                (mine, inbox)
+            })
+        })
+        .collect();
+    drop(senders);
+    let leftovers: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    for (mine, inbox) in leftovers {
+        for block in mine.into_iter().chain(inbox.try_iter()) {
+            // SAFETY: from this pool, unused.
+            unsafe { pool.free_raw(block) };
+        }
+    }
+    let stats = pool.stats();
+    let total = (THREADS * rounds()) as u64;
+    assert_eq!(stats.active_requests.current, 0);
+    assert_eq!(stats.active_bytes.current, 0);
+    assert_eq!(stats.active_requests.allocated, total);
+    assert_eq!(stats.active_requests.freed, total);
+    assert_eq!(stats.active_bytes.allocated, stats.active_bytes.freed);
+    assert_eq!(stats.cache_hits + stats.cache_misses, total);
+    assert_eq!(stats.cache_misses, stats.num_host_alloc);
+    assert_eq!(stats.allocations.current, heap.live() as u64);
+    assert_eq!(stats.cached_bytes, stats.allocated_bytes.current);
+    drop(pool);
+    assert_eq!(heap.live(), 0);
+}
+
+#[test]
+fn peaks_are_true_peaks_under_concurrency() {
+    let heap = Heap::new();
+    let pool = Arc::new(TestPool::with_backend(heap, PoolConfig::new()));
+    let per_thread = if cfg!(miri) { 2 } else { 50 };
+    let barrier = Arc::new(Barrier::new(THREADS));
+    let handles: Vec<_> = (0..THREADS)
+        .map(|_| {
+            let (pool, barrier) = (pool.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                let blocks: Vec<_> = (0..per_thread)
+                    .map(|_| pool.allocate_raw(8192).unwrap())
+                    .collect();
+                barrier.wait(); // every thread holds all of its blocks here
+                for block in blocks {
+                    // SAFETY: from this pool, unused.
+                    unsafe { pool.free_raw(block) };
+                }
+            })
+        })
+        .collect();
+    handles.into_iter().for_each(|h| h.join().unwrap());
+    let stats = pool.stats();
+    assert_eq!(stats.active_requests.peak, (THREADS * per_thread) as u64);
+    assert_eq!(
+        stats.active_bytes.peak,
+        (THREADS * per_thread * 8192) as u64
+    );
+    pool.reset_peak_stats();
+    assert_eq!(pool.stats().active_bytes.peak, 0);
+
+    // A producer allocates, a consumer frees: the peak is what was alive at once, not the
+    // producer's running total (per-thread counters would say 1000 here).
+    let (tx, rx) = mpsc::sync_channel::<Allocation>(0);
+    let producer = {
+        let pool = pool.clone();
+        std::thread::spawn(move || {
+            for _ in 0..if cfg!(miri) { 5 } else { 1000 } {
+                tx.send(pool.allocate_raw(4096).unwrap()).unwrap();
+            }
+        })
+    };
+    for block in rx {
+        // SAFETY: from this pool, unused.
+        unsafe { pool.free_raw(block) };
+    }
+    producer.join().unwrap();
+    assert!(pool.stats().active_requests.peak <= 2);
+}

@@ -1,0 +1,175 @@
+//! A backend that fails: for every N, a program whose Nth backend call fails (once, or from
+//! then on) gets the error back, keeps consistent statistics, and leaks nothing.
+
+use cuda_pinned::Error;
+use pinned_pool::PoolConfig;
+
+use crate::support::{Flag, Heap, TestPool};
+
+/// A fixed program touching every path: misses, hits, pending blocks, trims, empty_cache.
+/// Returns how many allocations failed.
+fn program(pool: &TestPool) -> usize {
+    let sizes = [
+        5000,
+        1 << 20,
+        3_000_000,
+        5000,
+        64 << 10,
+        1 << 20,
+        12_345,
+        3_000_000,
+    ];
+    let mut live = Vec::new();
+    let mut flags = Vec::new();
+    let mut failures = 0;
+    for (step, &size) in sizes.iter().cycle().take(40).enumerate() {
+        match pool.allocate_raw(size) {
+            Ok(block) => {
+                assert!(block.bytes() >= size);
+                live.push(block);
+            }
+            Err(Error::OutOfMemory { .. }) => failures += 1,
+            Err(other) => panic!("unexpected error {other}"),
+        }
+        if step % 3 == 2 && !live.is_empty() {
+            let block = live.remove(0);
+            let flag = Flag::default();
+            flags.push(flag.clone());
+            // SAFETY: from this pool; the flag stands for device work.
+            unsafe { pool.free_raw_after(block, flag) };
+        }
+        if step % 4 == 3 && !live.is_empty() {
+            // SAFETY: from this pool, unused.
+            unsafe { pool.free_raw(live.remove(0)) };
+        }
+        if step % 5 == 4 {
+            flags.iter().step_by(2).for_each(Flag::finish);
+        }
+        if step % 11 == 10 {
+            pool.trim(1 << 20);
+        }
+        if step == 30 {
+            pool.empty_cache();
+        }
+        let stats = pool.stats();
+        assert_eq!(stats.active_requests.current, live.len() as u64);
+        assert_eq!(
+            stats.active_requests.allocated - stats.active_requests.freed,
+            stats.active_requests.current
+        );
+    }
+    for block in live {
+        // SAFETY: from this pool, unused.
+        unsafe { pool.free_raw(block) };
+    }
+    flags.iter().for_each(Flag::finish);
+    failures
+}
+
+fn clean_calls() -> usize {
+    let heap = Heap::new();
+    let pool = TestPool::with_backend(heap.clone(), PoolConfig::new().shards(2));
+    assert_eq!(program(&pool), 0);
+    drop(pool);
+    assert_eq!(heap.live(), 0);
+    heap.calls.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+#[test]
+fn a_single_failure_is_retried_after_releasing_the_cache() {
+    for n in 0..clean_calls() {
+        let heap = Heap::failing(n, n + 1);
+        let pool = TestPool::with_backend(heap.clone(), PoolConfig::new().shards(2));
+        assert_eq!(program(&pool), 0, "failing call {n} was not retried");
+        let stats = pool.stats();
+        assert_eq!(stats.allocations.current, heap.live() as u64);
+        drop(pool);
+        assert_eq!(heap.live(), 0, "leak when call {n} failed");
+    }
+}
+
+#[test]
+fn lasting_failures_come_back_as_errors() {
+    for n in 0..clean_calls() {
+        let heap = Heap::failing(n, usize::MAX);
+        let pool = TestPool::with_backend(heap.clone(), PoolConfig::new().shards(2));
+        let failures = program(&pool);
+        assert!(failures > 0 || n >= heap.calls.load(std::sync::atomic::Ordering::SeqCst));
+        let stats = pool.stats();
+        assert_eq!(stats.cache_hits + stats.cache_misses + failures as u64, 40);
+        assert_eq!(stats.allocations.current, heap.live() as u64);
+        drop(pool);
+        assert_eq!(heap.live(), 0, "leak when calls from {n} failed");
+    }
+}
+
+#[test]
+fn the_pinned_cap_releases_cache_then_refuses() {
+    let heap = Heap::new();
+    let pool = TestPool::with_backend(
+        heap.clone(),
+        PoolConfig::new().max_pinned_bytes(4 << 20).shards(1),
+    );
+    let a = pool.allocate_raw(2 << 20).unwrap();
+    let b = pool.allocate_raw(1 << 20).unwrap();
+    // SAFETY: from this pool, unused.
+    unsafe { pool.free_raw(b) };
+    // 2 MiB more does not fit beside 2 MiB in use and 1 MiB cached: the cache goes first.
+    let c = pool.allocate_raw(2 << 20).unwrap();
+    assert_eq!(pool.stats().cached_bytes, 0);
+    match pool.allocate_raw(1 << 20) {
+        Err(Error::LimitExceeded {
+            requested,
+            pinned,
+            limit,
+        }) => {
+            assert_eq!((requested, pinned, limit), (1 << 20, 4 << 20, 4 << 20));
+        }
+        other => panic!("expected the limit, got {other:?}"),
+    }
+    // SAFETY: from this pool, unused.
+    unsafe {
+        pool.free_raw(a);
+        pool.free_raw(c);
+    }
+    drop(pool);
+    assert_eq!(heap.live(), 0);
+}
+
+#[test]
+fn the_cached_cap_and_block_cap_and_idle_release() {
+    let heap = Heap::new();
+    let config = PoolConfig::new()
+        .max_cached_bytes(1 << 20)
+        .max_block_cached_bytes(8 << 20)
+        .shards(1);
+    let pool = TestPool::with_backend(heap.clone(), config);
+    let blocks: Vec<_> = (0..4)
+        .map(|_| pool.allocate_raw(512 << 10).unwrap())
+        .collect();
+    let big = pool.allocate_raw(16 << 20).unwrap();
+    for block in blocks.into_iter().chain([big]) {
+        // SAFETY: from this pool, unused.
+        unsafe { pool.free_raw(block) };
+    }
+    let stats = pool.stats();
+    assert!(
+        stats.cached_bytes <= 1 << 20,
+        "cached {}",
+        stats.cached_bytes
+    );
+    assert_eq!(
+        stats.allocations.current, 2,
+        "the big block and two of the small ones went back"
+    );
+
+    let pool = TestPool::with_backend(
+        heap.clone(),
+        PoolConfig::new().idle_release(std::time::Duration::ZERO),
+    );
+    let block = pool.allocate_raw(4096).unwrap();
+    // SAFETY: from this pool, unused.
+    unsafe { pool.free_raw(block) };
+    pool.release_idle();
+    assert_eq!(pool.stats().allocations.current, 0);
+}

@@ -1,0 +1,127 @@
+//! PyTorch's caching-pinned-memory semantics on a real device (ignored without one).
+
+use std::time::Duration;
+
+use cuda_pinned::{DeviceBuffer, MemoryKind, PinnedVec, Stream};
+use pinned_pool::Pool;
+
+fn block_stream(stream: &Stream, ms: u64) {
+    stream
+        .launch_host_fn(move || std::thread::sleep(Duration::from_millis(ms)))
+        .unwrap();
+}
+
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 13 % 251) as u8).collect()
+}
+
+const LEN: usize = 8 << 20;
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_block_in_flight_is_not_reused_until_its_copy_ends() {
+    let pool = Pool::new();
+    let stream = Stream::new().unwrap();
+    let data = pattern(LEN);
+    let mut block = pool.allocate(LEN).unwrap();
+    block.extend_from_slice(&data);
+    assert_eq!(block.memory_kind(), Some(MemoryKind::Registered));
+    let address = block.as_ptr();
+    let mut device = DeviceBuffer::<u8>::zeroed(LEN).unwrap();
+
+    block_stream(&stream, 300);
+    block.record_stream(&stream); // as PyTorch's record_stream; the copy records itself too
+    drop(stream.copy_to_device(block, &mut device).unwrap());
+
+    // The copy has not run yet: the pool must hand out other memory.
+    let mut other = pool.allocate(LEN).unwrap();
+    assert_ne!(
+        other.as_ptr(),
+        address,
+        "reused a block whose copy is pending"
+    );
+    other.resize(LEN, 0xEE); // scribbling here must not reach the device
+    assert_eq!(pool.stats().pending_requests, 1);
+
+    stream.synchronize().unwrap();
+    assert_eq!(
+        device.to_vec().unwrap(),
+        data,
+        "the device did not get the original data"
+    );
+    drop(other);
+
+    // Both blocks are reusable now: two allocations are two hits, one of them the original.
+    let before = pool.stats();
+    let (a, b) = (pool.allocate(LEN).unwrap(), pool.allocate(LEN).unwrap());
+    let after = pool.stats();
+    assert_eq!(after.cache_hits - before.cache_hits, 2);
+    assert_eq!(after.cache_misses, before.cache_misses);
+    assert!(a.as_ptr() == address || b.as_ptr() == address);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_block_used_on_two_streams_waits_for_both() {
+    let pool = Pool::new();
+    let (copy_stream, other_stream) = (Stream::new().unwrap(), Stream::new().unwrap());
+    let data = pattern(LEN);
+    let mut block = pool.allocate(LEN).unwrap();
+    block.extend_from_slice(&data);
+    let address = block.as_ptr();
+    let mut device = DeviceBuffer::<u8>::zeroed(LEN).unwrap();
+
+    block_stream(&copy_stream, 100);
+    block_stream(&other_stream, 600);
+    block.record_stream(&other_stream); // e.g. a kernel reading it through its device pointer
+    drop(copy_stream.copy_to_device(block, &mut device).unwrap());
+
+    copy_stream.synchronize().unwrap();
+    assert_eq!(device.to_vec().unwrap(), data);
+    // The copy is done but the other stream is not: still not reusable.
+    let early = pool.allocate(LEN).unwrap();
+    assert_ne!(
+        early.as_ptr(),
+        address,
+        "reused while the second stream was busy"
+    );
+
+    other_stream.synchronize().unwrap();
+    let late = pool.allocate(LEN).unwrap();
+    assert_eq!(
+        late.as_ptr(),
+        address,
+        "not reused after both streams finished"
+    );
+    assert_eq!(pool.stats().pending_requests, 0);
+    drop((early, late));
+    pool.empty_cache();
+    assert_eq!(pool.stats().allocated_bytes.current, 0);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn pool_buffers_round_trip_and_hit_the_cache() {
+    let pool = Pool::new();
+    let stream = Stream::new().unwrap();
+    let mut device = DeviceBuffer::<f32>::zeroed(1 << 20).unwrap();
+    for step in 0..10 {
+        let mut host = PinnedVec::<f32, _>::with_capacity_in(1 << 20, &pool).unwrap();
+        host.resize(1 << 20, step as f32);
+        let host = stream
+            .copy_to_device(host, &mut device)
+            .unwrap()
+            .wait()
+            .unwrap();
+        let back = PinnedVec::<f32, _>::zeroed_in(1 << 20, &pool).unwrap();
+        let back = stream
+            .copy_from_device(&device, back)
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!(back, host);
+    }
+    let stats = pool.stats();
+    assert_eq!(stats.cache_misses, 2);
+    assert_eq!(stats.cache_hits, 18);
+}

@@ -1,0 +1,10 @@
+//! The pool's integration tests, one binary. GPU tests are ignored without a device.
+
+mod support;
+
+mod concurrency;
+mod config;
+mod faults;
+mod gpu;
+mod model;
+mod waste;

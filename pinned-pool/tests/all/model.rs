@@ -1,0 +1,172 @@
+//! Random programs of allocate / free / free-after-events / complete / process / empty_cache /
+//! trim against a model of what must hold.
+
+use std::collections::HashMap;
+
+use cuda_pinned::Allocation;
+use pinned_pool::PoolConfig;
+use proptest::prelude::*;
+
+use crate::support::{Flag, Heap, TestPool};
+
+#[derive(Clone, Debug)]
+enum Op {
+    Allocate(usize),
+    Free(usize),
+    /// Free while device work (a flag) is pending.
+    FreeAfter(usize),
+    Complete(usize),
+    ProcessEvents,
+    EmptyCache,
+    Trim(usize),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let size = prop_oneof![
+        1usize..10_000,
+        10_000usize..2_000_000,
+        Just(4096),
+        Just(65536)
+    ];
+    prop_oneof![
+        6 => size.prop_map(Op::Allocate),
+        3 => any::<usize>().prop_map(Op::Free),
+        3 => any::<usize>().prop_map(Op::FreeAfter),
+        3 => any::<usize>().prop_map(Op::Complete),
+        1 => Just(Op::ProcessEvents),
+        1 => Just(Op::EmptyCache),
+        1 => (0usize..4_000_000).prop_map(Op::Trim),
+    ]
+}
+
+fn cases() -> u32 {
+    if cfg!(miri) { 8 } else { 2000 }
+}
+
+struct Model {
+    live: Vec<(Allocation, usize)>,
+    pending: Vec<(usize, usize, Flag)>, // (address, bytes, flag)
+    allocations: usize,
+}
+
+fn check_no_overlap(ranges: &mut [(usize, usize)]) -> Result<(), TestCaseError> {
+    ranges.sort();
+    for pair in ranges.windows(2) {
+        prop_assert!(
+            pair[0].0 + pair[0].1 <= pair[1].0,
+            "blocks overlap: {pair:?}"
+        );
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+
+    #[test]
+    fn pool_matches_its_model(ops in proptest::collection::vec(op(), 1..80), shards in 1usize..4) {
+        let heap = Heap::new();
+        let pool = TestPool::with_backend(heap.clone(), PoolConfig::new().shards(shards));
+        let mut model = Model { live: Vec::new(), pending: Vec::new(), allocations: 0 };
+        for op in ops {
+            match op {
+                Op::Allocate(bytes) => {
+                    let block = pool.allocate_raw(bytes).unwrap();
+                    model.allocations += 1;
+                    prop_assert!(block.bytes() >= bytes);
+                    let address = block.ptr().as_ptr() as usize;
+                    prop_assert!(
+                        !model.pending.iter().any(|(a, _, flag)| *a == address && !flag.is_done()),
+                        "handed out a block whose device work is pending"
+                    );
+                    model.pending.retain(|(a, _, _)| *a != address);
+                    model.live.push((block, bytes));
+                }
+                Op::Free(i) | Op::FreeAfter(i) if !model.live.is_empty() => {
+                    let (block, _) = model.live.swap_remove(i % model.live.len());
+                    if matches!(op, Op::Free(_)) {
+                        // SAFETY: from this pool, unused from here on.
+                        unsafe { pool.free_raw(block) };
+                    } else {
+                        let flag = Flag::default();
+                        model.pending.push((block.ptr().as_ptr() as usize, block.bytes(), flag.clone()));
+                        // SAFETY: as above; the flag stands for the device work.
+                        unsafe { pool.free_raw_after(block, flag) };
+                    }
+                }
+                Op::Complete(i) if !model.pending.is_empty() => {
+                    let n = model.pending.len();
+                    model.pending[i % n].2.finish();
+                }
+                Op::ProcessEvents => {
+                    pool.process_events();
+                    model.pending.retain(|(_, _, flag)| !flag.is_done());
+                    prop_assert_eq!(pool.stats().pending_requests, model.pending.len() as u64);
+                }
+                Op::EmptyCache => {
+                    pool.empty_cache();
+                    model.pending.retain(|(_, _, flag)| !flag.is_done());
+                    let stats = pool.stats();
+                    prop_assert_eq!(stats.cached_bytes, 0);
+                    let held: u64 = model.live.iter().map(|(b, _)| b.bytes() as u64).sum::<u64>()
+                        + model.pending.iter().map(|(_, b, _)| *b as u64).sum::<u64>();
+                    prop_assert_eq!(stats.allocated_bytes.current, held);
+                }
+                Op::Trim(target) => {
+                    pool.trim(target);
+                    prop_assert!(pool.stats().cached_bytes <= target as u64);
+                }
+                _ => {}
+            }
+            // Invariants after every step.
+            let mut ranges: Vec<(usize, usize)> =
+                model.live.iter().map(|(b, _)| (b.ptr().as_ptr() as usize, b.bytes())).collect();
+            ranges.extend(model.pending.iter().filter(|p| !p.2.is_done()).map(|(a, b, _)| (*a, *b)));
+            check_no_overlap(&mut ranges)?;
+            let stats = pool.stats();
+            prop_assert_eq!(stats.active_requests.current, model.live.len() as u64);
+            prop_assert_eq!(stats.active_bytes.current, model.live.iter().map(|(b, _)| b.bytes() as u64).sum::<u64>());
+            prop_assert_eq!(stats.active_requests.allocated - stats.active_requests.freed, stats.active_requests.current);
+            prop_assert_eq!(stats.cache_hits + stats.cache_misses, model.allocations as u64);
+            prop_assert_eq!(stats.allocations.current, heap.live() as u64);
+            prop_assert_eq!(stats.num_host_alloc - stats.num_host_free, heap.live() as u64);
+            prop_assert!(stats.active_bytes.peak >= stats.active_bytes.current);
+        }
+        let by_address: HashMap<usize, usize> =
+            model.live.iter().map(|(b, r)| (b.ptr().as_ptr() as usize, *r)).collect();
+        prop_assert_eq!(by_address.len(), model.live.len());
+        for (block, _) in model.live.drain(..) {
+            // SAFETY: from this pool, unused.
+            unsafe { pool.free_raw(block) };
+        }
+        for (_, _, flag) in &model.pending {
+            flag.finish();
+        }
+        drop(pool);
+        prop_assert_eq!(heap.live(), 0, "the pool leaked blocks");
+    }
+}
+
+#[test]
+fn completed_blocks_are_reused_whatever_older_blocks_wait_on() {
+    let pool = TestPool::with_backend(Heap::new(), PoolConfig::new().shards(1));
+    let (older, newer) = (
+        pool.allocate_raw(8192).unwrap(),
+        pool.allocate_raw(8192).unwrap(),
+    );
+    let newer_address = newer.ptr();
+    let (stuck, done) = (Flag::default(), Flag::default());
+    // SAFETY: from this pool; the flags stand for device work.
+    unsafe {
+        pool.free_raw_after(older, stuck.clone());
+        pool.free_raw_after(newer, done.clone());
+    }
+    done.finish();
+    // PyTorch would stop at the older, unfinished block and pin new memory.
+    let again = pool.allocate_raw(8192).unwrap();
+    assert_eq!(again.ptr(), newer_address);
+    assert_eq!(pool.stats().cache_hits, 1);
+    // SAFETY: from this pool.
+    unsafe { pool.free_raw(again) };
+    stuck.finish();
+}
