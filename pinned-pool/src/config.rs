@@ -15,6 +15,7 @@ pub struct PoolConfig {
     pub(crate) max_block_cached_bytes: Option<usize>,
     pub(crate) idle_release: Option<Duration>,
     pub(crate) shards: usize,
+    pub(crate) exact_peaks: bool,
 }
 
 impl Default for PoolConfig {
@@ -25,6 +26,7 @@ impl Default for PoolConfig {
             max_block_cached_bytes: None,
             idle_release: None,
             shards: default_shards(),
+            exact_peaks: true,
         }
     }
 }
@@ -96,6 +98,10 @@ const KEYS: &[(&str, &str)] = &[
         "blocks idle longer than this are released, in milliseconds",
     ),
     ("shards", "number of free-list shards, 1 to 1024"),
+    (
+        "exact_peaks",
+        "true (pool-wide peaks, one shared counter) or false (per-shard counts)",
+    ),
 ];
 
 impl PoolConfig {
@@ -138,10 +144,19 @@ impl PoolConfig {
         self
     }
 
+    /// Whether `active_*` peaks are exact pool-wide peaks (the default: one shared atomic
+    /// counter, updated once per allocation and per free) or sums of per-shard peaks (an upper
+    /// bound; no memory shared between threads on the fast path, so throughput grows with
+    /// threads). Current values are exact either way.
+    pub fn exact_peaks(mut self, exact: bool) -> Self {
+        self.exact_peaks = exact;
+        self
+    }
+
     /// Parses `key:value,key:value` (whitespace around entries is ignored).
     ///
     /// Keys: `max_cached_mb`, `max_pinned_mb`, `max_block_cached_mb`, `idle_release_ms`,
-    /// `shards`.
+    /// `shards`, `exact_peaks`.
     ///
     /// # Errors
     ///
@@ -194,6 +209,19 @@ impl PoolConfig {
                     }
                     config.shards = shards as usize;
                 }
+                "exact_peaks" => {
+                    config.exact_peaks = match value {
+                        "true" | "1" => true,
+                        "false" | "0" => false,
+                        _ => {
+                            return Err(ConfigError::BadValue {
+                                key: key.to_owned(),
+                                value: value.to_owned(),
+                                expected: "true or false",
+                            });
+                        }
+                    }
+                }
                 _ => {
                     return Err(ConfigError::UnknownKey {
                         key: key.to_owned(),
@@ -224,7 +252,7 @@ mod tests {
     #[test]
     fn parses_every_key() {
         let config = PoolConfig::parse(
-            " max_cached_mb:64, max_pinned_mb:1024,max_block_cached_mb:8,idle_release_ms:1500,shards:4 ",
+            " max_cached_mb:64, max_pinned_mb:1024,max_block_cached_mb:8,idle_release_ms:1500,shards:4,exact_peaks:false ",
         )
         .unwrap();
         assert_eq!(config.max_cached_bytes, Some(64 << 20));
@@ -232,6 +260,7 @@ mod tests {
         assert_eq!(config.max_block_cached_bytes, Some(8 << 20));
         assert_eq!(config.idle_release, Some(Duration::from_millis(1500)));
         assert_eq!(config.shards, 4);
+        assert!(!config.exact_peaks);
         assert_eq!(PoolConfig::parse("").unwrap(), PoolConfig::default());
     }
 

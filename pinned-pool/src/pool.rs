@@ -15,7 +15,7 @@ use crate::completion::Completion;
 use crate::config::{ConfigError, PoolConfig};
 use crate::shard::{Cached, Shard, my_shard};
 use crate::size_class::{PAGE, class_of, class_size};
-use crate::stats::{DurationStat, PeakCounter, PoolStats, Stat};
+use crate::stats::{DurationStat, PackedActive, PoolStats, Stat};
 
 /// A caching allocator of page-locked memory; see the crate documentation for the design.
 ///
@@ -30,8 +30,10 @@ pub struct Pool<B: PinnedAllocator = DefaultPinned, C: Completion = PendingUses>
     pending: Mutex<Vec<(Allocation, C)>>,
     /// Every block pinned from the backend, by address, as the backend described it.
     blocks: Mutex<HashMap<usize, Allocation>>,
-    active_bytes: PeakCounter,
-    active_requests: PeakCounter,
+    /// Blocks and bytes handed out, when peaks are exact (the default); otherwise each shard
+    /// counts its own.
+    active: PackedActive,
+
     /// Class-size bytes of all blocks pinned (in use, pending or idle): limits and cache size.
     reserved: AtomicUsize,
     pending_bytes: AtomicUsize,
@@ -98,8 +100,8 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             config,
             pending: Mutex::new(Vec::new()),
             blocks: Mutex::new(HashMap::new()),
-            active_bytes: PeakCounter::default(),
-            active_requests: PeakCounter::default(),
+            active: PackedActive::default(),
+
             reserved: AtomicUsize::new(0),
             pending_bytes: AtomicUsize::new(0),
             pending_requests: AtomicU64::new(0),
@@ -147,8 +149,16 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             Some(hit) => hit,
             None => self.allocate_slow(me, class, size)?,
         };
-        self.active_bytes.add(size as u64);
-        self.active_requests.add(1);
+        if self.config.exact_peaks && !self.active.add(size) {
+            // More than 16.7 million blocks or 4 PiB in use at once: the count is full.
+            let in_use = self.active.current().1 as usize;
+            self.cache(me, allocation, true, false);
+            return Err(Error::LimitExceeded {
+                requested: size,
+                pinned: in_use,
+                limit: in_use,
+            });
+        }
         Ok(allocation)
     }
 
@@ -156,9 +166,13 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     fn take(&self, shard: usize, class: usize) -> Option<Allocation> {
         let mut data = self.shards[shard].lock();
         let cached = data.free[class].pop()?;
+        let size = class_size(class);
         data.hits += 1;
         data.handed += 1;
-        data.handed_bytes += class_size(class) as u64;
+        data.handed_bytes += size as u64;
+        if !self.config.exact_peaks {
+            data.active.add(size);
+        }
         Some(cached.allocation)
     }
 
@@ -176,6 +190,9 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         data.misses += 1;
         data.handed += 1;
         data.handed_bytes += size as u64;
+        if !self.config.exact_peaks {
+            data.active.add(size);
+        }
         Ok(allocation)
     }
 
@@ -262,10 +279,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     ///   and is not used afterwards;
     /// - no device work still uses it (otherwise use [`free_raw_after`](Self::free_raw_after)).
     pub unsafe fn free_raw(&self, allocation: Allocation) {
-        let size = class_size(allocation.tag());
-        self.active_bytes.sub(size as u64);
-        self.active_requests.sub(1);
-        self.cache(my_shard(self.shards.len()), allocation, true);
+        self.cache(my_shard(self.shards.len()), allocation, true, true);
     }
 
     /// Gives a block back; it is reused only once `completion` says the device work that
@@ -277,12 +291,16 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     ///   may still use the block.
     pub unsafe fn free_raw_after(&self, allocation: Allocation, completion: C) {
         let size = class_size(allocation.tag());
-        self.active_bytes.sub(size as u64);
-        self.active_requests.sub(1);
+        if self.config.exact_peaks {
+            self.active.sub(size);
+        }
         {
             let mut data = self.shards[my_shard(self.shards.len())].lock();
             data.returned += 1;
             data.returned_bytes += size as u64;
+            if !self.config.exact_peaks {
+                data.active.sub(size);
+            }
         }
         self.pending_bytes.fetch_add(size, Ordering::Relaxed);
         self.pending_requests.fetch_add(1, Ordering::Relaxed);
@@ -290,19 +308,25 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     }
 
     /// Puts an idle block into shard `shard` (or releases it when caching it is not wanted).
-    /// `returned`: whether this is a user's free (counted) rather than a pending block
-    /// becoming free.
-    fn cache(&self, shard: usize, allocation: Allocation, returned: bool) {
+    /// `returned`: a user gave it back (counted as freed), rather than a pending block having
+    /// become free; `was_active`: it is still counted as handed out.
+    fn cache(&self, shard: usize, allocation: Allocation, returned: bool, was_active: bool) {
         let size = class_size(allocation.tag());
         let too_big = self
             .config
             .max_block_cached_bytes
             .is_some_and(|max| size > max);
         {
+            if was_active && self.config.exact_peaks {
+                self.active.sub(size);
+            }
             let mut data = self.shards[shard].lock();
             if returned {
                 data.returned += 1;
                 data.returned_bytes += size as u64;
+            }
+            if was_active && !self.config.exact_peaks {
+                data.active.sub(size);
             }
             if !too_big {
                 let idle_since = self.config.idle_release.map(|_| Instant::now());
@@ -339,7 +363,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
                 self.pending_bytes
                     .fetch_sub(class_size(allocation.tag()), Ordering::Relaxed);
                 self.pending_requests.fetch_sub(1, Ordering::Relaxed);
-                self.cache(me, allocation, false);
+                self.cache(me, allocation, false, false);
             } else {
                 still_waiting.push((allocation, completion));
             }
@@ -443,9 +467,29 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
 
     fn cached_bytes(&self) -> usize {
         let reserved = self.reserved.load(Ordering::Relaxed);
-        let busy =
-            self.active_bytes.current() as usize + self.pending_bytes.load(Ordering::Relaxed);
+        let busy = self.active_totals().0.1 as usize + self.pending_bytes.load(Ordering::Relaxed);
         reserved.saturating_sub(busy)
+    }
+
+    /// `((requests, bytes) now, (requests, bytes) peaks)` handed out. Per-shard counts are
+    /// summed: currents exactly, peaks as an upper bound.
+    fn active_totals(&self) -> ((u64, u64), (u64, u64)) {
+        if self.config.exact_peaks {
+            return (self.active.current(), self.active.peaks());
+        }
+        let mut sum = crate::shard::Active::default();
+        for shard in self.shards.iter() {
+            let active = shard.lock().active;
+            sum.requests += active.requests;
+            sum.bytes += active.bytes;
+            sum.peak_requests += active.peak_requests;
+            sum.peak_bytes += active.peak_bytes;
+        }
+        let u = |v: i64| v.max(0) as u64;
+        (
+            (u(sum.requests), u(sum.bytes)),
+            (u(sum.peak_requests), u(sum.peak_bytes)),
+        )
     }
 
     /// A snapshot of the statistics. Shard totals are read under each shard's lock; with no
@@ -461,10 +505,11 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             stats.active_bytes.allocated += data.handed_bytes;
             stats.active_bytes.freed += data.returned_bytes;
         }
-        stats.active_requests.current = self.active_requests.current();
-        stats.active_requests.peak = self.active_requests.peak();
-        stats.active_bytes.current = self.active_bytes.current();
-        stats.active_bytes.peak = self.active_bytes.peak();
+        let ((requests, bytes), (peak_requests, peak_bytes)) = self.active_totals();
+        stats.active_requests.current = requests;
+        stats.active_requests.peak = peak_requests;
+        stats.active_bytes.current = bytes;
+        stats.active_bytes.peak = peak_bytes;
         stats.pending_requests = self.pending_requests.load(Ordering::Relaxed);
         stats.pending_bytes = self.pending_bytes.load(Ordering::Relaxed) as u64;
         stats.cached_bytes = self.cached_bytes() as u64;
@@ -480,8 +525,12 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
 
     /// Sets every peak to its current value.
     pub fn reset_peak_stats(&self) {
-        self.active_bytes.reset_peak();
-        self.active_requests.reset_peak();
+        self.active.reset_peaks();
+        for shard in self.shards.iter() {
+            let mut data = shard.lock();
+            data.active.peak_requests = data.active.requests;
+            data.active.peak_bytes = data.active.bytes;
+        }
         let mut backend = self.backend_stats.lock();
         backend.allocations.peak = backend.allocations.current;
         backend.allocated_bytes.peak = backend.allocated_bytes.current;

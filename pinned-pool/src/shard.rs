@@ -27,6 +27,32 @@ pub(crate) struct ShardData {
     pub(crate) handed_bytes: u64,
     pub(crate) returned: u64,
     pub(crate) returned_bytes: u64,
+    /// With per-shard statistics: blocks handed out here less blocks given back here (it
+    /// goes negative where another thread frees), and its high-water mark.
+    pub(crate) active: Active,
+}
+
+/// Blocks and bytes handed out and not given back, with peaks.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Active {
+    pub(crate) requests: i64,
+    pub(crate) bytes: i64,
+    pub(crate) peak_requests: i64,
+    pub(crate) peak_bytes: i64,
+}
+
+impl Active {
+    pub(crate) fn add(&mut self, bytes: usize) {
+        self.requests += 1;
+        self.bytes += bytes as i64;
+        self.peak_requests = self.peak_requests.max(self.requests);
+        self.peak_bytes = self.peak_bytes.max(self.bytes);
+    }
+
+    pub(crate) fn sub(&mut self, bytes: usize) {
+        self.requests -= 1;
+        self.bytes -= bytes as i64;
+    }
 }
 
 impl ShardData {
@@ -39,6 +65,7 @@ impl ShardData {
             handed_bytes: 0,
             returned: 0,
             returned_bytes: 0,
+            active: Active::default(),
         }
     }
 }
@@ -128,5 +155,10 @@ pub(crate) fn my_shard(shards: usize) -> usize {
         }
         n.get()
     });
-    number % shards
+    // Most threads have a shard of their own: skip the division then.
+    if number < shards {
+        number
+    } else {
+        number % shards
+    }
 }

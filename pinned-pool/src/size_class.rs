@@ -22,12 +22,12 @@ pub(crate) fn class_of(bytes: usize) -> Option<(usize, usize)> {
         let pages = bytes.div_ceil(PAGE).max(1);
         return Some((pages - 1, pages * PAGE));
     }
-    // 2^k < bytes ≤ 2^(k+1), k ≥ 15; steps of 2^(k-3).
+    // 2^k < bytes ≤ 2^(k+1), k ≥ 15; steps of 2^(k-3). Shifts, not divisions: this runs on
+    // every allocation.
     let k = usize::BITS as usize - 1 - (bytes - 1).leading_zeros() as usize;
-    let step = 1usize << (k - 3);
-    let size = (bytes - 1) / step * step + step;
-    let j = (size - (1 << k)) / step; // 1..=8
-    Some((STEPS + (k - 15) * STEPS + j - 1, size))
+    let shift = k - 3;
+    let steps = ((bytes - 1) >> shift) + 1; // 9..=16 steps of 2^shift
+    Some((STEPS + (k - 15) * STEPS + steps - 9, steps << shift))
 }
 
 /// The size of class `index`.

@@ -15,11 +15,14 @@ fn rounds() -> usize {
 
 #[test]
 fn sixteen_threads_keep_exact_stats_and_leak_nothing() {
+    for exact_peaks in [true, false] {
+        sixteen_threads(PoolConfig::new().shards(8).exact_peaks(exact_peaks));
+    }
+}
+
+fn sixteen_threads(config: PoolConfig) {
     let heap = Heap::new();
-    let pool = Arc::new(TestPool::with_backend(
-        heap.clone(),
-        PoolConfig::new().shards(8),
-    ));
+    let pool = Arc::new(TestPool::with_backend(heap.clone(), config));
     let (senders, receivers): (Vec<_>, Vec<_>) =
         (0..THREADS).map(|_| mpsc::channel::<Allocation>()).unzip();
     let handles: Vec<_> = receivers
@@ -75,6 +78,19 @@ fn sixteen_threads_keep_exact_stats_and_leak_nothing() {
     assert_eq!(stats.cached_bytes, stats.allocated_bytes.current);
     drop(pool);
     assert_eq!(heap.live(), 0);
+}
+
+#[test]
+fn per_shard_counts_bound_the_peak_from_above() {
+    let pool = TestPool::with_backend(Heap::new(), PoolConfig::new().shards(2).exact_peaks(false));
+    let blocks: Vec<_> = (0..10).map(|_| pool.allocate_raw(4096).unwrap()).collect();
+    for block in blocks {
+        // SAFETY: from this pool, unused.
+        unsafe { pool.free_raw(block) };
+    }
+    let stats = pool.stats();
+    assert_eq!(stats.active_requests.current, 0);
+    assert_eq!(stats.active_requests.peak, 10);
 }
 
 #[test]

@@ -39,8 +39,17 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn cases() -> u32 {
-    if cfg!(miri) { 8 } else { 2000 }
+fn config() -> ProptestConfig {
+    ProptestConfig {
+        cases: if cfg!(miri) { 6 } else { 2000 },
+        // Miri isolates the program from the file system.
+        failure_persistence: if cfg!(miri) {
+            None
+        } else {
+            ProptestConfig::default().failure_persistence
+        },
+        ..ProptestConfig::default()
+    }
 }
 
 struct Model {
@@ -61,12 +70,17 @@ fn check_no_overlap(ranges: &mut [(usize, usize)]) -> Result<(), TestCaseError> 
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+    #![proptest_config(config())]
 
     #[test]
-    fn pool_matches_its_model(ops in proptest::collection::vec(op(), 1..80), shards in 1usize..4) {
+    fn pool_matches_its_model(
+        ops in proptest::collection::vec(op(), 1..80),
+        shards in 1usize..4,
+        exact_peaks in any::<bool>(),
+    ) {
         let heap = Heap::new();
-        let pool = TestPool::with_backend(heap.clone(), PoolConfig::new().shards(shards));
+        let config = PoolConfig::new().shards(shards).exact_peaks(exact_peaks);
+        let pool = TestPool::with_backend(heap.clone(), config);
         let mut model = Model { live: Vec::new(), pending: Vec::new(), allocations: 0 };
         for op in ops {
             match op {

@@ -1,0 +1,250 @@
+//! `alloc`: what getting pinned memory costs per kind and size, cold pinning per GiB, and how
+//! long another thread's small copy stalls while 1 GiB is being pinned.
+
+use std::alloc::Layout;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use cuda_pinned::{
+    CudaHost, DeviceBuffer, HostLocked, PinnedAllocator, PinnedVec, Registered, Result, Stream,
+};
+use pinned_pool::Pool;
+
+use crate::progress::Progress;
+use crate::report::{Section, Value, size_label};
+
+/// Sizes measured.
+pub fn sizes(quick: bool) -> Vec<usize> {
+    if quick {
+        vec![4 << 10, 1 << 20, 64 << 20]
+    } else {
+        vec![4 << 10, 1 << 20, 64 << 20, 1 << 30]
+    }
+}
+
+/// Kinds measured with CUDA; without it only `mlock` and the pool (over `mlock`).
+const KINDS: [&str; 5] = [
+    "cudaHostAlloc",
+    "registered",
+    "mlock",
+    "pool miss",
+    "pool hit",
+];
+
+/// Work items, for the progress bar.
+pub fn steps(quick: bool, cuda: bool) -> usize {
+    sizes(quick).len() * KINDS.len() + if cuda { 3 } else { 0 }
+}
+
+fn median(mut values: Vec<Duration>) -> Duration {
+    values.sort();
+    values[values.len() / 2]
+}
+
+/// Median time to allocate and to free `bytes` from `allocator`, over `reps` rounds.
+fn direct<A: PinnedAllocator>(
+    allocator: &A,
+    bytes: usize,
+    reps: usize,
+) -> Result<(Duration, Duration)> {
+    let layout =
+        Layout::from_size_align(bytes, 4096).map_err(|_| cuda_pinned::Error::CapacityOverflow)?;
+    let (mut pins, mut frees) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        let start = Instant::now();
+        let allocation = allocator.allocate(layout)?;
+        pins.push(start.elapsed());
+        let start = Instant::now();
+        // SAFETY: just allocated, never used by a device.
+        unsafe { allocator.deallocate(allocation) };
+        frees.push(start.elapsed());
+    }
+    Ok((median(pins), median(frees)))
+}
+
+/// A miss: a fresh pool pins the block (its release when the pool drops is the "free").
+fn pool_miss(bytes: usize, reps: usize) -> Result<(Duration, Duration)> {
+    let (mut pins, mut frees) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        let pool = Pool::new();
+        let start = Instant::now();
+        let block = pool.allocate_raw(bytes)?;
+        pins.push(start.elapsed());
+        // SAFETY: from this pool, unused.
+        unsafe { pool.free_raw(block) };
+        let start = Instant::now();
+        drop(pool);
+        frees.push(start.elapsed());
+    }
+    Ok((median(pins), median(frees)))
+}
+
+/// A hit: the block is cached; allocate and free it many times.
+fn pool_hit(pool: &Pool, bytes: usize) -> Result<(Duration, Duration)> {
+    drop(pool.allocate(bytes)?);
+    const ROUNDS: u32 = 10_000;
+    let (mut pin, mut free) = (Duration::ZERO, Duration::ZERO);
+    for _ in 0..ROUNDS {
+        let start = Instant::now();
+        let block = pool.allocate_raw(std::hint::black_box(bytes))?;
+        let middle = Instant::now();
+        // SAFETY: from this pool, unused.
+        unsafe { pool.free_raw(block) };
+        free += middle.elapsed();
+        pin += middle - start;
+    }
+    Ok((pin / ROUNDS, free / ROUNDS))
+}
+
+/// Runs the allocation-latency section (and, with CUDA, the stall section).
+pub fn run(quick: bool, cuda: bool, progress: &mut Progress) -> Vec<Section> {
+    let mut latency = Section::new(
+        "alloc",
+        "Getting pinned memory (median; pool hit: mean of 10,000)",
+        &[
+            "memory",
+            "size",
+            "allocate µs",
+            "free µs",
+            "allocate ms/GiB",
+        ],
+    );
+    let hits = Pool::new();
+    for bytes in sizes(quick) {
+        let reps = if bytes >= 64 << 20 {
+            if quick { 1 } else { 3 }
+        } else {
+            5
+        };
+        for kind in KINDS {
+            progress.step(&format!("alloc {kind} {}", size_label(bytes as u64)));
+            let measured = match kind {
+                "cudaHostAlloc" if cuda => direct(&CudaHost::new(), bytes, reps),
+                "registered" if cuda => direct(&Registered::new(), bytes, reps),
+                "cudaHostAlloc" | "registered" => continue,
+                "mlock" => direct(&HostLocked, bytes, reps),
+                "pool miss" => pool_miss(bytes, reps),
+                _ => pool_hit(&hits, bytes),
+            };
+            match measured {
+                Ok((pin, free)) => latency.row(vec![
+                    Value::Text(kind.into()),
+                    Value::Text(size_label(bytes as u64)),
+                    Value::Num(pin.as_secs_f64() * 1e6, 3),
+                    Value::Num(free.as_secs_f64() * 1e6, 3),
+                    Value::Num(
+                        pin.as_secs_f64() * 1e3 * f64::from(1u32 << 30) / bytes as f64,
+                        1,
+                    ),
+                ]),
+                Err(e) => latency
+                    .notes
+                    .push(format!("{kind} {}: {e}", size_label(bytes as u64))),
+            }
+        }
+        hits.empty_cache();
+    }
+    latency.notes.push(
+        "anchors (H100 host): cudaHostAlloc 0.40-0.68 s/GiB; PyTorch warm alloc+free 200 ns".into(),
+    );
+    let mut sections = vec![latency];
+    if cuda {
+        sections.push(stall(progress));
+    }
+    sections
+}
+
+/// Thread A copies 64 KiB and synchronises in a loop; thread B pins 1 GiB. How long does A's
+/// worst copy take while B pins?
+fn stall(progress: &mut Progress) -> Section {
+    let mut section = Section::new(
+        "stall",
+        "Another thread's 64 KiB copy+sync while this thread pins 1 GiB",
+        &[
+            "pinning",
+            "pin ms",
+            "copies meanwhile",
+            "worst copy ms",
+            "p99 copy ms",
+        ],
+    );
+    for kind in ["nothing (sleep 300 ms)", "cudaHostAlloc", "registered"] {
+        progress.step(&format!("stall {kind}"));
+        match measure_stall(kind) {
+            Ok((pin, latencies)) => {
+                let mut sorted = latencies.clone();
+                sorted.sort();
+                let worst = sorted.last().copied().unwrap_or_default();
+                let p99 = sorted
+                    .get(sorted.len() * 99 / 100)
+                    .copied()
+                    .unwrap_or(worst);
+                section.row(vec![
+                    Value::Text(kind.into()),
+                    Value::Num(pin.as_secs_f64() * 1e3, 1),
+                    Value::Int(latencies.len() as u64),
+                    Value::Num(worst.as_secs_f64() * 1e3, 3),
+                    Value::Num(p99.as_secs_f64() * 1e3, 3),
+                ]);
+            }
+            Err(e) => section.notes.push(format!("{kind}: {e}")),
+        }
+    }
+    section
+        .notes
+        .push("anchor (H100 host): cudaHostAlloc(1 GiB) stalls the other thread 350 ms".into());
+    section
+}
+
+fn measure_stall(kind: &str) -> Result<(Duration, Vec<Duration>)> {
+    const BYTES: usize = 1 << 30;
+    let stream = Stream::new()?;
+    let mut device = DeviceBuffer::<u8>::zeroed(64 << 10)?;
+    let mut small = Some(PinnedVec::from_slice_in(&[7u8; 64 << 10], CudaHost::new())?);
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let copier = scope.spawn(|| -> Result<Vec<(Instant, Duration)>> {
+            let mut ops = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let start = Instant::now();
+                let buffer = small.take().expect("buffer back");
+                small = Some(stream.copy_to_device(buffer, &mut device)?.wait()?);
+                ops.push((start, start.elapsed()));
+            }
+            Ok(ops)
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        let layout = Layout::from_size_align(BYTES, 4096).expect("layout");
+        let begin = Instant::now();
+        let pinned = match kind {
+            "cudaHostAlloc" => Some(CudaHost::new().allocate(layout).map(|a| (a, true))),
+            "registered" => Some(Registered::new().allocate(layout).map(|a| (a, false))),
+            _ => {
+                std::thread::sleep(Duration::from_millis(300));
+                None
+            }
+        };
+        let end = Instant::now();
+        std::thread::sleep(Duration::from_millis(50));
+        stop.store(true, Ordering::Relaxed);
+        let ops = copier.join().expect("copier thread")?;
+        if let Some(pinned) = pinned {
+            let (allocation, host_alloc) = pinned?;
+            // SAFETY: just allocated, never used by a device.
+            unsafe {
+                if host_alloc {
+                    CudaHost::new().deallocate(allocation);
+                } else {
+                    Registered::new().deallocate(allocation);
+                }
+            }
+        }
+        // Copies that overlapped the pinning.
+        let during: Vec<Duration> = ops
+            .into_iter()
+            .filter(|(start, took)| *start + *took >= begin && *start <= end)
+            .map(|(_, took)| took)
+            .collect();
+        Ok((end - begin, during))
+    })
+}

@@ -1,0 +1,260 @@
+//! `--plot FILE.svg`: bandwidth against size (a line per kind of memory) and allocation
+//! latency against size (a line per kind), as one SVG file with no dependencies.
+
+use std::fmt::Write as _;
+
+use crate::report::{Report, Section, size_label};
+
+const COLORS: [&str; 8] = [
+    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+];
+const PANEL_W: f64 = 520.0;
+const PANEL_H: f64 = 340.0;
+const MARGIN: f64 = 60.0;
+
+/// A series: name and (x, y) points.
+type Series = (String, Vec<(f64, f64)>);
+
+/// Lines of `section` grouped by the text in column `series`, x from column `x` (a size
+/// label turned back into bytes), y from column `y`; rows must pass `keep`.
+fn series(
+    section: &Section,
+    series: usize,
+    x: usize,
+    y: usize,
+    keep: impl Fn(&[crate::report::Value]) -> bool,
+) -> Vec<Series> {
+    let mut out: Vec<Series> = Vec::new();
+    for row in section.rows.iter().filter(|r| keep(r)) {
+        let (crate::report::Value::Text(name), crate::report::Value::Text(size)) =
+            (&row[series], &row[x])
+        else {
+            continue;
+        };
+        let (Some(bytes), Some(value)) = (parse_size(size), row[y].number()) else {
+            continue;
+        };
+        match out.iter_mut().find(|(n, _)| n == name) {
+            Some((_, points)) => points.push((bytes, value)),
+            None => out.push((name.clone(), vec![(bytes, value)])),
+        }
+    }
+    out
+}
+
+fn parse_size(label: &str) -> Option<f64> {
+    let (number, unit) = label.split_once(' ')?;
+    let scale = match unit {
+        "B" => 1.0,
+        "KiB" => 1024.0,
+        "MiB" => 1024.0 * 1024.0,
+        "GiB" => 1024.0 * 1024.0 * 1024.0,
+        _ => return None,
+    };
+    Some(number.parse::<f64>().ok()? * scale)
+}
+
+/// Draws one panel at horizontal offset `left`: x on a log2 axis of bytes, y linear or log10.
+fn panel(svg: &mut String, left: f64, title: &str, y_label: &str, lines: &[Series], log_y: bool) {
+    let _ = writeln!(
+        svg,
+        r#"<text x="{}" y="24" font-size="15" text-anchor="middle">{title}</text>"#,
+        left + PANEL_W / 2.0
+    );
+    let points: Vec<(f64, f64)> = lines
+        .iter()
+        .flat_map(|(_, p)| p.iter().copied())
+        .filter(|&(_, y)| !log_y || y > 0.0)
+        .collect();
+    if points.is_empty() {
+        let _ = writeln!(
+            svg,
+            r##"<text x="{}" y="{}" text-anchor="middle" fill="#666">not measured on this machine</text>"##,
+            left + PANEL_W / 2.0,
+            PANEL_H / 2.0
+        );
+        return;
+    }
+    let fy = |y: f64| if log_y { y.log10() } else { y };
+    let (x_min, x_max) = points.iter().fold((f64::MAX, f64::MIN), |(a, b), &(x, _)| {
+        (a.min(x.log2()), b.max(x.log2()))
+    });
+    let (mut y_min, mut y_max) = points.iter().fold((f64::MAX, f64::MIN), |(a, b), &(_, y)| {
+        (a.min(fy(y)), b.max(fy(y)))
+    });
+    if log_y {
+        (y_min, y_max) = (y_min.floor(), y_max.ceil());
+    } else {
+        (y_min, y_max) = (0.0, (y_max * 1.1).max(1.0));
+    }
+    let x_span = (x_max - x_min).max(1.0);
+    let y_span = (y_max - y_min).max(1e-9);
+    let (plot_l, plot_r, plot_t, plot_b) =
+        (left + MARGIN, left + PANEL_W - 20.0, 40.0, PANEL_H - 40.0);
+    let sx = |x: f64| plot_l + (x.log2() - x_min) / x_span * (plot_r - plot_l);
+    let sy = |y: f64| plot_b - (fy(y) - y_min) / y_span * (plot_b - plot_t);
+    let _ = writeln!(
+        svg,
+        r##"<rect x="{plot_l}" y="{plot_t}" width="{}" height="{}" fill="none" stroke="#999"/>"##,
+        plot_r - plot_l,
+        plot_b - plot_t
+    );
+    // x ticks at every power of four.
+    let mut tick = x_min.ceil() as i32;
+    while f64::from(tick) <= x_max {
+        if tick % 2 == 0 {
+            let x = sx(2f64.powi(tick));
+            let _ = writeln!(
+                svg,
+                r##"<line x1="{x}" y1="{plot_b}" x2="{x}" y2="{}" stroke="#999"/><text x="{x}" y="{}" font-size="11" text-anchor="middle">{}</text>"##,
+                plot_b + 4.0,
+                plot_b + 16.0,
+                size_label(2f64.powi(tick) as u64)
+            );
+        }
+        tick += 1;
+    }
+    for i in 0..=4 {
+        let v = y_min + y_span * f64::from(i) / 4.0;
+        let y = plot_b - f64::from(i) / 4.0 * (plot_b - plot_t);
+        let label = if log_y {
+            format!("{}", 10f64.powf(v))
+        } else {
+            format!("{v:.0}")
+        };
+        let _ = writeln!(
+            svg,
+            r##"<line x1="{}" y1="{y}" x2="{plot_r}" y2="{y}" stroke="#eee"/><text x="{}" y="{}" font-size="11" text-anchor="end">{label}</text>"##,
+            plot_l,
+            plot_l - 4.0,
+            y + 4.0
+        );
+    }
+    let _ = writeln!(
+        svg,
+        r#"<text x="{}" y="{}" font-size="12" text-anchor="middle" transform="rotate(-90 {} {})">{y_label}</text>"#,
+        left + 14.0,
+        (plot_t + plot_b) / 2.0,
+        left + 14.0,
+        (plot_t + plot_b) / 2.0
+    );
+    let _ = writeln!(
+        svg,
+        r#"<text x="{}" y="{}" font-size="12" text-anchor="middle">size</text>"#,
+        (plot_l + plot_r) / 2.0,
+        PANEL_H - 8.0
+    );
+    for (i, (name, pts)) in lines.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        let mut pts: Vec<(f64, f64)> = pts
+            .iter()
+            .copied()
+            .filter(|&(_, y)| !log_y || y > 0.0)
+            .collect();
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let path: Vec<String> = pts
+            .iter()
+            .map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y)))
+            .collect();
+        let _ = writeln!(
+            svg,
+            r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="2"/>"#,
+            path.join(" ")
+        );
+        for &(x, y) in &pts {
+            let _ = writeln!(
+                svg,
+                r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{color}"/>"#,
+                sx(x),
+                sy(y)
+            );
+        }
+        let ly = plot_t + 14.0 + 15.0 * i as f64;
+        let _ = writeln!(
+            svg,
+            r#"<line x1="{}" y1="{ly}" x2="{}" y2="{ly}" stroke="{color}" stroke-width="2"/><text x="{}" y="{}" font-size="11">{name}</text>"#,
+            plot_l + 8.0,
+            plot_l + 24.0,
+            plot_l + 28.0,
+            ly + 4.0
+        );
+    }
+}
+
+/// The SVG document for `report`.
+pub fn svg(report: &Report) -> String {
+    let mut svg = format!(
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{PANEL_H}" font-family="sans-serif">
+<rect width="100%" height="100%" fill="white"/>
+"#,
+        2.0 * PANEL_W
+    );
+    let bandwidth = report
+        .section("bandwidth")
+        .map(|s| {
+            series(s, 2, 1, 3, |r| {
+                r[0] == crate::report::Value::Text("H2D".into())
+            })
+        })
+        .unwrap_or_default();
+    panel(
+        &mut svg,
+        0.0,
+        "Host to device bandwidth",
+        "GB/s",
+        &bandwidth,
+        false,
+    );
+    let latency = report
+        .section("alloc")
+        .map(|s| series(s, 0, 1, 2, |_| true))
+        .unwrap_or_default();
+    panel(
+        &mut svg,
+        PANEL_W,
+        "Getting pinned memory",
+        "µs (log)",
+        &latency,
+        true,
+    );
+    svg.push_str("</svg>\n");
+    svg
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::Value;
+
+    #[test]
+    fn draws_a_line_per_kind() {
+        let mut s = Section::new(
+            "bandwidth",
+            "t",
+            &["direction", "size", "memory", "GB/s", "%"],
+        );
+        for (kind, v) in [("raw", 50.0), ("pool", 49.0)] {
+            for size in ["64 KiB", "1 MiB"] {
+                s.row(vec![
+                    Value::Text("H2D".into()),
+                    Value::Text(size.into()),
+                    Value::Text(kind.into()),
+                    Value::Num(v, 1),
+                    Value::Missing,
+                ]);
+            }
+        }
+        let report = Report {
+            sections: vec![s],
+            ..Report::default()
+        };
+        let svg = svg(&report);
+        assert_eq!(svg.matches("<polyline").count(), 2);
+        assert!(svg.contains(">pool</text>"));
+        assert!(
+            svg.contains("not measured on this machine"),
+            "the latency panel has no data"
+        );
+        assert_eq!(parse_size("1.5 KiB"), Some(1536.0));
+    }
+}
