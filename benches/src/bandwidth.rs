@@ -2,10 +2,12 @@
 //! that calls the sys layer directly in the same run.
 
 use std::ffi::c_void;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use cuda_pinned::{
-    CudaHost, DeviceBuffer, Error, Event, HostBuffer, HostLocked, PinnedAllocator, PinnedVec,
-    Registered, Result, Stream,
+    CudaHost, DeviceBuffer, Error, Event, HostBuffer, HostLocked, MemoryKind, PinnedAllocator,
+    PinnedVec, Registered, Result, Stream,
 };
 use cuda_pinned_sys::{cudaError, cudaMemcpyKind, cudart};
 use pinned_pool::Pool;
@@ -70,11 +72,40 @@ fn gbps(bytes: usize, ms: f64) -> f64 {
     bytes as f64 / (ms * 1e-3) / 1e9
 }
 
+/// Holds a stream until opened, so that the start event, the copy and the end event are all
+/// queued before the device reaches them: a timing then measures the device's work alone, not
+/// how quickly the host queued it (which differs between the raw calls and the tracked API).
+struct Gate(Arc<AtomicBool>);
+
+impl Gate {
+    fn close(stream: &Stream) -> Result<Self> {
+        let open = Arc::new(AtomicBool::new(false));
+        let flag = open.clone();
+        stream.launch_host_fn(move || {
+            while !flag.load(Ordering::Acquire) {
+                std::hint::spin_loop();
+            }
+        })?;
+        Ok(Self(open))
+    }
+}
+
+impl Drop for Gate {
+    /// Opens the gate (also on early returns: a stream is never left blocked).
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
 /// Times `reps` copies queued by `copy` between two events on `stream`; median GB/s.
+///
+/// `gate`: hold the stream while queuing (only for page-locked memory: a pageable copy blocks
+/// the calling thread until the stream is idle, so it would wait for the gate forever).
 fn time_raw(
     stream: &Stream,
     bytes: usize,
     reps: usize,
+    gate: bool,
     mut copy: impl FnMut() -> Result<()>,
 ) -> Result<f64> {
     let (start, end) = (Event::new()?, Event::new()?);
@@ -82,9 +113,11 @@ fn time_raw(
     stream.synchronize()?;
     let mut times = Vec::with_capacity(reps);
     for _ in 0..reps {
+        let held = gate.then(|| Gate::close(stream)).transpose()?;
         start.record(stream)?;
         copy()?;
         end.record(stream)?;
+        drop(held);
         end.synchronize()?;
         times.push(end.elapsed_ms_since(&start)? as f64);
     }
@@ -127,6 +160,7 @@ unsafe fn raw_copy(
 }
 
 /// Times copies through the safe, tracked API: the buffer goes with each copy and comes back.
+/// `gate` as for [`time_raw`].
 fn time_tracked<B: HostBuffer<Elem = u8>>(
     stream: &Stream,
     mut buffer: B,
@@ -134,16 +168,19 @@ fn time_tracked<B: HostBuffer<Elem = u8>>(
     bytes: usize,
     direction: Direction,
     reps: usize,
+    gate: bool,
 ) -> Result<(B, f64)> {
     let (start, end) = (Event::new()?, Event::new()?);
     let mut times = Vec::with_capacity(reps);
     for rep in 0..=reps {
+        let held = gate.then(|| Gate::close(stream)).transpose()?;
         start.record(stream)?;
         let transfer = match direction {
             Direction::HostToDevice => stream.copy_to_device(buffer, device)?,
             Direction::DeviceToHost => stream.copy_from_device(device, buffer)?,
         };
         end.record(stream)?;
+        drop(held);
         buffer = transfer.wait()?;
         end.synchronize()?;
         if rep > 0 {
@@ -162,8 +199,25 @@ fn tracked<A: PinnedAllocator>(
 ) -> Result<[f64; 2]> {
     let mut buffer = PinnedVec::with_capacity_in(bytes, allocator)?;
     buffer.resize(bytes, 0x5A);
-    let (buffer, h2d) = time_tracked(stream, buffer, device, bytes, Direction::HostToDevice, reps)?;
-    let (_, d2h) = time_tracked(stream, buffer, device, bytes, Direction::DeviceToHost, reps)?;
+    let gate = buffer.memory_kind().is_some_and(MemoryKind::is_cuda_pinned);
+    let (buffer, h2d) = time_tracked(
+        stream,
+        buffer,
+        device,
+        bytes,
+        Direction::HostToDevice,
+        reps,
+        gate,
+    )?;
+    let (_, d2h) = time_tracked(
+        stream,
+        buffer,
+        device,
+        bytes,
+        Direction::DeviceToHost,
+        reps,
+        gate,
+    )?;
     Ok([h2d, d2h])
 }
 
@@ -196,7 +250,7 @@ fn raw(
     {
         // SAFETY: `host` and the device buffer hold `bytes`; `time_raw` synchronises before
         // returning, and both outlive this loop.
-        results[slot] = time_raw(stream, bytes, reps, || unsafe {
+        results[slot] = time_raw(stream, bytes, reps, pinned, || unsafe {
             raw_copy(stream, host, device.as_raw(), bytes, direction)
         })?;
     }
@@ -214,7 +268,7 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
     let pool = Pool::new();
     let mut section = Section::new(
         "bandwidth",
-        "Copy bandwidth (median of event-timed copies, one stream; % of the raw sys-layer copy)",
+        "Copy bandwidth (median of event-timed copies; % of the raw sys-layer copy in the same run)",
         &["direction", "size", "memory", "GB/s", "% of raw"],
     );
     for bytes in sizes(quick) {
@@ -340,12 +394,14 @@ fn time_both(
     let (start, down_done, end) = (Event::new()?, Event::new()?, Event::new()?);
     let mut times = Vec::new();
     for rep in 0..=reps {
+        let gate = Gate::close(up)?;
         start.record(up)?;
         down.wait_event(&start)?;
         queue()?;
         down_done.record(down)?;
         up.wait_event(&down_done)?;
         end.record(up)?;
+        drop(gate);
         end.synchronize()?;
         finish()?;
         if rep > 0 {

@@ -192,10 +192,6 @@ impl PendingUses {
     pub(crate) fn push(&mut self, event: Arc<Event>) {
         self.events.push(event);
     }
-
-    pub(crate) fn events(&self) -> &[Arc<Event>] {
-        &self.events
-    }
 }
 
 /// A buffer's record of the streams it was used on (PyTorch's `record_stream`): at drop, one

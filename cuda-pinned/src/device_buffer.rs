@@ -6,17 +6,18 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use bytemuck::{AnyBitPattern, NoUninit};
 
-use crate::alloc::PendingUses;
 use crate::error::{Error, Result};
 use crate::ffi::{self, Direction};
 use crate::stream::{Event, Stream};
 
 /// `len` elements of `T` in device memory (`cudaMalloc`), on the device current when it was
-/// made. Async copies record their events here too: the buffer is freed only after they end.
+/// made. Async copies record their events here too: copies on other streams are ordered after
+/// them, and the buffer is freed only after they end.
 pub struct DeviceBuffer<T> {
     ptr: u64,
     len: usize,
-    pending: Mutex<PendingUses>,
+    /// The latest copy event per stream (by raw handle): stream order covers the earlier ones.
+    pending: Mutex<Vec<(usize, Arc<Event>)>>,
     _owns: PhantomData<T>,
 }
 
@@ -51,7 +52,7 @@ impl<T: Copy> DeviceBuffer<T> {
         let buffer = Self {
             ptr,
             len,
-            pending: Mutex::new(PendingUses::none()),
+            pending: Mutex::new(Vec::new()),
             _owns: PhantomData,
         };
         if bytes > 0 {
@@ -160,22 +161,39 @@ impl<T> DeviceBuffer<T> {
         self.ptr
     }
 
-    /// Makes `stream` wait (on the device) for earlier async copies into or out of this buffer.
+    /// Makes `stream` wait (on the device) for unfinished async copies of this buffer on other
+    /// streams; its own earlier copies are ordered by the stream already.
     pub(crate) fn order_after_pending(&self, stream: &Stream) -> Result<()> {
-        let pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
-        pending
-            .events()
-            .iter()
-            .try_for_each(|event| stream.wait_event(event))
+        let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+        let own = stream.as_raw() as usize;
+        let mut result = Ok(());
+        pending.retain(|(other, event)| {
+            if *other == own || result.is_err() {
+                return true;
+            }
+            match event.query() {
+                Ok(true) => false,
+                Ok(false) => {
+                    result = stream.wait_event(event);
+                    true
+                }
+                Err(e) => {
+                    result = Err(e);
+                    true
+                }
+            }
+        });
+        result
     }
 
-    /// Remembers an async copy's event; forgets finished ones so the list stays short.
-    pub(crate) fn track(&self, event: Arc<Event>) {
+    /// Remembers an async copy's event as the latest on `stream`.
+    pub(crate) fn track(&self, stream: &Stream, event: Arc<Event>) {
         let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
-        if pending.events().len() >= 8 {
-            let _ = pending.poll();
+        let own = stream.as_raw() as usize;
+        match pending.iter_mut().find(|(other, _)| *other == own) {
+            Some(slot) => slot.1 = event,
+            None => pending.push((own, event)),
         }
-        pending.push(event);
     }
 }
 
@@ -196,7 +214,7 @@ impl<T> Drop for DeviceBuffer<T> {
             .pending
             .get_mut()
             .unwrap_or_else(PoisonError::into_inner);
-        if pending.wait().is_ok() {
+        if pending.iter().all(|(_, event)| event.synchronize().is_ok()) {
             // SAFETY: our allocation; the copies that used it have finished.
             let _ = unsafe { ffi::device_free(self.ptr) };
         }

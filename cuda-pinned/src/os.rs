@@ -169,12 +169,12 @@ pub(crate) fn memlock_limit() -> Option<u64> {
     (status == 0 && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur)
 }
 
-/// Default number of pre-fault threads: the cores available to us, at most 8 (more threads
-/// stop helping: the kernel's page allocator becomes the limit).
+/// Default number of pre-fault threads: the cores available to us, at most 16 (past that the
+/// kernel's page allocator, not the number of faulting threads, is the limit).
 pub(crate) fn default_prefault_threads() -> usize {
     std::thread::available_parallelism()
         .map_or(1, |n| n.get())
-        .min(8)
+        .min(16)
 }
 
 #[cfg(test)]

@@ -77,7 +77,7 @@ impl Default for Registered {
 }
 
 impl Registered {
-    /// Portable, huge pages where possible, pre-fault on up to 8 threads.
+    /// Portable, huge pages where possible, pre-fault on up to 16 threads.
     pub fn new() -> Self {
         Self {
             flags: RegisterFlags::default(),

@@ -305,7 +305,7 @@ impl Stream {
         match queued {
             Ok(event) => {
                 if let Some(buffer) = tracked {
-                    buffer.track(event.clone());
+                    buffer.track(self, event.clone());
                 }
                 Ok(Transfer {
                     buffer: ManuallyDrop::new(host),

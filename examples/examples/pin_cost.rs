@@ -38,7 +38,7 @@ fn main() {
     if cuda_pinned::is_available() {
         time("cudaHostAlloc (portable)", &CudaHost::new(), bytes);
         time(
-            "registered (huge pages, 8 threads)",
+            "registered (huge pages, parallel pre-fault)",
             &Registered::new(),
             bytes,
         );

@@ -33,15 +33,19 @@ fn a_block_in_flight_is_not_reused_until_its_copy_ends() {
     block.record_stream(&stream); // as PyTorch's record_stream; the copy records itself too
     drop(stream.copy_to_device(block, &mut device).unwrap());
 
-    // The copy has not run yet: the pool must hand out other memory.
+    // The copy waits behind the blocked stream: the pool must hand out other memory. (Only if
+    // something delayed this thread until the stream had finished may it hand back the block.)
     let mut other = pool.allocate(LEN).unwrap();
-    assert_ne!(
-        other.as_ptr(),
-        address,
-        "reused a block whose copy is pending"
-    );
+    let reused_early = other.as_ptr() == address;
+    if reused_early {
+        assert!(
+            stream.query().unwrap(),
+            "reused a block whose copy is pending"
+        );
+    }
     other.resize(LEN, 0xEE); // scribbling here must not reach the device
-    assert_eq!(pool.stats().pending_requests, 1);
+    let pending = pool.stats().pending_requests;
+    assert!(pending == 1 || stream.query().unwrap());
 
     stream.synchronize().unwrap();
     assert_eq!(
@@ -51,13 +55,15 @@ fn a_block_in_flight_is_not_reused_until_its_copy_ends() {
     );
     drop(other);
 
-    // Both blocks are reusable now: two allocations are two hits, one of them the original.
+    // Every block is reusable now: the next allocations are hits, one of them the original
+    // (two blocks exist unless the original was already reused above).
+    let blocks = if reused_early { 1 } else { 2 };
     let before = pool.stats();
-    let (a, b) = (pool.allocate(LEN).unwrap(), pool.allocate(LEN).unwrap());
+    let held: Vec<_> = (0..blocks).map(|_| pool.allocate(LEN).unwrap()).collect();
     let after = pool.stats();
-    assert_eq!(after.cache_hits - before.cache_hits, 2);
+    assert_eq!(after.cache_hits - before.cache_hits, blocks as u64);
     assert_eq!(after.cache_misses, before.cache_misses);
-    assert!(a.as_ptr() == address || b.as_ptr() == address);
+    assert!(held.iter().any(|b| b.as_ptr() == address));
 }
 
 #[test]
@@ -72,25 +78,29 @@ fn a_block_used_on_two_streams_waits_for_both() {
     let mut device = DeviceBuffer::<u8>::zeroed(LEN).unwrap();
 
     block_stream(&copy_stream, 100);
-    block_stream(&other_stream, 600);
     block.record_stream(&other_stream); // e.g. a kernel reading it through its device pointer
-    drop(copy_stream.copy_to_device(block, &mut device).unwrap());
+    let transfer = copy_stream.copy_to_device(block, &mut device).unwrap();
+    // Blocked after the copy was queued: streams can share a hardware queue, and a copy queued
+    // behind this block would wait for it too.
+    block_stream(&other_stream, 600);
+    drop(transfer);
 
     copy_stream.synchronize().unwrap();
-    assert_eq!(device.to_vec().unwrap(), data);
     // The copy is done but the other stream is not: still not reusable.
     let early = pool.allocate(LEN).unwrap();
-    assert_ne!(
-        early.as_ptr(),
-        address,
-        "reused while the second stream was busy"
-    );
+    if early.as_ptr() == address {
+        assert!(
+            other_stream.query().unwrap(),
+            "reused while the second stream was busy"
+        );
+    }
 
     other_stream.synchronize().unwrap();
+    assert_eq!(device.to_vec().unwrap(), data);
+    // Both streams are done: the original is reusable (unless it was reused already, above).
     let late = pool.allocate(LEN).unwrap();
-    assert_eq!(
-        late.as_ptr(),
-        address,
+    assert!(
+        early.as_ptr() == address || late.as_ptr() == address,
         "not reused after both streams finished"
     );
     assert_eq!(pool.stats().pending_requests, 0);
