@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use cuda_pinned::{
-    CudaHost, DeviceBuffer, Error, Event, HostBuffer, HostLocked, MemoryKind, PinnedAllocator,
-    PinnedVec, Registered, Result, Stream,
+    CudaHost, DeviceBuffer, Error, Event, HostLocked, MemoryKind, PinnedAllocator, PinnedVec,
+    Registered, Result, Stream,
 };
 use cuda_pinned_sys::{cudaError, cudaMemcpyKind, cudart};
 use pinned_pool::Pool;
@@ -97,31 +97,27 @@ impl Drop for Gate {
     }
 }
 
-/// Times `reps` copies queued by `copy` between two events on `stream`; median GB/s.
+/// One kind of host memory with its own device buffer: times one copy in a direction.
+type Copier<'a> = Box<dyn FnMut(Direction) -> Result<f64> + 'a>;
+
+/// Times one copy queued by `copy` between two events on `stream`, in milliseconds.
 ///
 /// `gate`: hold the stream while queuing (only for page-locked memory: a pageable copy blocks
 /// the calling thread until the stream is idle, so it would wait for the gate forever).
-fn time_raw(
+fn time_one(
     stream: &Stream,
-    bytes: usize,
-    reps: usize,
+    events: &(Event, Event),
     gate: bool,
-    mut copy: impl FnMut() -> Result<()>,
+    copy: impl FnOnce() -> Result<()>,
 ) -> Result<f64> {
-    let (start, end) = (Event::new()?, Event::new()?);
-    copy()?; // warm-up
-    stream.synchronize()?;
-    let mut times = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let held = gate.then(|| Gate::close(stream)).transpose()?;
-        start.record(stream)?;
-        copy()?;
-        end.record(stream)?;
-        drop(held);
-        end.synchronize()?;
-        times.push(end.elapsed_ms_since(&start)? as f64);
-    }
-    Ok(gbps(bytes, median(times)))
+    let (start, end) = events;
+    let held = gate.then(|| Gate::close(stream)).transpose()?;
+    start.record(stream)?;
+    copy()?;
+    end.record(stream)?;
+    drop(held);
+    end.synchronize()?;
+    Ok(f64::from(end.elapsed_ms_since(start)?))
 }
 
 /// A copy through the sys layer, bypassing the safe API: the baseline.
@@ -129,7 +125,7 @@ fn time_raw(
 /// # Safety
 ///
 /// - `host` and `device` are valid for `bytes` in the direction's sense until the stream
-///   is synchronised, which `time_raw` does before returning.
+///   is synchronised, which `time_one` does before returning.
 unsafe fn raw_copy(
     stream: &Stream,
     host: *mut u8,
@@ -159,149 +155,157 @@ unsafe fn raw_copy(
     }
 }
 
-/// Times copies through the safe, tracked API: the buffer goes with each copy and comes back.
-/// `gate` as for [`time_raw`].
-fn time_tracked<B: HostBuffer<Elem = u8>>(
-    stream: &Stream,
-    mut buffer: B,
-    device: &mut DeviceBuffer<u8>,
-    bytes: usize,
-    direction: Direction,
-    reps: usize,
-    gate: bool,
-) -> Result<(B, f64)> {
-    let (start, end) = (Event::new()?, Event::new()?);
-    let mut times = Vec::with_capacity(reps);
-    for rep in 0..=reps {
-        let held = gate.then(|| Gate::close(stream)).transpose()?;
-        start.record(stream)?;
-        let transfer = match direction {
-            Direction::HostToDevice => stream.copy_to_device(buffer, device)?,
-            Direction::DeviceToHost => stream.copy_from_device(device, buffer)?,
-        };
-        end.record(stream)?;
-        drop(held);
-        buffer = transfer.wait()?;
-        end.synchronize()?;
-        if rep > 0 {
-            times.push(end.elapsed_ms_since(&start)? as f64);
-        }
-    }
-    Ok((buffer, gbps(bytes, median(times))))
+/// Host memory for the raw baseline: `cudaHostAlloc`ed through the sys layer, or a pageable
+/// `Vec`. Filled like the other kinds' buffers, so that every kind starts cache-hot.
+struct RawHost {
+    ptr: *mut u8,
+    pinned: bool,
+    _pageable: Vec<u8>,
 }
 
-fn tracked<A: PinnedAllocator>(
+impl RawHost {
+    fn new(bytes: usize, pinned: bool) -> Result<Self> {
+        let mut pageable = Vec::new();
+        let ptr = if pinned {
+            let alloc = cudart()?.cudaHostAlloc()?;
+            let mut ptr = std::ptr::null_mut();
+            // SAFETY: valid out-pointer.
+            if unsafe { alloc(&mut ptr, bytes, cuda_pinned_sys::cudaHostAllocDefault) }
+                != cudaError::cudaSuccess
+            {
+                return Err(Error::Unsupported("cudaHostAlloc failed"));
+            }
+            // SAFETY: `bytes` writable bytes just allocated.
+            unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0x5A, bytes) };
+            ptr.cast()
+        } else {
+            pageable.resize(bytes, 0x5Au8);
+            pageable.as_mut_ptr()
+        };
+        Ok(Self {
+            ptr,
+            pinned,
+            _pageable: pageable,
+        })
+    }
+}
+
+impl Drop for RawHost {
+    fn drop(&mut self) {
+        if self.pinned
+            && let Ok(Ok(free)) = cudart().map(|rt| rt.cudaFreeHost())
+        {
+            // SAFETY: allocated in `new`; every copy using it was synchronised.
+            unsafe { free(self.ptr.cast()) };
+        }
+    }
+}
+
+fn raw_copier(stream: &Stream, bytes: usize, pinned: bool) -> Result<Copier<'_>> {
+    let host = RawHost::new(bytes, pinned)?;
+    let device = DeviceBuffer::<u8>::zeroed(bytes)?;
+    let events = (Event::new()?, Event::new()?);
+    Ok(Box::new(move |direction| {
+        // Name `host` whole: a closure that only read `host.ptr` would capture just that
+        // field, and the buffer would be freed when this function returns.
+        let host = &host;
+        // SAFETY: `host` and `device` hold `bytes` and outlive the copy, which `time_one`
+        // waits for.
+        time_one(stream, &events, pinned, || unsafe {
+            raw_copy(stream, host.ptr, device.as_raw(), bytes, direction)
+        })
+    }))
+}
+
+/// Copies through the safe, tracked API: the buffer goes with each copy and comes back.
+fn tracked_copier<'a, A: PinnedAllocator + 'a>(
+    stream: &'a Stream,
     allocator: A,
-    stream: &Stream,
-    device: &mut DeviceBuffer<u8>,
     bytes: usize,
-    reps: usize,
-) -> Result<[f64; 2]> {
+) -> Result<Copier<'a>> {
     let mut buffer = PinnedVec::with_capacity_in(bytes, allocator)?;
     buffer.resize(bytes, 0x5A);
     let gate = buffer.memory_kind().is_some_and(MemoryKind::is_cuda_pinned);
-    let (buffer, h2d) = time_tracked(
-        stream,
-        buffer,
-        device,
-        bytes,
-        Direction::HostToDevice,
-        reps,
-        gate,
-    )?;
-    let (_, d2h) = time_tracked(
-        stream,
-        buffer,
-        device,
-        bytes,
-        Direction::DeviceToHost,
-        reps,
-        gate,
-    )?;
-    Ok([h2d, d2h])
-}
-
-/// Raw copies from memory the sys layer allocated (`cudaHostAlloc`) or from a pageable `Vec`.
-fn raw(
-    pinned: bool,
-    stream: &Stream,
-    device: &DeviceBuffer<u8>,
-    bytes: usize,
-    reps: usize,
-) -> Result<[f64; 2]> {
-    let mut pageable = Vec::new();
-    let host = if pinned {
-        let alloc = cudart()?.cudaHostAlloc()?;
-        let mut ptr = std::ptr::null_mut();
-        // SAFETY: valid out-pointer.
-        let status = unsafe { alloc(&mut ptr, bytes, cuda_pinned_sys::cudaHostAllocDefault) };
-        if status != cudaError::cudaSuccess {
-            return Err(Error::Unsupported("cudaHostAlloc failed"));
+    let mut buffer = Some(buffer);
+    let mut device = DeviceBuffer::<u8>::zeroed(bytes)?;
+    let events = (Event::new()?, Event::new()?);
+    Ok(Box::new(move |direction| {
+        let mut in_flight = None;
+        let ms = time_one(stream, &events, gate, || {
+            let host = buffer.take().expect("the buffer is back");
+            in_flight = Some(match direction {
+                Direction::HostToDevice => stream.copy_to_device(host, &mut device)?,
+                Direction::DeviceToHost => stream.copy_from_device(&device, host)?,
+            });
+            Ok(())
+        });
+        if let Some(transfer) = in_flight {
+            buffer = Some(transfer.wait()?);
         }
-        ptr.cast::<u8>()
-    } else {
-        pageable.resize(bytes, 0x5Au8);
-        pageable.as_mut_ptr()
-    };
-    let mut results = [0.0; 2];
-    for (slot, direction) in [Direction::HostToDevice, Direction::DeviceToHost]
-        .into_iter()
-        .enumerate()
-    {
-        // SAFETY: `host` and the device buffer hold `bytes`; `time_raw` synchronises before
-        // returning, and both outlive this loop.
-        results[slot] = time_raw(stream, bytes, reps, pinned, || unsafe {
-            raw_copy(stream, host, device.as_raw(), bytes, direction)
-        })?;
-    }
-    if pinned {
-        let free = cudart()?.cudaFreeHost()?;
-        // SAFETY: allocated above; the stream is idle (time_raw synchronised).
-        unsafe { free(host.cast()) };
-    }
-    Ok(results)
+        ms
+    }))
 }
 
-/// Runs the bandwidth section.
+/// Runs the bandwidth section: for each size, every kind's copies interleaved rep by rep, so
+/// that drift on the machine touches all kinds alike.
 pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
     let stream = Stream::new()?;
     let pool = Pool::new();
     let mut section = Section::new(
         "bandwidth",
-        "Copy bandwidth (median of event-timed copies; % of the raw sys-layer copy in the same run)",
+        "Copy bandwidth (median of event-timed copies, kinds interleaved; % of the raw sys-layer copy)",
         &["direction", "size", "memory", "GB/s", "% of raw"],
     );
+    const DIRECTIONS: [Direction; 2] = [Direction::HostToDevice, Direction::DeviceToHost];
     for bytes in sizes(quick) {
-        let reps = reps(bytes, quick);
-        let mut device = DeviceBuffer::<u8>::zeroed(bytes)?;
-        let mut results: Vec<(&str, Option<[f64; 2]>)> = Vec::new();
+        let mut copiers: Vec<(&str, Option<Copier<'_>>)> = Vec::new();
         for kind in KINDS {
             progress.step(&format!("bandwidth {kind} {}", size_label(bytes as u64)));
-            let measured = match kind {
-                "raw (sys)" => raw(true, &stream, &device, bytes, reps),
-                "pageable Vec" => raw(false, &stream, &device, bytes, reps),
-                "cudaHostAlloc" => tracked(CudaHost::new(), &stream, &mut device, bytes, reps),
-                "registered" => tracked(Registered::new(), &stream, &mut device, bytes, reps),
-                "pool" => tracked(&pool, &stream, &mut device, bytes, reps),
-                _ => tracked(HostLocked, &stream, &mut device, bytes, reps),
+            let copier = match kind {
+                "raw (sys)" => raw_copier(&stream, bytes, true),
+                "pageable Vec" => raw_copier(&stream, bytes, false),
+                "cudaHostAlloc" => tracked_copier(&stream, CudaHost::new(), bytes),
+                "registered" => tracked_copier(&stream, Registered::new(), bytes),
+                "pool" => tracked_copier(&stream, &pool, bytes),
+                _ => tracked_copier(&stream, HostLocked, bytes),
             };
-            match measured {
-                Ok(r) => results.push((kind, Some(r))),
+            match copier {
+                Ok(c) => copiers.push((kind, Some(c))),
                 Err(e) => {
                     section
                         .notes
                         .push(format!("{kind} at {}: {e}", size_label(bytes as u64)));
-                    results.push((kind, None));
+                    copiers.push((kind, None));
                 }
             }
         }
-        for (slot, direction) in [Direction::HostToDevice, Direction::DeviceToHost]
-            .into_iter()
-            .enumerate()
-        {
-            let baseline = results[0].1.map(|r| r[slot]);
-            for (kind, result) in &results {
-                let value = result.map(|r| r[slot]);
+        let mut times = vec![[Vec::new(), Vec::new()]; copiers.len()];
+        for rep in 0..=reps(bytes, quick) {
+            for (k, (kind, copier)) in copiers.iter_mut().enumerate() {
+                let Some(time) = copier else { continue };
+                for (d, &direction) in DIRECTIONS.iter().enumerate() {
+                    match time(direction) {
+                        Ok(ms) if rep > 0 => times[k][d].push(ms), // rep 0 warms up
+                        Ok(_) => {}
+                        Err(e) => {
+                            section
+                                .notes
+                                .push(format!("{kind} at {}: {e}", size_label(bytes as u64)));
+                            *copier = None;
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        drop(copiers);
+        for (d, direction) in DIRECTIONS.into_iter().enumerate() {
+            let rate = |k: usize| {
+                (!times[k][d].is_empty()).then(|| gbps(bytes, median(times[k][d].clone())))
+            };
+            let baseline = rate(0);
+            for (k, kind) in KINDS.iter().enumerate() {
+                let value = rate(k);
                 section.row(vec![
                     Value::Text(direction.label().into()),
                     Value::Text(size_label(bytes as u64)),
@@ -419,42 +423,28 @@ fn both_raw(
     bytes: usize,
     reps: usize,
 ) -> Result<f64> {
-    let alloc = cudart()?.cudaHostAlloc()?;
-    let (mut a, mut b) = (std::ptr::null_mut(), std::ptr::null_mut());
-    // SAFETY: valid out-pointers.
-    let ok = unsafe {
-        alloc(&mut a, bytes, 0) == cudaError::cudaSuccess
-            && alloc(&mut b, bytes, 0) == cudaError::cudaSuccess
+    let (source, sink) = (RawHost::new(bytes, true)?, RawHost::new(bytes, true)?);
+    let queue = || {
+        // SAFETY: the host and device buffers hold `bytes` and outlive the copies, which
+        // `time_both` waits for before returning.
+        unsafe {
+            raw_copy(
+                up,
+                source.ptr,
+                device_in.as_raw(),
+                bytes,
+                Direction::HostToDevice,
+            )?;
+            raw_copy(
+                down,
+                sink.ptr,
+                device_out.as_raw(),
+                bytes,
+                Direction::DeviceToHost,
+            )
+        }
     };
-    if !ok {
-        return Err(Error::Unsupported("cudaHostAlloc failed"));
-    }
-    // SAFETY: both host buffers and device buffers hold `bytes`; `time_both` waits for the
-    // copies before returning.
-    let queue = || unsafe {
-        raw_copy(
-            up,
-            a.cast(),
-            device_in.as_raw(),
-            bytes,
-            Direction::HostToDevice,
-        )?;
-        raw_copy(
-            down,
-            b.cast(),
-            device_out.as_raw(),
-            bytes,
-            Direction::DeviceToHost,
-        )
-    };
-    let result = time_both(up, down, bytes, reps, queue, || Ok(()));
-    let free = cudart()?.cudaFreeHost()?;
-    // SAFETY: allocated above; the streams are idle.
-    unsafe {
-        free(a);
-        free(b);
-    }
-    result
+    time_both(up, down, bytes, reps, queue, || Ok(()))
 }
 
 fn both_tracked<A: PinnedAllocator + Clone>(

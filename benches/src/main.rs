@@ -146,7 +146,13 @@ fn run(options: &Options) -> Report {
     if !cuda && (all || command == "bandwidth" || command == "alloc") {
         let why = match cuda_pinned::device_count() {
             Ok(_) => "the CUDA runtime found no device".to_owned(),
-            Err(e) => e.to_string().lines().next().unwrap_or_default().to_owned(),
+            Err(cuda_pinned::Error::Unavailable(cuda_pinned::LoadError::NotFound { attempts })) => {
+                format!(
+                    "the CUDA runtime (libcudart) was not found in {} places (listed above)",
+                    attempts.len()
+                )
+            }
+            Err(e) => e.to_string(),
         };
         report.skipped.push(format!("GPU parts skipped: {why}"));
     }
