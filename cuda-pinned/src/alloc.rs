@@ -258,111 +258,73 @@ pub(crate) unsafe fn release<A: PinnedAllocator + ?Sized>(
     }
 }
 
-/// The allocator containers use unless told otherwise, chosen per size:
-///
-/// - with CUDA, blocks that huge pages can back (2 MiB and more, where rounding to 2 MiB adds
-///   at most an eighth) take the fast registration path ([`Registered`]: about 50 ms per GiB
-///   against 400–700 ms); smaller blocks take `cudaHostAlloc` ([`CudaHost`]), whose memory
-///   copies at full speed also in small pieces, where registered 4 KiB pages measured about 9%
-///   slower host-to-device; where the device cannot register host memory, `cudaHostAlloc`
-///   serves every size;
-/// - without CUDA, `mlock`ed memory ([`HostLocked`]), so code and its tests run on CPU-only
-///   machines.
-///
-/// Whether CUDA is there is decided once per process; [`MemoryKind`] on each buffer says what
-/// it got, and [`kind_for`](Self::kind_for) says it in advance.
+/// The allocator containers use unless told otherwise: the fast registration path
+/// ([`Registered`]) where CUDA and a device are present and support it, `cudaHostAlloc`
+/// where registration is not supported, and `mlock`ed memory ([`HostLocked`]) without CUDA,
+/// so code and its tests run on CPU-only machines. The choice is made once per process;
+/// [`MemoryKind`] on each buffer says which it got.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DefaultPinned;
 
 #[derive(Debug)]
 enum Backend {
-    Cuda {
-        registered: Option<Registered>,
-        host_alloc: CudaHost,
-    },
+    Registered(Registered),
+    HostAlloc(CudaHost),
     Locked(HostLocked),
 }
 
 fn backend() -> &'static Backend {
     static BACKEND: OnceLock<Backend> = OnceLock::new();
-    BACKEND.get_or_init(
-        || match crate::device::is_available().then(crate::Device::current) {
-            Some(device) => {
-                let registers = device.and_then(crate::Device::supports_host_registration);
-                Backend::Cuda {
-                    registered: registers.unwrap_or(false).then(Registered::new),
-                    host_alloc: CudaHost::new(),
-                }
+    BACKEND.get_or_init(|| {
+        let device = crate::device::is_available().then(crate::Device::current);
+        match device {
+            Some(Ok(device)) if device.supports_host_registration().unwrap_or(false) => {
+                Backend::Registered(Registered::new())
             }
+            Some(_) => Backend::HostAlloc(CudaHost::new()),
             None => Backend::Locked(HostLocked::new()),
-        },
-    )
+        }
+    })
 }
 
 impl DefaultPinned {
-    /// The kind of memory a block of `bytes` gets in this process.
-    pub fn kind_for(bytes: usize) -> MemoryKind {
+    /// The bytes a block for `layout` spans (as the backend rounds it).
+    pub(crate) fn layout_bytes(layout: Layout) -> Option<usize> {
         match backend() {
-            Backend::Cuda {
-                registered: Some(r),
-                ..
-            } if r.uses_huge_pages(bytes) => MemoryKind::Registered,
-            Backend::Cuda { host_alloc, .. } => MemoryKind::HostAlloc(host_alloc.flags()),
-            Backend::Locked(_) => MemoryKind::Locked,
+            Backend::Registered(a) => a.layout_bytes(layout),
+            Backend::HostAlloc(_) => Some(layout.size()),
+            Backend::Locked(_) => HostLocked::layout_bytes(layout),
         }
     }
 
-    /// The bytes a block for `layout` spans (as its kind rounds it).
-    pub(crate) fn layout_bytes(layout: Layout) -> Option<usize> {
-        match (backend(), Self::kind_for(layout.size())) {
-            (
-                Backend::Cuda {
-                    registered: Some(r),
-                    ..
-                },
-                MemoryKind::Registered,
-            ) => r.layout_bytes(layout),
-            (_, MemoryKind::Locked) => HostLocked::layout_bytes(layout),
-            _ => Some(layout.size()),
+    /// The kind of memory this process's default allocator hands out.
+    pub fn kind() -> MemoryKind {
+        match backend() {
+            Backend::Registered(_) => MemoryKind::Registered,
+            Backend::HostAlloc(a) => MemoryKind::HostAlloc(a.flags()),
+            Backend::Locked(_) => MemoryKind::Locked,
         }
     }
 }
 
-// SAFETY: forwards to the allocator of the block's kind: `allocate` picks it by size, and
-// `deallocate` by the kind the allocation carries, so every block goes back to its maker.
+// SAFETY: forwards to one of three allocators, chosen once per process, so every allocation
+// is given back to the allocator that made it.
 unsafe impl PinnedAllocator for DefaultPinned {
     fn allocate(&self, layout: Layout) -> Result<Allocation> {
-        match (backend(), Self::kind_for(layout.size())) {
-            (
-                Backend::Cuda {
-                    registered: Some(r),
-                    ..
-                },
-                MemoryKind::Registered,
-            ) => r.allocate(layout),
-            (Backend::Cuda { host_alloc, .. }, _) => host_alloc.allocate(layout),
-            (Backend::Locked(locked), _) => locked.allocate(layout),
+        match backend() {
+            Backend::Registered(a) => a.allocate(layout),
+            Backend::HostAlloc(a) => a.allocate(layout),
+            Backend::Locked(a) => a.allocate(layout),
         }
     }
 
     unsafe fn deallocate(&self, allocation: Allocation) {
-        // SAFETY: the allocator of the allocation's kind made it (see `allocate`); the
-        // caller's guarantees hold.
+        // SAFETY: the same backend made it (fixed per process); the caller's guarantees hold.
         unsafe {
-            match (backend(), allocation.kind()) {
-                (
-                    Backend::Cuda {
-                        registered: Some(r),
-                        ..
-                    },
-                    MemoryKind::Registered,
-                ) => r.deallocate(allocation),
-                (Backend::Cuda { host_alloc, .. }, MemoryKind::HostAlloc(_)) => {
-                    host_alloc.deallocate(allocation)
-                }
-                (Backend::Locked(locked), MemoryKind::Locked) => locked.deallocate(allocation),
-                // Not a kind this allocator makes: not ours to free.
-                _ => {}
+            match backend() {
+                Backend::Registered(a) => a.deallocate(allocation),
+                Backend::HostAlloc(a) => a.deallocate(allocation),
+                Backend::Locked(a) => a.deallocate(allocation),
             }
         }
     }

@@ -85,5 +85,5 @@ impl_allocator!(
 impl_allocator!(
     DefaultPinned,
     |_this, layout| DefaultPinned::layout_bytes(layout),
-    DefaultPinned::kind_for(layout.size())
+    DefaultPinned::kind()
 );

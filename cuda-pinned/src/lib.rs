@@ -51,7 +51,7 @@
 //!
 //! | allocator | how | needs |
 //! |---|---|---|
-//! | [`DefaultPinned`] | with CUDA: [`Registered`] from 2 MiB (huge pages), [`CudaHost`] below; [`HostLocked`] without | nothing |
+//! | [`DefaultPinned`] | [`Registered`] with CUDA, [`HostLocked`] without | nothing |
 //! | [`CudaHost`] | `cudaHostAlloc` ([`HostAllocFlags`]: portable by default, mapped, write-combined) | CUDA |
 //! | [`Registered`] | `mmap` + huge pages + parallel pre-fault + `cudaHostRegister`: ~10× faster to get | CUDA |
 //! | [`Registration`], [`RegisteredVec`] | registers memory you already own | CUDA |

@@ -119,11 +119,6 @@ impl Registered {
         })
     }
 
-    /// Whether a block of `bytes` would be backed by huge pages.
-    pub(crate) fn uses_huge_pages(&self, bytes: usize) -> bool {
-        self.mapped_size(bytes).is_some_and(|(_, huge)| huge)
-    }
-
     pub(crate) fn layout_bytes(&self, layout: Layout) -> Option<usize> {
         self.mapped_size(layout.size()).map(|(bytes, _)| bytes)
     }

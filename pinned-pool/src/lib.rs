@@ -38,10 +38,9 @@
 //! allocation of its class size; a freed block serves later requests of its class.
 //!
 //! *Backend.* New memory comes from a [`PinnedAllocator`](cuda_pinned::PinnedAllocator):
-//! by default `DefaultPinned`, which with CUDA pins blocks of 2 MiB and more the fast way
-//! (`cuda_pinned::Registered`: huge pages, parallel pre-fault, `cudaHostRegister`, about
-//! 50 ms per GiB against `cudaHostAlloc`'s 0.5 s) and smaller ones with `cudaHostAlloc`, and
-//! without CUDA uses `mlock`ed memory, so the pool works the same on CPU-only machines.
+//! by default `DefaultPinned`, which is `cuda_pinned::Registered` (huge pages, parallel
+//! pre-fault, `cudaHostRegister`: about 50 ms per GiB against `cudaHostAlloc`'s 0.5 s) with
+//! CUDA, and `mlock`ed memory without, so the pool works the same on CPU-only machines.
 //!
 //! *Stream safety.* A buffer dropped while device work may still use it (a copy in flight, a
 //! recorded stream) arrives through `deallocate_after` with an event per stream, recorded at
