@@ -92,6 +92,21 @@ impl Allocation {
     pub fn tag(&self) -> usize {
         self.tag
     }
+
+    /// The block's address in the device's address space, for kernels that read or write
+    /// host memory directly: mapped memory, or any CUDA-pinned memory on systems with unified
+    /// addressing.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unsupported`] for `mlock`ed memory; the CUDA error when the memory is not
+    /// mapped.
+    pub fn device_ptr(&self) -> Result<u64> {
+        if !self.kind.is_cuda_pinned() {
+            return Err(Error::Unsupported("mlock-ed memory has no device address"));
+        }
+        crate::ffi::host_device_pointer(self.ptr)
+    }
 }
 
 /// A source of page-locked memory for [`PinnedVec`](crate::PinnedVec),

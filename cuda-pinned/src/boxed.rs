@@ -123,15 +123,12 @@ impl<T, A: PinnedAllocator> PinnedBox<T, A> {
     /// [`Error::Unsupported`](crate::Error::Unsupported) for zero-sized types and `mlock`ed
     /// memory; the CUDA error when the memory is not mapped.
     pub fn device_ptr(&self) -> Result<u64> {
-        match &self.allocation {
-            Some(a) if a.kind().is_cuda_pinned() => crate::ffi::host_device_pointer(a.ptr()),
-            Some(_) => Err(crate::Error::Unsupported(
-                "mlock-ed memory has no device address",
-            )),
-            None => Err(crate::Error::Unsupported(
+        let allocation = self.allocation.as_ref();
+        allocation
+            .ok_or(crate::Error::Unsupported(
                 "a zero-sized value has no buffer",
-            )),
-        }
+            ))?
+            .device_ptr()
     }
 
     /// Moves the value out and frees the memory.

@@ -310,11 +310,10 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
     /// [`Error::Unsupported`] for empty vectors and `mlock`ed memory; the CUDA error when
     /// the memory is not mapped.
     pub fn device_ptr(&self) -> Result<u64> {
-        match &self.allocation {
-            Some(a) if a.kind().is_cuda_pinned() => crate::ffi::host_device_pointer(a.ptr()),
-            Some(_) => Err(Error::Unsupported("mlock-ed memory has no device address")),
-            None => Err(Error::Unsupported("an empty vector has no buffer")),
-        }
+        let allocation = self.allocation.as_ref();
+        allocation
+            .ok_or(Error::Unsupported("an empty vector has no buffer"))?
+            .device_ptr()
     }
 
     /// Takes the vector apart: the allocation (if any), the length and the allocator.
