@@ -52,8 +52,13 @@
 //! *Threads.* Free lists are sharded: each thread keeps to one shard (one per core by
 //! default) behind a spin lock it almost never shares, so a warm allocate/free pair costs
 //! two uncontended lock operations. A miss looks in the other shards before pinning new
-//! memory. Exact statistics need one shared point: `active_*` are two atomic counters with
-//! true peaks; everything else is counted per shard and summed.
+//! memory. Counters are kept per shard and summed, except one: a true pool-wide peak of
+//! `active_*` needs a single point every allocation and free pass through, one atomic word
+//! (requests and bytes packed together). That word is the one line threads share, and under
+//! many threads it, not the free lists, limits throughput. [`PoolConfig::exact_peaks`]`(false)`
+//! counts `active_*` per shard too: current values stay exact, peaks become an upper bound
+//! (the sum of per-shard peaks), and throughput grows with threads (on the H100 host: 8 M
+//! pairs/s at 16 threads with exact peaks, 167–224 M/s without).
 //!
 //! *Locks and CUDA.* No CUDA call runs under a pool lock: events are queried with the pending
 //! list taken out, and blocks are pinned and released with no lock held (PyTorch's own rule,
