@@ -177,8 +177,9 @@ impl cudaMemcpyKind {
 #[repr(transparent)]
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct cudaMemcpyKind(pub ::core::ffi::c_uint);
-pub type cudaHostFn_t =
-    ::core::option::Option<unsafe extern "C" fn(userData: *mut ::core::ffi::c_void)>;
+pub type cudaHostFn_t = ::core::option::Option<
+    unsafe extern "C" fn(userData: *mut ::core::ffi::c_void),
+>;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct cudaPointerAttributes {
@@ -190,19 +191,27 @@ pub struct cudaPointerAttributes {
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of cudaPointerAttributes"][::core::mem::size_of::<cudaPointerAttributes>() - 88usize];
-    ["Alignment of cudaPointerAttributes"]
-        [::core::mem::align_of::<cudaPointerAttributes>() - 8usize];
-    ["Offset of field: cudaPointerAttributes::type_"]
-        [::core::mem::offset_of!(cudaPointerAttributes, type_) - 0usize];
-    ["Offset of field: cudaPointerAttributes::device"]
-        [::core::mem::offset_of!(cudaPointerAttributes, device) - 4usize];
-    ["Offset of field: cudaPointerAttributes::devicePointer"]
-        [::core::mem::offset_of!(cudaPointerAttributes, devicePointer) - 8usize];
-    ["Offset of field: cudaPointerAttributes::hostPointer"]
-        [::core::mem::offset_of!(cudaPointerAttributes, hostPointer) - 16usize];
-    ["Offset of field: cudaPointerAttributes::reserved"]
-        [::core::mem::offset_of!(cudaPointerAttributes, reserved) - 24usize];
+    [
+        "Size of cudaPointerAttributes",
+    ][::core::mem::size_of::<cudaPointerAttributes>() - 88usize];
+    [
+        "Alignment of cudaPointerAttributes",
+    ][::core::mem::align_of::<cudaPointerAttributes>() - 8usize];
+    [
+        "Offset of field: cudaPointerAttributes::type_",
+    ][::core::mem::offset_of!(cudaPointerAttributes, type_) - 0usize];
+    [
+        "Offset of field: cudaPointerAttributes::device",
+    ][::core::mem::offset_of!(cudaPointerAttributes, device) - 4usize];
+    [
+        "Offset of field: cudaPointerAttributes::devicePointer",
+    ][::core::mem::offset_of!(cudaPointerAttributes, devicePointer) - 8usize];
+    [
+        "Offset of field: cudaPointerAttributes::hostPointer",
+    ][::core::mem::offset_of!(cudaPointerAttributes, hostPointer) - 16usize];
+    [
+        "Offset of field: cudaPointerAttributes::reserved",
+    ][::core::mem::offset_of!(cudaPointerAttributes, reserved) - 24usize];
 };
 impl Default for cudaPointerAttributes {
     fn default() -> Self {
@@ -252,7 +261,9 @@ impl cudaDeviceAttr {
     pub const cudaDevAttrMemoryClockRate: cudaDeviceAttr = cudaDeviceAttr(36);
     pub const cudaDevAttrGlobalMemoryBusWidth: cudaDeviceAttr = cudaDeviceAttr(37);
     pub const cudaDevAttrL2CacheSize: cudaDeviceAttr = cudaDeviceAttr(38);
-    pub const cudaDevAttrMaxThreadsPerMultiProcessor: cudaDeviceAttr = cudaDeviceAttr(39);
+    pub const cudaDevAttrMaxThreadsPerMultiProcessor: cudaDeviceAttr = cudaDeviceAttr(
+        39,
+    );
     pub const cudaDevAttrAsyncEngineCount: cudaDeviceAttr = cudaDeviceAttr(40);
     pub const cudaDevAttrUnifiedAddressing: cudaDeviceAttr = cudaDeviceAttr(41);
     pub const cudaDevAttrMaxTexture1DLayeredWidth: cudaDeviceAttr = cudaDeviceAttr(42);
@@ -265,8 +276,12 @@ impl cudaDeviceAttr {
     pub const cudaDevAttrPciDomainId: cudaDeviceAttr = cudaDeviceAttr(50);
     pub const cudaDevAttrTexturePitchAlignment: cudaDeviceAttr = cudaDeviceAttr(51);
     pub const cudaDevAttrMaxTextureCubemapWidth: cudaDeviceAttr = cudaDeviceAttr(52);
-    pub const cudaDevAttrMaxTextureCubemapLayeredWidth: cudaDeviceAttr = cudaDeviceAttr(53);
-    pub const cudaDevAttrMaxTextureCubemapLayeredLayers: cudaDeviceAttr = cudaDeviceAttr(54);
+    pub const cudaDevAttrMaxTextureCubemapLayeredWidth: cudaDeviceAttr = cudaDeviceAttr(
+        53,
+    );
+    pub const cudaDevAttrMaxTextureCubemapLayeredLayers: cudaDeviceAttr = cudaDeviceAttr(
+        54,
+    );
     pub const cudaDevAttrMaxSurface1DWidth: cudaDeviceAttr = cudaDeviceAttr(55);
     pub const cudaDevAttrMaxSurface2DWidth: cudaDeviceAttr = cudaDeviceAttr(56);
     pub const cudaDevAttrMaxSurface2DHeight: cudaDeviceAttr = cudaDeviceAttr(57);
@@ -279,56 +294,91 @@ impl cudaDeviceAttr {
     pub const cudaDevAttrMaxSurface2DLayeredHeight: cudaDeviceAttr = cudaDeviceAttr(64);
     pub const cudaDevAttrMaxSurface2DLayeredLayers: cudaDeviceAttr = cudaDeviceAttr(65);
     pub const cudaDevAttrMaxSurfaceCubemapWidth: cudaDeviceAttr = cudaDeviceAttr(66);
-    pub const cudaDevAttrMaxSurfaceCubemapLayeredWidth: cudaDeviceAttr = cudaDeviceAttr(67);
-    pub const cudaDevAttrMaxSurfaceCubemapLayeredLayers: cudaDeviceAttr = cudaDeviceAttr(68);
+    pub const cudaDevAttrMaxSurfaceCubemapLayeredWidth: cudaDeviceAttr = cudaDeviceAttr(
+        67,
+    );
+    pub const cudaDevAttrMaxSurfaceCubemapLayeredLayers: cudaDeviceAttr = cudaDeviceAttr(
+        68,
+    );
     pub const cudaDevAttrMaxTexture1DLinearWidth: cudaDeviceAttr = cudaDeviceAttr(69);
     pub const cudaDevAttrMaxTexture2DLinearWidth: cudaDeviceAttr = cudaDeviceAttr(70);
     pub const cudaDevAttrMaxTexture2DLinearHeight: cudaDeviceAttr = cudaDeviceAttr(71);
     pub const cudaDevAttrMaxTexture2DLinearPitch: cudaDeviceAttr = cudaDeviceAttr(72);
     pub const cudaDevAttrMaxTexture2DMipmappedWidth: cudaDeviceAttr = cudaDeviceAttr(73);
-    pub const cudaDevAttrMaxTexture2DMipmappedHeight: cudaDeviceAttr = cudaDeviceAttr(74);
+    pub const cudaDevAttrMaxTexture2DMipmappedHeight: cudaDeviceAttr = cudaDeviceAttr(
+        74,
+    );
     pub const cudaDevAttrComputeCapabilityMajor: cudaDeviceAttr = cudaDeviceAttr(75);
     pub const cudaDevAttrComputeCapabilityMinor: cudaDeviceAttr = cudaDeviceAttr(76);
     pub const cudaDevAttrMaxTexture1DMipmappedWidth: cudaDeviceAttr = cudaDeviceAttr(77);
     pub const cudaDevAttrStreamPrioritiesSupported: cudaDeviceAttr = cudaDeviceAttr(78);
     pub const cudaDevAttrGlobalL1CacheSupported: cudaDeviceAttr = cudaDeviceAttr(79);
     pub const cudaDevAttrLocalL1CacheSupported: cudaDeviceAttr = cudaDeviceAttr(80);
-    pub const cudaDevAttrMaxSharedMemoryPerMultiprocessor: cudaDeviceAttr = cudaDeviceAttr(81);
-    pub const cudaDevAttrMaxRegistersPerMultiprocessor: cudaDeviceAttr = cudaDeviceAttr(82);
+    pub const cudaDevAttrMaxSharedMemoryPerMultiprocessor: cudaDeviceAttr = cudaDeviceAttr(
+        81,
+    );
+    pub const cudaDevAttrMaxRegistersPerMultiprocessor: cudaDeviceAttr = cudaDeviceAttr(
+        82,
+    );
     pub const cudaDevAttrManagedMemory: cudaDeviceAttr = cudaDeviceAttr(83);
     pub const cudaDevAttrIsMultiGpuBoard: cudaDeviceAttr = cudaDeviceAttr(84);
     pub const cudaDevAttrMultiGpuBoardGroupID: cudaDeviceAttr = cudaDeviceAttr(85);
     pub const cudaDevAttrHostNativeAtomicSupported: cudaDeviceAttr = cudaDeviceAttr(86);
-    pub const cudaDevAttrSingleToDoublePrecisionPerfRatio: cudaDeviceAttr = cudaDeviceAttr(87);
+    pub const cudaDevAttrSingleToDoublePrecisionPerfRatio: cudaDeviceAttr = cudaDeviceAttr(
+        87,
+    );
     pub const cudaDevAttrPageableMemoryAccess: cudaDeviceAttr = cudaDeviceAttr(88);
     pub const cudaDevAttrConcurrentManagedAccess: cudaDeviceAttr = cudaDeviceAttr(89);
     pub const cudaDevAttrComputePreemptionSupported: cudaDeviceAttr = cudaDeviceAttr(90);
-    pub const cudaDevAttrCanUseHostPointerForRegisteredMem: cudaDeviceAttr = cudaDeviceAttr(91);
+    pub const cudaDevAttrCanUseHostPointerForRegisteredMem: cudaDeviceAttr = cudaDeviceAttr(
+        91,
+    );
     pub const cudaDevAttrReserved92: cudaDeviceAttr = cudaDeviceAttr(92);
     pub const cudaDevAttrReserved93: cudaDeviceAttr = cudaDeviceAttr(93);
     pub const cudaDevAttrReserved94: cudaDeviceAttr = cudaDeviceAttr(94);
     pub const cudaDevAttrCooperativeLaunch: cudaDeviceAttr = cudaDeviceAttr(95);
     pub const cudaDevAttrReserved96: cudaDeviceAttr = cudaDeviceAttr(96);
-    pub const cudaDevAttrMaxSharedMemoryPerBlockOptin: cudaDeviceAttr = cudaDeviceAttr(97);
+    pub const cudaDevAttrMaxSharedMemoryPerBlockOptin: cudaDeviceAttr = cudaDeviceAttr(
+        97,
+    );
     pub const cudaDevAttrCanFlushRemoteWrites: cudaDeviceAttr = cudaDeviceAttr(98);
     pub const cudaDevAttrHostRegisterSupported: cudaDeviceAttr = cudaDeviceAttr(99);
-    pub const cudaDevAttrPageableMemoryAccessUsesHostPageTables: cudaDeviceAttr =
-        cudaDeviceAttr(100);
-    pub const cudaDevAttrDirectManagedMemAccessFromHost: cudaDeviceAttr = cudaDeviceAttr(101);
-    pub const cudaDevAttrMaxBlocksPerMultiprocessor: cudaDeviceAttr = cudaDeviceAttr(106);
+    pub const cudaDevAttrPageableMemoryAccessUsesHostPageTables: cudaDeviceAttr = cudaDeviceAttr(
+        100,
+    );
+    pub const cudaDevAttrDirectManagedMemAccessFromHost: cudaDeviceAttr = cudaDeviceAttr(
+        101,
+    );
+    pub const cudaDevAttrMaxBlocksPerMultiprocessor: cudaDeviceAttr = cudaDeviceAttr(
+        106,
+    );
     pub const cudaDevAttrMaxPersistingL2CacheSize: cudaDeviceAttr = cudaDeviceAttr(108);
     pub const cudaDevAttrMaxAccessPolicyWindowSize: cudaDeviceAttr = cudaDeviceAttr(109);
-    pub const cudaDevAttrReservedSharedMemoryPerBlock: cudaDeviceAttr = cudaDeviceAttr(111);
+    pub const cudaDevAttrReservedSharedMemoryPerBlock: cudaDeviceAttr = cudaDeviceAttr(
+        111,
+    );
     pub const cudaDevAttrSparseCudaArraySupported: cudaDeviceAttr = cudaDeviceAttr(112);
-    pub const cudaDevAttrHostRegisterReadOnlySupported: cudaDeviceAttr = cudaDeviceAttr(113);
-    pub const cudaDevAttrTimelineSemaphoreInteropSupported: cudaDeviceAttr = cudaDeviceAttr(114);
+    pub const cudaDevAttrHostRegisterReadOnlySupported: cudaDeviceAttr = cudaDeviceAttr(
+        113,
+    );
+    pub const cudaDevAttrTimelineSemaphoreInteropSupported: cudaDeviceAttr = cudaDeviceAttr(
+        114,
+    );
     pub const cudaDevAttrMemoryPoolsSupported: cudaDeviceAttr = cudaDeviceAttr(115);
     pub const cudaDevAttrGPUDirectRDMASupported: cudaDeviceAttr = cudaDeviceAttr(116);
-    pub const cudaDevAttrGPUDirectRDMAFlushWritesOptions: cudaDeviceAttr = cudaDeviceAttr(117);
-    pub const cudaDevAttrGPUDirectRDMAWritesOrdering: cudaDeviceAttr = cudaDeviceAttr(118);
-    pub const cudaDevAttrMemoryPoolSupportedHandleTypes: cudaDeviceAttr = cudaDeviceAttr(119);
+    pub const cudaDevAttrGPUDirectRDMAFlushWritesOptions: cudaDeviceAttr = cudaDeviceAttr(
+        117,
+    );
+    pub const cudaDevAttrGPUDirectRDMAWritesOrdering: cudaDeviceAttr = cudaDeviceAttr(
+        118,
+    );
+    pub const cudaDevAttrMemoryPoolSupportedHandleTypes: cudaDeviceAttr = cudaDeviceAttr(
+        119,
+    );
     pub const cudaDevAttrClusterLaunch: cudaDeviceAttr = cudaDeviceAttr(120);
-    pub const cudaDevAttrDeferredMappingCudaArraySupported: cudaDeviceAttr = cudaDeviceAttr(121);
+    pub const cudaDevAttrDeferredMappingCudaArraySupported: cudaDeviceAttr = cudaDeviceAttr(
+        121,
+    );
     pub const cudaDevAttrReserved122: cudaDeviceAttr = cudaDeviceAttr(122);
     pub const cudaDevAttrReserved123: cudaDeviceAttr = cudaDeviceAttr(123);
     pub const cudaDevAttrReserved124: cudaDeviceAttr = cudaDeviceAttr(124);
@@ -347,11 +397,17 @@ impl cudaDeviceAttr {
     pub const cudaDevAttrGpuPciDeviceId: cudaDeviceAttr = cudaDeviceAttr(139);
     pub const cudaDevAttrGpuPciSubsystemId: cudaDeviceAttr = cudaDeviceAttr(140);
     pub const cudaDevAttrReserved141: cudaDeviceAttr = cudaDeviceAttr(141);
-    pub const cudaDevAttrHostNumaMemoryPoolsSupported: cudaDeviceAttr = cudaDeviceAttr(142);
-    pub const cudaDevAttrHostNumaMultinodeIpcSupported: cudaDeviceAttr = cudaDeviceAttr(143);
+    pub const cudaDevAttrHostNumaMemoryPoolsSupported: cudaDeviceAttr = cudaDeviceAttr(
+        142,
+    );
+    pub const cudaDevAttrHostNumaMultinodeIpcSupported: cudaDeviceAttr = cudaDeviceAttr(
+        143,
+    );
     pub const cudaDevAttrHostMemoryPoolsSupported: cudaDeviceAttr = cudaDeviceAttr(144);
     pub const cudaDevAttrReserved145: cudaDeviceAttr = cudaDeviceAttr(145);
-    pub const cudaDevAttrOnlyPartialHostNativeAtomicSupported: cudaDeviceAttr = cudaDeviceAttr(147);
+    pub const cudaDevAttrOnlyPartialHostNativeAtomicSupported: cudaDeviceAttr = cudaDeviceAttr(
+        147,
+    );
     pub const cudaDevAttrMax: cudaDeviceAttr = cudaDeviceAttr(148);
 }
 #[repr(transparent)]
@@ -366,7 +422,9 @@ pub struct CUuuid_st {
 const _: () = {
     ["Size of CUuuid_st"][::core::mem::size_of::<CUuuid_st>() - 16usize];
     ["Alignment of CUuuid_st"][::core::mem::align_of::<CUuuid_st>() - 1usize];
-    ["Offset of field: CUuuid_st::bytes"][::core::mem::offset_of!(CUuuid_st, bytes) - 0usize];
+    [
+        "Offset of field: CUuuid_st::bytes",
+    ][::core::mem::offset_of!(CUuuid_st, bytes) - 0usize];
 };
 pub type cudaUUID_t = CUuuid_st;
 #[repr(C)]
@@ -470,194 +528,292 @@ pub struct cudaDeviceProp {
 const _: () = {
     ["Size of cudaDeviceProp"][::core::mem::size_of::<cudaDeviceProp>() - 1008usize];
     ["Alignment of cudaDeviceProp"][::core::mem::align_of::<cudaDeviceProp>() - 8usize];
-    ["Offset of field: cudaDeviceProp::name"]
-        [::core::mem::offset_of!(cudaDeviceProp, name) - 0usize];
-    ["Offset of field: cudaDeviceProp::uuid"]
-        [::core::mem::offset_of!(cudaDeviceProp, uuid) - 256usize];
-    ["Offset of field: cudaDeviceProp::luid"]
-        [::core::mem::offset_of!(cudaDeviceProp, luid) - 272usize];
-    ["Offset of field: cudaDeviceProp::luidDeviceNodeMask"]
-        [::core::mem::offset_of!(cudaDeviceProp, luidDeviceNodeMask) - 280usize];
-    ["Offset of field: cudaDeviceProp::totalGlobalMem"]
-        [::core::mem::offset_of!(cudaDeviceProp, totalGlobalMem) - 288usize];
-    ["Offset of field: cudaDeviceProp::sharedMemPerBlock"]
-        [::core::mem::offset_of!(cudaDeviceProp, sharedMemPerBlock) - 296usize];
-    ["Offset of field: cudaDeviceProp::regsPerBlock"]
-        [::core::mem::offset_of!(cudaDeviceProp, regsPerBlock) - 304usize];
-    ["Offset of field: cudaDeviceProp::warpSize"]
-        [::core::mem::offset_of!(cudaDeviceProp, warpSize) - 308usize];
-    ["Offset of field: cudaDeviceProp::memPitch"]
-        [::core::mem::offset_of!(cudaDeviceProp, memPitch) - 312usize];
-    ["Offset of field: cudaDeviceProp::maxThreadsPerBlock"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxThreadsPerBlock) - 320usize];
-    ["Offset of field: cudaDeviceProp::maxThreadsDim"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxThreadsDim) - 324usize];
-    ["Offset of field: cudaDeviceProp::maxGridSize"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxGridSize) - 336usize];
-    ["Offset of field: cudaDeviceProp::totalConstMem"]
-        [::core::mem::offset_of!(cudaDeviceProp, totalConstMem) - 352usize];
-    ["Offset of field: cudaDeviceProp::major"]
-        [::core::mem::offset_of!(cudaDeviceProp, major) - 360usize];
-    ["Offset of field: cudaDeviceProp::minor"]
-        [::core::mem::offset_of!(cudaDeviceProp, minor) - 364usize];
-    ["Offset of field: cudaDeviceProp::textureAlignment"]
-        [::core::mem::offset_of!(cudaDeviceProp, textureAlignment) - 368usize];
-    ["Offset of field: cudaDeviceProp::texturePitchAlignment"]
-        [::core::mem::offset_of!(cudaDeviceProp, texturePitchAlignment) - 376usize];
-    ["Offset of field: cudaDeviceProp::multiProcessorCount"]
-        [::core::mem::offset_of!(cudaDeviceProp, multiProcessorCount) - 384usize];
-    ["Offset of field: cudaDeviceProp::integrated"]
-        [::core::mem::offset_of!(cudaDeviceProp, integrated) - 388usize];
-    ["Offset of field: cudaDeviceProp::canMapHostMemory"]
-        [::core::mem::offset_of!(cudaDeviceProp, canMapHostMemory) - 392usize];
-    ["Offset of field: cudaDeviceProp::maxTexture1D"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxTexture1D) - 396usize];
-    ["Offset of field: cudaDeviceProp::maxTexture1DMipmap"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxTexture1DMipmap) - 400usize];
-    ["Offset of field: cudaDeviceProp::maxTexture2D"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxTexture2D) - 404usize];
-    ["Offset of field: cudaDeviceProp::maxTexture2DMipmap"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxTexture2DMipmap) - 412usize];
-    ["Offset of field: cudaDeviceProp::maxTexture2DLinear"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxTexture2DLinear) - 420usize];
-    ["Offset of field: cudaDeviceProp::maxTexture2DGather"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxTexture2DGather) - 432usize];
-    ["Offset of field: cudaDeviceProp::maxTexture3D"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxTexture3D) - 440usize];
-    ["Offset of field: cudaDeviceProp::maxTexture3DAlt"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxTexture3DAlt) - 452usize];
-    ["Offset of field: cudaDeviceProp::maxTextureCubemap"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxTextureCubemap) - 464usize];
-    ["Offset of field: cudaDeviceProp::maxTexture1DLayered"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxTexture1DLayered) - 468usize];
-    ["Offset of field: cudaDeviceProp::maxTexture2DLayered"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxTexture2DLayered) - 476usize];
-    ["Offset of field: cudaDeviceProp::maxTextureCubemapLayered"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxTextureCubemapLayered) - 488usize];
-    ["Offset of field: cudaDeviceProp::maxSurface1D"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxSurface1D) - 496usize];
-    ["Offset of field: cudaDeviceProp::maxSurface2D"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxSurface2D) - 500usize];
-    ["Offset of field: cudaDeviceProp::maxSurface3D"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxSurface3D) - 508usize];
-    ["Offset of field: cudaDeviceProp::maxSurface1DLayered"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxSurface1DLayered) - 520usize];
-    ["Offset of field: cudaDeviceProp::maxSurface2DLayered"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxSurface2DLayered) - 528usize];
-    ["Offset of field: cudaDeviceProp::maxSurfaceCubemap"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxSurfaceCubemap) - 540usize];
-    ["Offset of field: cudaDeviceProp::maxSurfaceCubemapLayered"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxSurfaceCubemapLayered) - 544usize];
-    ["Offset of field: cudaDeviceProp::surfaceAlignment"]
-        [::core::mem::offset_of!(cudaDeviceProp, surfaceAlignment) - 552usize];
-    ["Offset of field: cudaDeviceProp::concurrentKernels"]
-        [::core::mem::offset_of!(cudaDeviceProp, concurrentKernels) - 560usize];
-    ["Offset of field: cudaDeviceProp::ECCEnabled"]
-        [::core::mem::offset_of!(cudaDeviceProp, ECCEnabled) - 564usize];
-    ["Offset of field: cudaDeviceProp::pciBusID"]
-        [::core::mem::offset_of!(cudaDeviceProp, pciBusID) - 568usize];
-    ["Offset of field: cudaDeviceProp::pciDeviceID"]
-        [::core::mem::offset_of!(cudaDeviceProp, pciDeviceID) - 572usize];
-    ["Offset of field: cudaDeviceProp::pciDomainID"]
-        [::core::mem::offset_of!(cudaDeviceProp, pciDomainID) - 576usize];
-    ["Offset of field: cudaDeviceProp::tccDriver"]
-        [::core::mem::offset_of!(cudaDeviceProp, tccDriver) - 580usize];
-    ["Offset of field: cudaDeviceProp::asyncEngineCount"]
-        [::core::mem::offset_of!(cudaDeviceProp, asyncEngineCount) - 584usize];
-    ["Offset of field: cudaDeviceProp::unifiedAddressing"]
-        [::core::mem::offset_of!(cudaDeviceProp, unifiedAddressing) - 588usize];
-    ["Offset of field: cudaDeviceProp::memoryBusWidth"]
-        [::core::mem::offset_of!(cudaDeviceProp, memoryBusWidth) - 592usize];
-    ["Offset of field: cudaDeviceProp::l2CacheSize"]
-        [::core::mem::offset_of!(cudaDeviceProp, l2CacheSize) - 596usize];
-    ["Offset of field: cudaDeviceProp::persistingL2CacheMaxSize"]
-        [::core::mem::offset_of!(cudaDeviceProp, persistingL2CacheMaxSize) - 600usize];
-    ["Offset of field: cudaDeviceProp::maxThreadsPerMultiProcessor"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxThreadsPerMultiProcessor) - 604usize];
-    ["Offset of field: cudaDeviceProp::streamPrioritiesSupported"]
-        [::core::mem::offset_of!(cudaDeviceProp, streamPrioritiesSupported) - 608usize];
-    ["Offset of field: cudaDeviceProp::globalL1CacheSupported"]
-        [::core::mem::offset_of!(cudaDeviceProp, globalL1CacheSupported) - 612usize];
-    ["Offset of field: cudaDeviceProp::localL1CacheSupported"]
-        [::core::mem::offset_of!(cudaDeviceProp, localL1CacheSupported) - 616usize];
-    ["Offset of field: cudaDeviceProp::sharedMemPerMultiprocessor"]
-        [::core::mem::offset_of!(cudaDeviceProp, sharedMemPerMultiprocessor) - 624usize];
-    ["Offset of field: cudaDeviceProp::regsPerMultiprocessor"]
-        [::core::mem::offset_of!(cudaDeviceProp, regsPerMultiprocessor) - 632usize];
-    ["Offset of field: cudaDeviceProp::managedMemory"]
-        [::core::mem::offset_of!(cudaDeviceProp, managedMemory) - 636usize];
-    ["Offset of field: cudaDeviceProp::isMultiGpuBoard"]
-        [::core::mem::offset_of!(cudaDeviceProp, isMultiGpuBoard) - 640usize];
-    ["Offset of field: cudaDeviceProp::multiGpuBoardGroupID"]
-        [::core::mem::offset_of!(cudaDeviceProp, multiGpuBoardGroupID) - 644usize];
-    ["Offset of field: cudaDeviceProp::hostNativeAtomicSupported"]
-        [::core::mem::offset_of!(cudaDeviceProp, hostNativeAtomicSupported) - 648usize];
-    ["Offset of field: cudaDeviceProp::pageableMemoryAccess"]
-        [::core::mem::offset_of!(cudaDeviceProp, pageableMemoryAccess) - 652usize];
-    ["Offset of field: cudaDeviceProp::concurrentManagedAccess"]
-        [::core::mem::offset_of!(cudaDeviceProp, concurrentManagedAccess) - 656usize];
-    ["Offset of field: cudaDeviceProp::computePreemptionSupported"]
-        [::core::mem::offset_of!(cudaDeviceProp, computePreemptionSupported) - 660usize];
-    ["Offset of field: cudaDeviceProp::canUseHostPointerForRegisteredMem"]
-        [::core::mem::offset_of!(cudaDeviceProp, canUseHostPointerForRegisteredMem) - 664usize];
-    ["Offset of field: cudaDeviceProp::cooperativeLaunch"]
-        [::core::mem::offset_of!(cudaDeviceProp, cooperativeLaunch) - 668usize];
-    ["Offset of field: cudaDeviceProp::sharedMemPerBlockOptin"]
-        [::core::mem::offset_of!(cudaDeviceProp, sharedMemPerBlockOptin) - 672usize];
-    ["Offset of field: cudaDeviceProp::pageableMemoryAccessUsesHostPageTables"][::core::mem::offset_of!(
-        cudaDeviceProp,
-        pageableMemoryAccessUsesHostPageTables
-    ) - 680usize];
-    ["Offset of field: cudaDeviceProp::directManagedMemAccessFromHost"]
-        [::core::mem::offset_of!(cudaDeviceProp, directManagedMemAccessFromHost) - 684usize];
-    ["Offset of field: cudaDeviceProp::maxBlocksPerMultiProcessor"]
-        [::core::mem::offset_of!(cudaDeviceProp, maxBlocksPerMultiProcessor) - 688usize];
-    ["Offset of field: cudaDeviceProp::accessPolicyMaxWindowSize"]
-        [::core::mem::offset_of!(cudaDeviceProp, accessPolicyMaxWindowSize) - 692usize];
-    ["Offset of field: cudaDeviceProp::reservedSharedMemPerBlock"]
-        [::core::mem::offset_of!(cudaDeviceProp, reservedSharedMemPerBlock) - 696usize];
-    ["Offset of field: cudaDeviceProp::hostRegisterSupported"]
-        [::core::mem::offset_of!(cudaDeviceProp, hostRegisterSupported) - 704usize];
-    ["Offset of field: cudaDeviceProp::sparseCudaArraySupported"]
-        [::core::mem::offset_of!(cudaDeviceProp, sparseCudaArraySupported) - 708usize];
-    ["Offset of field: cudaDeviceProp::hostRegisterReadOnlySupported"]
-        [::core::mem::offset_of!(cudaDeviceProp, hostRegisterReadOnlySupported) - 712usize];
-    ["Offset of field: cudaDeviceProp::timelineSemaphoreInteropSupported"]
-        [::core::mem::offset_of!(cudaDeviceProp, timelineSemaphoreInteropSupported) - 716usize];
-    ["Offset of field: cudaDeviceProp::memoryPoolsSupported"]
-        [::core::mem::offset_of!(cudaDeviceProp, memoryPoolsSupported) - 720usize];
-    ["Offset of field: cudaDeviceProp::gpuDirectRDMASupported"]
-        [::core::mem::offset_of!(cudaDeviceProp, gpuDirectRDMASupported) - 724usize];
-    ["Offset of field: cudaDeviceProp::gpuDirectRDMAFlushWritesOptions"]
-        [::core::mem::offset_of!(cudaDeviceProp, gpuDirectRDMAFlushWritesOptions) - 728usize];
-    ["Offset of field: cudaDeviceProp::gpuDirectRDMAWritesOrdering"]
-        [::core::mem::offset_of!(cudaDeviceProp, gpuDirectRDMAWritesOrdering) - 732usize];
-    ["Offset of field: cudaDeviceProp::memoryPoolSupportedHandleTypes"]
-        [::core::mem::offset_of!(cudaDeviceProp, memoryPoolSupportedHandleTypes) - 736usize];
-    ["Offset of field: cudaDeviceProp::deferredMappingCudaArraySupported"]
-        [::core::mem::offset_of!(cudaDeviceProp, deferredMappingCudaArraySupported) - 740usize];
-    ["Offset of field: cudaDeviceProp::ipcEventSupported"]
-        [::core::mem::offset_of!(cudaDeviceProp, ipcEventSupported) - 744usize];
-    ["Offset of field: cudaDeviceProp::clusterLaunch"]
-        [::core::mem::offset_of!(cudaDeviceProp, clusterLaunch) - 748usize];
-    ["Offset of field: cudaDeviceProp::unifiedFunctionPointers"]
-        [::core::mem::offset_of!(cudaDeviceProp, unifiedFunctionPointers) - 752usize];
-    ["Offset of field: cudaDeviceProp::deviceNumaConfig"]
-        [::core::mem::offset_of!(cudaDeviceProp, deviceNumaConfig) - 756usize];
-    ["Offset of field: cudaDeviceProp::deviceNumaId"]
-        [::core::mem::offset_of!(cudaDeviceProp, deviceNumaId) - 760usize];
-    ["Offset of field: cudaDeviceProp::mpsEnabled"]
-        [::core::mem::offset_of!(cudaDeviceProp, mpsEnabled) - 764usize];
-    ["Offset of field: cudaDeviceProp::hostNumaId"]
-        [::core::mem::offset_of!(cudaDeviceProp, hostNumaId) - 768usize];
-    ["Offset of field: cudaDeviceProp::gpuPciDeviceID"]
-        [::core::mem::offset_of!(cudaDeviceProp, gpuPciDeviceID) - 772usize];
-    ["Offset of field: cudaDeviceProp::gpuPciSubsystemID"]
-        [::core::mem::offset_of!(cudaDeviceProp, gpuPciSubsystemID) - 776usize];
-    ["Offset of field: cudaDeviceProp::hostNumaMultinodeIpcSupported"]
-        [::core::mem::offset_of!(cudaDeviceProp, hostNumaMultinodeIpcSupported) - 780usize];
-    ["Offset of field: cudaDeviceProp::reserved"]
-        [::core::mem::offset_of!(cudaDeviceProp, reserved) - 784usize];
+    [
+        "Offset of field: cudaDeviceProp::name",
+    ][::core::mem::offset_of!(cudaDeviceProp, name) - 0usize];
+    [
+        "Offset of field: cudaDeviceProp::uuid",
+    ][::core::mem::offset_of!(cudaDeviceProp, uuid) - 256usize];
+    [
+        "Offset of field: cudaDeviceProp::luid",
+    ][::core::mem::offset_of!(cudaDeviceProp, luid) - 272usize];
+    [
+        "Offset of field: cudaDeviceProp::luidDeviceNodeMask",
+    ][::core::mem::offset_of!(cudaDeviceProp, luidDeviceNodeMask) - 280usize];
+    [
+        "Offset of field: cudaDeviceProp::totalGlobalMem",
+    ][::core::mem::offset_of!(cudaDeviceProp, totalGlobalMem) - 288usize];
+    [
+        "Offset of field: cudaDeviceProp::sharedMemPerBlock",
+    ][::core::mem::offset_of!(cudaDeviceProp, sharedMemPerBlock) - 296usize];
+    [
+        "Offset of field: cudaDeviceProp::regsPerBlock",
+    ][::core::mem::offset_of!(cudaDeviceProp, regsPerBlock) - 304usize];
+    [
+        "Offset of field: cudaDeviceProp::warpSize",
+    ][::core::mem::offset_of!(cudaDeviceProp, warpSize) - 308usize];
+    [
+        "Offset of field: cudaDeviceProp::memPitch",
+    ][::core::mem::offset_of!(cudaDeviceProp, memPitch) - 312usize];
+    [
+        "Offset of field: cudaDeviceProp::maxThreadsPerBlock",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxThreadsPerBlock) - 320usize];
+    [
+        "Offset of field: cudaDeviceProp::maxThreadsDim",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxThreadsDim) - 324usize];
+    [
+        "Offset of field: cudaDeviceProp::maxGridSize",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxGridSize) - 336usize];
+    [
+        "Offset of field: cudaDeviceProp::totalConstMem",
+    ][::core::mem::offset_of!(cudaDeviceProp, totalConstMem) - 352usize];
+    [
+        "Offset of field: cudaDeviceProp::major",
+    ][::core::mem::offset_of!(cudaDeviceProp, major) - 360usize];
+    [
+        "Offset of field: cudaDeviceProp::minor",
+    ][::core::mem::offset_of!(cudaDeviceProp, minor) - 364usize];
+    [
+        "Offset of field: cudaDeviceProp::textureAlignment",
+    ][::core::mem::offset_of!(cudaDeviceProp, textureAlignment) - 368usize];
+    [
+        "Offset of field: cudaDeviceProp::texturePitchAlignment",
+    ][::core::mem::offset_of!(cudaDeviceProp, texturePitchAlignment) - 376usize];
+    [
+        "Offset of field: cudaDeviceProp::multiProcessorCount",
+    ][::core::mem::offset_of!(cudaDeviceProp, multiProcessorCount) - 384usize];
+    [
+        "Offset of field: cudaDeviceProp::integrated",
+    ][::core::mem::offset_of!(cudaDeviceProp, integrated) - 388usize];
+    [
+        "Offset of field: cudaDeviceProp::canMapHostMemory",
+    ][::core::mem::offset_of!(cudaDeviceProp, canMapHostMemory) - 392usize];
+    [
+        "Offset of field: cudaDeviceProp::maxTexture1D",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxTexture1D) - 396usize];
+    [
+        "Offset of field: cudaDeviceProp::maxTexture1DMipmap",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxTexture1DMipmap) - 400usize];
+    [
+        "Offset of field: cudaDeviceProp::maxTexture2D",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxTexture2D) - 404usize];
+    [
+        "Offset of field: cudaDeviceProp::maxTexture2DMipmap",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxTexture2DMipmap) - 412usize];
+    [
+        "Offset of field: cudaDeviceProp::maxTexture2DLinear",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxTexture2DLinear) - 420usize];
+    [
+        "Offset of field: cudaDeviceProp::maxTexture2DGather",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxTexture2DGather) - 432usize];
+    [
+        "Offset of field: cudaDeviceProp::maxTexture3D",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxTexture3D) - 440usize];
+    [
+        "Offset of field: cudaDeviceProp::maxTexture3DAlt",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxTexture3DAlt) - 452usize];
+    [
+        "Offset of field: cudaDeviceProp::maxTextureCubemap",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxTextureCubemap) - 464usize];
+    [
+        "Offset of field: cudaDeviceProp::maxTexture1DLayered",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxTexture1DLayered) - 468usize];
+    [
+        "Offset of field: cudaDeviceProp::maxTexture2DLayered",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxTexture2DLayered) - 476usize];
+    [
+        "Offset of field: cudaDeviceProp::maxTextureCubemapLayered",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxTextureCubemapLayered) - 488usize];
+    [
+        "Offset of field: cudaDeviceProp::maxSurface1D",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxSurface1D) - 496usize];
+    [
+        "Offset of field: cudaDeviceProp::maxSurface2D",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxSurface2D) - 500usize];
+    [
+        "Offset of field: cudaDeviceProp::maxSurface3D",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxSurface3D) - 508usize];
+    [
+        "Offset of field: cudaDeviceProp::maxSurface1DLayered",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxSurface1DLayered) - 520usize];
+    [
+        "Offset of field: cudaDeviceProp::maxSurface2DLayered",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxSurface2DLayered) - 528usize];
+    [
+        "Offset of field: cudaDeviceProp::maxSurfaceCubemap",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxSurfaceCubemap) - 540usize];
+    [
+        "Offset of field: cudaDeviceProp::maxSurfaceCubemapLayered",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxSurfaceCubemapLayered) - 544usize];
+    [
+        "Offset of field: cudaDeviceProp::surfaceAlignment",
+    ][::core::mem::offset_of!(cudaDeviceProp, surfaceAlignment) - 552usize];
+    [
+        "Offset of field: cudaDeviceProp::concurrentKernels",
+    ][::core::mem::offset_of!(cudaDeviceProp, concurrentKernels) - 560usize];
+    [
+        "Offset of field: cudaDeviceProp::ECCEnabled",
+    ][::core::mem::offset_of!(cudaDeviceProp, ECCEnabled) - 564usize];
+    [
+        "Offset of field: cudaDeviceProp::pciBusID",
+    ][::core::mem::offset_of!(cudaDeviceProp, pciBusID) - 568usize];
+    [
+        "Offset of field: cudaDeviceProp::pciDeviceID",
+    ][::core::mem::offset_of!(cudaDeviceProp, pciDeviceID) - 572usize];
+    [
+        "Offset of field: cudaDeviceProp::pciDomainID",
+    ][::core::mem::offset_of!(cudaDeviceProp, pciDomainID) - 576usize];
+    [
+        "Offset of field: cudaDeviceProp::tccDriver",
+    ][::core::mem::offset_of!(cudaDeviceProp, tccDriver) - 580usize];
+    [
+        "Offset of field: cudaDeviceProp::asyncEngineCount",
+    ][::core::mem::offset_of!(cudaDeviceProp, asyncEngineCount) - 584usize];
+    [
+        "Offset of field: cudaDeviceProp::unifiedAddressing",
+    ][::core::mem::offset_of!(cudaDeviceProp, unifiedAddressing) - 588usize];
+    [
+        "Offset of field: cudaDeviceProp::memoryBusWidth",
+    ][::core::mem::offset_of!(cudaDeviceProp, memoryBusWidth) - 592usize];
+    [
+        "Offset of field: cudaDeviceProp::l2CacheSize",
+    ][::core::mem::offset_of!(cudaDeviceProp, l2CacheSize) - 596usize];
+    [
+        "Offset of field: cudaDeviceProp::persistingL2CacheMaxSize",
+    ][::core::mem::offset_of!(cudaDeviceProp, persistingL2CacheMaxSize) - 600usize];
+    [
+        "Offset of field: cudaDeviceProp::maxThreadsPerMultiProcessor",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxThreadsPerMultiProcessor) - 604usize];
+    [
+        "Offset of field: cudaDeviceProp::streamPrioritiesSupported",
+    ][::core::mem::offset_of!(cudaDeviceProp, streamPrioritiesSupported) - 608usize];
+    [
+        "Offset of field: cudaDeviceProp::globalL1CacheSupported",
+    ][::core::mem::offset_of!(cudaDeviceProp, globalL1CacheSupported) - 612usize];
+    [
+        "Offset of field: cudaDeviceProp::localL1CacheSupported",
+    ][::core::mem::offset_of!(cudaDeviceProp, localL1CacheSupported) - 616usize];
+    [
+        "Offset of field: cudaDeviceProp::sharedMemPerMultiprocessor",
+    ][::core::mem::offset_of!(cudaDeviceProp, sharedMemPerMultiprocessor) - 624usize];
+    [
+        "Offset of field: cudaDeviceProp::regsPerMultiprocessor",
+    ][::core::mem::offset_of!(cudaDeviceProp, regsPerMultiprocessor) - 632usize];
+    [
+        "Offset of field: cudaDeviceProp::managedMemory",
+    ][::core::mem::offset_of!(cudaDeviceProp, managedMemory) - 636usize];
+    [
+        "Offset of field: cudaDeviceProp::isMultiGpuBoard",
+    ][::core::mem::offset_of!(cudaDeviceProp, isMultiGpuBoard) - 640usize];
+    [
+        "Offset of field: cudaDeviceProp::multiGpuBoardGroupID",
+    ][::core::mem::offset_of!(cudaDeviceProp, multiGpuBoardGroupID) - 644usize];
+    [
+        "Offset of field: cudaDeviceProp::hostNativeAtomicSupported",
+    ][::core::mem::offset_of!(cudaDeviceProp, hostNativeAtomicSupported) - 648usize];
+    [
+        "Offset of field: cudaDeviceProp::pageableMemoryAccess",
+    ][::core::mem::offset_of!(cudaDeviceProp, pageableMemoryAccess) - 652usize];
+    [
+        "Offset of field: cudaDeviceProp::concurrentManagedAccess",
+    ][::core::mem::offset_of!(cudaDeviceProp, concurrentManagedAccess) - 656usize];
+    [
+        "Offset of field: cudaDeviceProp::computePreemptionSupported",
+    ][::core::mem::offset_of!(cudaDeviceProp, computePreemptionSupported) - 660usize];
+    [
+        "Offset of field: cudaDeviceProp::canUseHostPointerForRegisteredMem",
+    ][::core::mem::offset_of!(cudaDeviceProp, canUseHostPointerForRegisteredMem)
+        - 664usize];
+    [
+        "Offset of field: cudaDeviceProp::cooperativeLaunch",
+    ][::core::mem::offset_of!(cudaDeviceProp, cooperativeLaunch) - 668usize];
+    [
+        "Offset of field: cudaDeviceProp::sharedMemPerBlockOptin",
+    ][::core::mem::offset_of!(cudaDeviceProp, sharedMemPerBlockOptin) - 672usize];
+    [
+        "Offset of field: cudaDeviceProp::pageableMemoryAccessUsesHostPageTables",
+    ][::core::mem::offset_of!(cudaDeviceProp, pageableMemoryAccessUsesHostPageTables)
+        - 680usize];
+    [
+        "Offset of field: cudaDeviceProp::directManagedMemAccessFromHost",
+    ][::core::mem::offset_of!(cudaDeviceProp, directManagedMemAccessFromHost)
+        - 684usize];
+    [
+        "Offset of field: cudaDeviceProp::maxBlocksPerMultiProcessor",
+    ][::core::mem::offset_of!(cudaDeviceProp, maxBlocksPerMultiProcessor) - 688usize];
+    [
+        "Offset of field: cudaDeviceProp::accessPolicyMaxWindowSize",
+    ][::core::mem::offset_of!(cudaDeviceProp, accessPolicyMaxWindowSize) - 692usize];
+    [
+        "Offset of field: cudaDeviceProp::reservedSharedMemPerBlock",
+    ][::core::mem::offset_of!(cudaDeviceProp, reservedSharedMemPerBlock) - 696usize];
+    [
+        "Offset of field: cudaDeviceProp::hostRegisterSupported",
+    ][::core::mem::offset_of!(cudaDeviceProp, hostRegisterSupported) - 704usize];
+    [
+        "Offset of field: cudaDeviceProp::sparseCudaArraySupported",
+    ][::core::mem::offset_of!(cudaDeviceProp, sparseCudaArraySupported) - 708usize];
+    [
+        "Offset of field: cudaDeviceProp::hostRegisterReadOnlySupported",
+    ][::core::mem::offset_of!(cudaDeviceProp, hostRegisterReadOnlySupported) - 712usize];
+    [
+        "Offset of field: cudaDeviceProp::timelineSemaphoreInteropSupported",
+    ][::core::mem::offset_of!(cudaDeviceProp, timelineSemaphoreInteropSupported)
+        - 716usize];
+    [
+        "Offset of field: cudaDeviceProp::memoryPoolsSupported",
+    ][::core::mem::offset_of!(cudaDeviceProp, memoryPoolsSupported) - 720usize];
+    [
+        "Offset of field: cudaDeviceProp::gpuDirectRDMASupported",
+    ][::core::mem::offset_of!(cudaDeviceProp, gpuDirectRDMASupported) - 724usize];
+    [
+        "Offset of field: cudaDeviceProp::gpuDirectRDMAFlushWritesOptions",
+    ][::core::mem::offset_of!(cudaDeviceProp, gpuDirectRDMAFlushWritesOptions)
+        - 728usize];
+    [
+        "Offset of field: cudaDeviceProp::gpuDirectRDMAWritesOrdering",
+    ][::core::mem::offset_of!(cudaDeviceProp, gpuDirectRDMAWritesOrdering) - 732usize];
+    [
+        "Offset of field: cudaDeviceProp::memoryPoolSupportedHandleTypes",
+    ][::core::mem::offset_of!(cudaDeviceProp, memoryPoolSupportedHandleTypes)
+        - 736usize];
+    [
+        "Offset of field: cudaDeviceProp::deferredMappingCudaArraySupported",
+    ][::core::mem::offset_of!(cudaDeviceProp, deferredMappingCudaArraySupported)
+        - 740usize];
+    [
+        "Offset of field: cudaDeviceProp::ipcEventSupported",
+    ][::core::mem::offset_of!(cudaDeviceProp, ipcEventSupported) - 744usize];
+    [
+        "Offset of field: cudaDeviceProp::clusterLaunch",
+    ][::core::mem::offset_of!(cudaDeviceProp, clusterLaunch) - 748usize];
+    [
+        "Offset of field: cudaDeviceProp::unifiedFunctionPointers",
+    ][::core::mem::offset_of!(cudaDeviceProp, unifiedFunctionPointers) - 752usize];
+    [
+        "Offset of field: cudaDeviceProp::deviceNumaConfig",
+    ][::core::mem::offset_of!(cudaDeviceProp, deviceNumaConfig) - 756usize];
+    [
+        "Offset of field: cudaDeviceProp::deviceNumaId",
+    ][::core::mem::offset_of!(cudaDeviceProp, deviceNumaId) - 760usize];
+    [
+        "Offset of field: cudaDeviceProp::mpsEnabled",
+    ][::core::mem::offset_of!(cudaDeviceProp, mpsEnabled) - 764usize];
+    [
+        "Offset of field: cudaDeviceProp::hostNumaId",
+    ][::core::mem::offset_of!(cudaDeviceProp, hostNumaId) - 768usize];
+    [
+        "Offset of field: cudaDeviceProp::gpuPciDeviceID",
+    ][::core::mem::offset_of!(cudaDeviceProp, gpuPciDeviceID) - 772usize];
+    [
+        "Offset of field: cudaDeviceProp::gpuPciSubsystemID",
+    ][::core::mem::offset_of!(cudaDeviceProp, gpuPciSubsystemID) - 776usize];
+    [
+        "Offset of field: cudaDeviceProp::hostNumaMultinodeIpcSupported",
+    ][::core::mem::offset_of!(cudaDeviceProp, hostNumaMultinodeIpcSupported) - 780usize];
+    [
+        "Offset of field: cudaDeviceProp::reserved",
+    ][::core::mem::offset_of!(cudaDeviceProp, reserved) - 784usize];
 };
 impl Default for cudaDeviceProp {
     fn default() -> Self {
