@@ -139,10 +139,10 @@ impl<T, A: PinnedAllocator> PinnedBox<T, A> {
         let value = unsafe { this.ptr.as_ptr().read() };
         let allocation = this.allocation.take();
         // SAFETY: fields moved out once from a value that is not dropped.
-        let (uses, allocator) = unsafe { (ptr::read(&this.uses), ptr::read(&this.allocator)) };
+        let (mut uses, allocator) = unsafe { (ptr::read(&this.uses), ptr::read(&this.allocator)) };
         if let Some(allocation) = allocation {
             // SAFETY: from this allocator; `uses` covers device work.
-            unsafe { release(&allocator, allocation, uses) };
+            unsafe { release(&allocator, allocation, &mut uses) };
         }
         value
     }
@@ -205,9 +205,8 @@ impl<T, A: PinnedAllocator> Drop for PinnedBox<T, A> {
         // SAFETY: the value is initialised (a `PinnedBox<MaybeUninit<_>>` drops nothing).
         unsafe { ptr::drop_in_place(self.ptr.as_ptr()) };
         if let Some(allocation) = self.allocation.take() {
-            let uses = mem::take(&mut self.uses);
             // SAFETY: from this allocator; `uses` covers device work.
-            unsafe { release(&self.allocator, allocation, uses) };
+            unsafe { release(&self.allocator, allocation, &mut self.uses) };
         }
     }
 }

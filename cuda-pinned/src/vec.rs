@@ -166,10 +166,10 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
     ///
     /// [`Error::CapacityOverflow`] or the allocator's error; the vector is unchanged.
     pub fn try_reserve(&mut self, additional: usize) -> Result<()> {
-        let required = self
-            .len
-            .checked_add(additional)
-            .ok_or(Error::CapacityOverflow)?;
+        // `let else`, not `ok_or`: an error value built eagerly is also dropped on success.
+        let Some(required) = self.len.checked_add(additional) else {
+            return Err(Error::CapacityOverflow);
+        };
         if required <= self.cap {
             return Ok(());
         }
@@ -187,10 +187,10 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
     ///
     /// [`Error::CapacityOverflow`] or the allocator's error; the vector is unchanged.
     pub fn try_reserve_exact(&mut self, additional: usize) -> Result<()> {
-        let required = self
-            .len
-            .checked_add(additional)
-            .ok_or(Error::CapacityOverflow)?;
+        // `let else`, not `ok_or`: an error value built eagerly is also dropped on success.
+        let Some(required) = self.len.checked_add(additional) else {
+            return Err(Error::CapacityOverflow);
+        };
         if required <= self.cap {
             return Ok(());
         }
@@ -220,10 +220,9 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
         unsafe { ptr::copy_nonoverlapping(self.ptr.as_ptr(), new_ptr.as_ptr(), self.len) };
         let new_cap = allocation.bytes() / mem::size_of::<T>();
         if let Some(old) = self.allocation.replace(allocation) {
-            let uses = mem::take(&mut self.uses);
             // SAFETY: `old` came from this allocator; its values were moved out above and
             // `uses` holds every recorded device use of it.
-            unsafe { release(&self.allocator, old, uses) };
+            unsafe { release(&self.allocator, old, &mut self.uses) };
         }
         self.ptr = new_ptr;
         self.cap = new_cap;
@@ -470,9 +469,8 @@ impl<T, A: PinnedAllocator> Drop for PinnedVec<T, A> {
         // SAFETY: the first `len` elements are initialised and dropped once here.
         unsafe { ptr::drop_in_place(ptr::slice_from_raw_parts_mut(self.ptr.as_ptr(), self.len)) };
         if let Some(allocation) = self.allocation.take() {
-            let uses = mem::take(&mut self.uses);
             // SAFETY: the allocation came from this allocator; `uses` covers device work.
-            unsafe { release(&self.allocator, allocation, uses) };
+            unsafe { release(&self.allocator, allocation, &mut self.uses) };
         }
     }
 }

@@ -8,34 +8,12 @@ use std::time::Duration;
 pub const POOL_CONF_VAR: &str = "CUDA_PINNED_POOL_CONF";
 
 /// How a pool behaves. Every limit is off by default, like PyTorch's allocator.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PoolConfig {
     pub(crate) max_cached_bytes: Option<usize>,
     pub(crate) max_pinned_bytes: Option<usize>,
     pub(crate) max_block_cached_bytes: Option<usize>,
     pub(crate) idle_release: Option<Duration>,
-    pub(crate) shards: usize,
-    pub(crate) exact_peaks: bool,
-}
-
-impl Default for PoolConfig {
-    fn default() -> Self {
-        Self {
-            max_cached_bytes: None,
-            max_pinned_bytes: None,
-            max_block_cached_bytes: None,
-            idle_release: None,
-            shards: default_shards(),
-            exact_peaks: true,
-        }
-    }
-}
-
-/// One shard per core (at most 64): threads rarely share one, so their locks stay uncontended.
-fn default_shards() -> usize {
-    std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .clamp(1, 64)
 }
 
 /// What is wrong with a configuration string.
@@ -97,15 +75,10 @@ const KEYS: &[(&str, &str)] = &[
         "idle_release_ms",
         "blocks idle longer than this are released, in milliseconds",
     ),
-    ("shards", "number of free-list shards, 1 to 1024"),
-    (
-        "exact_peaks",
-        "true (pool-wide peaks, one shared counter) or false (per-shard counts)",
-    ),
 ];
 
 impl PoolConfig {
-    /// The defaults: no limits, one shard per core.
+    /// The defaults: no limits.
     pub fn new() -> Self {
         Self::default()
     }
@@ -138,25 +111,9 @@ impl PoolConfig {
         self
     }
 
-    /// Number of free-list shards (threads map onto shards; more shards, less sharing).
-    pub fn shards(mut self, shards: usize) -> Self {
-        self.shards = shards.clamp(1, 1024);
-        self
-    }
-
-    /// Whether `active_*` peaks are exact pool-wide peaks (the default: one shared atomic
-    /// counter, updated once per allocation and per free) or sums of per-shard peaks (an upper
-    /// bound; no memory shared between threads on the fast path, so throughput grows with
-    /// threads). Current values are exact either way.
-    pub fn exact_peaks(mut self, exact: bool) -> Self {
-        self.exact_peaks = exact;
-        self
-    }
-
     /// Parses `key:value,key:value` (whitespace around entries is ignored).
     ///
-    /// Keys: `max_cached_mb`, `max_pinned_mb`, `max_block_cached_mb`, `idle_release_ms`,
-    /// `shards`, `exact_peaks`.
+    /// Keys: `max_cached_mb`, `max_pinned_mb`, `max_block_cached_mb`, `idle_release_ms`.
     ///
     /// # Errors
     ///
@@ -198,30 +155,6 @@ impl PoolConfig {
                         "a whole number of milliseconds",
                     )?))
                 }
-                "shards" => {
-                    let shards = number("a number from 1 to 1024")?;
-                    if !(1..=1024).contains(&shards) {
-                        return Err(ConfigError::BadValue {
-                            key: key.to_owned(),
-                            value: value.to_owned(),
-                            expected: "a number from 1 to 1024",
-                        });
-                    }
-                    config.shards = shards as usize;
-                }
-                "exact_peaks" => {
-                    config.exact_peaks = match value {
-                        "true" | "1" => true,
-                        "false" | "0" => false,
-                        _ => {
-                            return Err(ConfigError::BadValue {
-                                key: key.to_owned(),
-                                value: value.to_owned(),
-                                expected: "true or false",
-                            });
-                        }
-                    }
-                }
                 _ => {
                     return Err(ConfigError::UnknownKey {
                         key: key.to_owned(),
@@ -252,15 +185,13 @@ mod tests {
     #[test]
     fn parses_every_key() {
         let config = PoolConfig::parse(
-            " max_cached_mb:64, max_pinned_mb:1024,max_block_cached_mb:8,idle_release_ms:1500,shards:4,exact_peaks:false ",
+            " max_cached_mb:64, max_pinned_mb:1024,max_block_cached_mb:8,idle_release_ms:1500 ",
         )
         .unwrap();
         assert_eq!(config.max_cached_bytes, Some(64 << 20));
         assert_eq!(config.max_pinned_bytes, Some(1 << 30));
         assert_eq!(config.max_block_cached_bytes, Some(8 << 20));
         assert_eq!(config.idle_release, Some(Duration::from_millis(1500)));
-        assert_eq!(config.shards, 4);
-        assert!(!config.exact_peaks);
         assert_eq!(PoolConfig::parse("").unwrap(), PoolConfig::default());
     }
 
@@ -277,7 +208,7 @@ mod tests {
             Err(ConfigError::BadValue { key, .. }) if key == "max_pinned_mb"
         ));
         assert!(matches!(
-            PoolConfig::parse("shards:0"),
+            PoolConfig::parse("idle_release_ms:-1"),
             Err(ConfigError::BadValue { .. })
         ));
         assert!(matches!(

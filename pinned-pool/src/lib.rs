@@ -49,22 +49,39 @@
 //! first unfinished event: head-of-line blocking). Pending blocks are checked on every cache
 //! miss and by [`Pool::process_events`].
 //!
-//! *Threads.* Free lists are sharded: each thread keeps to one shard (one per core by
-//! default) behind a spin lock it almost never shares, so a warm allocate/free pair costs
-//! two uncontended lock operations. A miss looks in the other shards before pinning new
-//! memory. Counters are kept per shard and summed, except one: a true pool-wide peak of
-//! `active_*` needs a single point every allocation and free pass through, one atomic word
-//! (requests and bytes packed together). That word is the one line threads share, and under
-//! many threads it, not the free lists, limits throughput. [`PoolConfig::exact_peaks`]`(false)`
-//! counts `active_*` per shard too: current values stay exact, peaks become an upper bound
-//! (the sum of per-shard peaks), and throughput grows with threads (on the H100 host: 8 M
-//! pairs/s at 16 threads with exact peaks, 167–224 M/s without).
+//! *Threads.* Each thread has its own cache in the pool: a short stack of idle blocks per
+//! class (up to 16 blocks or 1 MiB) and its own counters. A warm allocate or free touches
+//! only that cache, with no lock, no atomic read-modify-write and no fence: two plain stores
+//! and a load say "inside" and check "paused". A thread whose stack is full passes its older
+//! half to shared lists; one whose stack is empty refills from them; a miss there pauses
+//! every cache and looks in the other threads' stacks before pinning new memory.
+//!
+//! *Pausing.* `empty_cache`, `trim`, `release_idle`, `stats` and the rare peak check below
+//! need every thread's cache at once. The pauser, holding the pool's lock, marks each cache
+//! paused, runs `membarrier(2)` (which makes every running thread of the process execute a
+//! full fence, so no fence is needed on the fast path) and waits for each owner to leave its
+//! cache; owners meanwhile take the lock instead. On systems without `membarrier` the fast
+//! path pays one fence instead ([`Pool::has_fence_free_fast_path`]).
+//!
+//! *Exact peaks without a shared counter.* PyTorch sums per-bucket peaks, an upper bound.
+//! Here `active_*` peaks are true pool-wide peaks: each thread may hand out blocks while its
+//! own count stays under its *ceiling*, and the ceilings of all threads add up to at most
+//! the recorded peak, so the pool-wide count cannot pass the peak unseen. A thread that
+//! needs a higher ceiling takes the lock: if the peak leaves room it takes some (with
+//! headroom, so a loop of allocations asks a logarithmic number of times); if not, it pauses
+//! every cache, sums the exact total (counting blocks that threads waiting for the lock are
+//! about to take) and raises the peak to it if it is higher. Frees lower a thread's ceiling
+//! to its count plus its usual headroom, returning room to the others. Once the peak covers
+//! what threads hold at once, allocations take no lock; until then (say the first
+//! milliseconds after 16 threads start cycling blocks through a pool that has seen 8 in use
+//! at once) threads take the lock and pause often, while the pool learns the new peak.
 //!
 //! *Locks and CUDA.* No CUDA call runs under a pool lock: events are queried with the pending
 //! list taken out, and blocks are pinned and released with no lock held (PyTorch's own rule,
 //! which its `empty_cache` breaks).
 //!
-//! *Limits.* [`PoolConfig`] caps idle cached bytes (freeing past it trims), total pinned bytes
+//! *Limits.* [`PoolConfig`] caps idle cached bytes (freeing past it trims; with this cap set,
+//! each allocate and free also updates one shared counter), total pinned bytes
 //! (an allocation past it first releases idle cache, then fails with
 //! `Error::LimitExceeded`), the size of blocks worth caching, and how long a block may stay
 //! idle. [`Pool::trim`] shrinks the cache to a target. When the backend fails to pin, the pool
@@ -78,10 +95,11 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod api2;
+mod barrier;
 mod completion;
 mod config;
+mod local;
 mod pool;
-mod shard;
 mod size_class;
 mod stats;
 

@@ -1,8 +1,10 @@
-//! The pool: size-classed, sharded free lists over a backend, with event-gated reuse.
+//! The pool: size-classed caches per thread over shared lists and a backend, with
+//! event-gated reuse and exact statistics.
 
 use std::alloc::Layout;
 use std::collections::HashMap;
 use std::fmt;
+use std::ptr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
@@ -10,12 +12,14 @@ use cuda_pinned::{
     Allocation, DefaultPinned, Error, PendingUses, PinnedAllocator, PinnedVec, Result,
 };
 use parking_lot::Mutex;
+use thread_local::ThreadLocal;
 
+use crate::barrier::Barrier;
 use crate::completion::Completion;
 use crate::config::{ConfigError, PoolConfig};
-use crate::shard::{Cached, Shard, my_shard};
-use crate::size_class::{PAGE, class_of, class_size};
-use crate::stats::{DurationStat, PackedActive, PoolStats, Stat};
+use crate::local::{Amount, Cached, Local, LocalData, idle_bytes, magazine_has_room};
+use crate::size_class::{CLASSES, PAGE, class_of, class_size};
+use crate::stats::{DurationStat, PoolStats, Stat};
 
 /// A caching allocator of page-locked memory; see the crate documentation for the design.
 ///
@@ -25,28 +29,82 @@ use crate::stats::{DurationStat, PackedActive, PoolStats, Stat};
 pub struct Pool<B: PinnedAllocator = DefaultPinned, C: Completion = PendingUses> {
     backend: B,
     config: PoolConfig,
-    shards: Box<[Shard]>,
+    barrier: Barrier,
+    /// Each thread's cache.
+    locals: ThreadLocal<Local>,
+    /// What threads share: taken on a thread's slow path, and to pause every cache.
+    central: Mutex<Central>,
     /// Blocks given back while device work may still use them.
     pending: Mutex<Vec<(Allocation, C)>>,
     /// Every block pinned from the backend, by address, as the backend described it.
     blocks: Mutex<HashMap<usize, Allocation>>,
-    /// Blocks and bytes handed out, when peaks are exact (the default); otherwise each shard
-    /// counts its own.
-    active: PackedActive,
-
-    /// Class-size bytes of all blocks pinned (in use, pending or idle): limits and cache size.
+    /// Class-size bytes of all blocks pinned (in use, pending or idle), for the pinned cap.
     reserved: AtomicUsize,
     pending_bytes: AtomicUsize,
     pending_requests: AtomicU64,
-    backend_stats: Mutex<BackendStats>,
+    /// Idle bytes in all caches, kept only under a cap on them (it costs a shared update per
+    /// allocation and free).
+    cached: AtomicUsize,
 }
 
-#[derive(Default)]
-struct BackendStats {
+/// The shared part of a pool.
+struct Central {
+    /// Idle blocks by class that no thread keeps: spilled from full thread stacks, and
+    /// pending blocks whose device work has finished.
+    depot: Box<[Vec<Cached>]>,
+    /// Peaks of blocks and bytes handed out, pool-wide. Every thread's ceiling is within
+    /// them (their sum is at most the peak), so no total can pass them unseen.
+    peak: Amount,
     allocations: Stat,
     allocated_bytes: Stat,
     host_alloc_time: DurationStat,
     host_free_time: DurationStat,
+}
+
+impl Central {
+    fn new() -> Self {
+        Self {
+            depot: (0..CLASSES).map(|_| Vec::new()).collect(),
+            peak: Amount::default(),
+            allocations: Stat::default(),
+            allocated_bytes: Stat::default(),
+            host_alloc_time: DurationStat::default(),
+            host_free_time: DurationStat::default(),
+        }
+    }
+
+    /// Takes a block of `class` and moves more into `data`'s stack, filling it halfway.
+    fn refill(&mut self, data: &mut LocalData, class: usize, size: usize) -> Option<Cached> {
+        let taken = self.depot[class].pop()?;
+        let stack = &mut data.magazine[class];
+        while magazine_has_room(stack.len() * 2 + 1, size) {
+            let Some(more) = self.depot[class].pop() else {
+                break;
+            };
+            stack.push(more);
+        }
+        Some(taken)
+    }
+
+    /// Moves the older half of `data`'s full stack of `class` here.
+    fn spill(&mut self, data: &mut LocalData, class: usize) {
+        let stack = &mut data.magazine[class];
+        let half = stack.len().div_ceil(2);
+        self.depot[class].extend(stack.drain(..half));
+    }
+}
+
+/// Every thread cache paused (see [`Pool::pause_all`]); resumes them when dropped.
+struct Paused<'a> {
+    locals: &'a ThreadLocal<Local>,
+}
+
+impl Drop for Paused<'_> {
+    fn drop(&mut self) {
+        for local in self.locals.iter() {
+            local.resume();
+        }
+    }
 }
 
 fn raise(stat: &mut Stat, amount: u64) {
@@ -96,16 +154,16 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     pub fn with_backend(backend: B, config: PoolConfig) -> Self {
         Self {
             backend,
-            shards: (0..config.shards).map(|_| Shard::new()).collect(),
             config,
+            barrier: Barrier::new(),
+            locals: ThreadLocal::new(),
+            central: Mutex::new(Central::new()),
             pending: Mutex::new(Vec::new()),
             blocks: Mutex::new(HashMap::new()),
-            active: PackedActive::default(),
-
             reserved: AtomicUsize::new(0),
             pending_bytes: AtomicUsize::new(0),
             pending_requests: AtomicU64::new(0),
-            backend_stats: Mutex::new(BackendStats::default()),
+            cached: AtomicUsize::new(0),
         }
     }
 
@@ -117,6 +175,31 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// The backend.
     pub fn backend(&self) -> &B {
         &self.backend
+    }
+
+    /// Whether allocate and free take no atomic read-modify-write and no fence on their fast
+    /// path. True on Linux 4.14 and later, where pausing the thread caches uses
+    /// `membarrier(2)`; elsewhere each operation pays one full fence.
+    pub fn has_fence_free_fast_path(&self) -> bool {
+        self.barrier.is_expedited()
+    }
+
+    /// This thread's cache, created on first use.
+    #[inline]
+    fn local(&self) -> &Local {
+        match self.locals.get() {
+            Some(local) => local,
+            None => self.new_local(),
+        }
+    }
+
+    /// Creates this thread's cache and looks it up again: the reference the creating call
+    /// returns is derived from a unique one, which a pauser's write to the cache's flags
+    /// would invalidate under Rust's aliasing rules (as Miri checks them).
+    #[cold]
+    fn new_local(&self) -> &Local {
+        self.locals.get_or(Local::new);
+        self.locals.get_or(Local::new)
     }
 
     /// An empty byte vector with room for at least `bytes` bytes: the raw block (fill it
@@ -142,58 +225,195 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// [`Error::CapacityOverflow`] above the largest class (128 TiB);
     /// [`Error::LimitExceeded`] when the pinned-bytes cap would be passed even after releasing
     /// idle cache; the backend's error when pinning fails even after releasing idle cache.
+    #[inline(always)]
     pub fn allocate_raw(&self, bytes: usize) -> Result<Allocation> {
-        let (class, size) = class_of(bytes).ok_or(Error::CapacityOverflow)?;
-        let me = my_shard(self.shards.len());
-        let allocation = match self.take(me, class) {
-            Some(hit) => hit,
-            None => self.allocate_slow(me, class, size)?,
+        let Some((class, size)) = class_of(bytes) else {
+            return Err(Error::CapacityOverflow);
         };
-        if self.config.exact_peaks && !self.active.add(size) {
-            // More than 16.7 million blocks or 4 PiB in use at once: the count is full.
-            let in_use = self.active.current().1 as usize;
-            self.cache(me, allocation, true, false);
-            return Err(Error::LimitExceeded {
-                requested: size,
-                pinned: in_use,
-                limit: in_use,
-            });
+        let local = self.local();
+        if let Some(mut data) = local.enter(self.barrier)
+            && let Some(cached) = local.take(&mut data, class, size)
+        {
+            drop(data);
+            self.cache_shrank(size);
+            return Ok(cached.into_allocation(class));
         }
-        Ok(allocation)
+        let cached = self.allocate_slow(local, class, size)?;
+        Ok(cached.into_allocation(class))
     }
 
-    /// Pops an idle block of `class` from shard `shard`, counting the hit there.
-    fn take(&self, shard: usize, class: usize) -> Option<Allocation> {
-        let mut data = self.shards[shard].lock();
-        let cached = data.free[class].pop()?;
-        let size = class_size(class);
-        data.hits += 1;
-        data.handed += 1;
-        data.handed_bytes += size as u64;
-        if !self.config.exact_peaks {
-            data.active.add(size);
-        }
-        Some(cached.allocation)
+    /// This thread's stack when its cache was paused or the ceiling was reached, then the
+    /// shared lists, then finished pending blocks, then every thread's stack, then new memory.
+    ///
+    /// Returns the block as a [`Cached`] so that the caller builds the [`Allocation`] from
+    /// its parts on either path: a whole `Allocation` written here and copied there would
+    /// stall the fast path on store forwarding.
+    #[cold]
+    fn allocate_slow(&self, local: &Local, class: usize, size: usize) -> Result<Cached> {
+        local.want(size);
+        let result = self.find_or_pin(local, class, size);
+        local.want(0);
+        result
     }
 
-    fn allocate_slow(&self, me: usize, class: usize, size: usize) -> Result<Allocation> {
+    /// The search of [`allocate_slow`](Self::allocate_slow), while this thread's wish for a
+    /// block is visible to pausers.
+    fn find_or_pin(&self, local: &Local, class: usize, size: usize) -> Result<Cached> {
+        {
+            let mut central = self.central.lock();
+            // SAFETY: this thread owns `local`, is outside `enter` and holds the lock.
+            let data = unsafe { self.own(local) };
+            let cached = data.magazine[class]
+                .pop()
+                .or_else(|| central.refill(data, class, size));
+            if let Some(cached) = cached {
+                self.hand_out(&mut central, local, data, size, true, None);
+                drop(central);
+                self.cache_shrank(size);
+                return Ok(cached);
+            }
+        }
         self.process_events();
         if self.config.idle_release.is_some() {
             self.release_idle();
         }
-        let shards = self.shards.len();
-        if let Some(hit) = (0..shards).find_map(|i| self.take((me + i) % shards, class)) {
-            return Ok(hit);
+        {
+            let mut central = self.central.lock();
+            let paused = self.pause_all(&mut central);
+            let cached = central.depot[class].pop().or_else(|| {
+                self.locals
+                    .iter()
+                    .filter(|other| !ptr::eq(*other, local))
+                    .find_map(|other| {
+                        // SAFETY: every cache is paused and the lock is held; `other` is not
+                        // this thread's, whose data is not borrowed yet.
+                        unsafe { other.data() }.magazine[class].pop()
+                    })
+            });
+            if let Some(cached) = cached {
+                // SAFETY: this thread owns `local` and holds the lock.
+                let data = unsafe { self.own(local) };
+                self.hand_out(&mut central, local, data, size, true, Some(&paused));
+                drop(paused);
+                drop(central);
+                self.cache_shrank(size);
+                return Ok(cached);
+            }
         }
         let allocation = self.pin_new(class, size)?;
-        let mut data = self.shards[me].lock();
-        data.misses += 1;
-        data.handed += 1;
-        data.handed_bytes += size as u64;
-        if !self.config.exact_peaks {
-            data.active.add(size);
+        let mut central = self.central.lock();
+        // SAFETY: this thread owns `local` and holds the lock.
+        let data = unsafe { self.own(local) };
+        self.hand_out(&mut central, local, data, size, false, None);
+        Ok(Cached::new(&allocation, None))
+    }
+
+    /// This thread's cache data under the lock, let out of its initial pause.
+    ///
+    /// # Safety
+    ///
+    /// As [`Local::data`] for the owning thread: `local` is this thread's, the caller holds
+    /// the lock, is outside `enter`, and holds no other reference to the data.
+    #[allow(clippy::mut_from_ref, reason = "exclusivity comes from the lock")]
+    unsafe fn own<'a>(&self, local: &'a Local) -> &'a mut LocalData {
+        // A cache starts paused (see `Local::new`); under the lock no pause is running.
+        local.resume();
+        // SAFETY: forwarded from the caller.
+        unsafe { local.data() }
+    }
+
+    /// Counts a block of `size` handed out by this thread, first making room for it under
+    /// the thread's ceiling.
+    fn hand_out(
+        &self,
+        central: &mut Central,
+        local: &Local,
+        data: &mut LocalData,
+        size: usize,
+        hit: bool,
+        paused: Option<&Paused<'_>>,
+    ) {
+        self.make_room(central, local, data, size, paused);
+        Local::count_handed(data, size, hit);
+    }
+
+    /// Raises `local`'s ceiling to fit one more block of `size`, keeping the peaks exact.
+    ///
+    /// The sum of all ceilings stays within the peak. While the other threads' ceilings leave
+    /// room under the peak, this thread takes some. Otherwise only the exact total can tell
+    /// whether this allocation makes a new peak: every cache is paused and the total summed,
+    /// counting the blocks that threads waiting for the lock are about to take as taken (their
+    /// allocations are under way, so the total is one the pool passes through); the peak
+    /// rises to it if it is higher, and is shared out again: to each thread what it holds and
+    /// is about to take, then, while any is left, its usual headroom. (Should such a waiting
+    /// allocation then fail, the peak has counted a block that was never handed out.)
+    fn make_room(
+        &self,
+        central: &mut Central,
+        local: &Local,
+        data: &mut LocalData,
+        size: usize,
+        paused: Option<&Paused<'_>>,
+    ) {
+        let after = data.active + Amount::block(size);
+        if after.within(local.ceiling()) {
+            return;
         }
-        Ok(allocation)
+        let others = || self.locals.iter().filter(|other| !ptr::eq(*other, local));
+        // Room for as much again as this thread last needed, so that a loop of allocations
+        // asks here a logarithmic number of times.
+        let headroom = data.keep.max(Amount::block(size));
+        // Other threads may be lowering their ceilings meanwhile: the sum can only be high.
+        let room = central.peak - others().map(Local::ceiling).sum();
+        let ceiling = if after.within(room) {
+            (after + headroom).min(room)
+        } else {
+            let pause = match paused {
+                Some(_) => None,
+                None => Some(self.pause_all(central)),
+            };
+            let mut held = Vec::new();
+            for other in others() {
+                // SAFETY: every cache is paused and the lock is held; `other` is not this
+                // thread's, whose data the caller holds.
+                let theirs = unsafe { other.data() };
+                held.push((other, theirs.active + other.wanted(), theirs.keep));
+            }
+            let elsewhere: Amount = held.iter().map(|(_, amount, _)| *amount).sum();
+            central.peak = central.peak.max(elsewhere + after);
+            let mut spare = central.peak - elsewhere - after;
+            let extra = headroom.min(spare);
+            spare = spare - extra;
+            for (other, amount, keep) in held {
+                let extra = keep.min(spare);
+                spare = spare - extra;
+                other.set_ceiling(amount + extra);
+            }
+            drop(pause);
+            after + extra
+        };
+        local.set_ceiling(ceiling);
+        data.keep = data.keep.max(ceiling - data.active);
+    }
+
+    /// Pauses every thread cache: owners take the lock (held by the caller, as `_central`
+    /// shows) instead of their lock-free path until the guard drops.
+    fn pause_all(&self, _central: &mut Central) -> Paused<'_> {
+        let mine = self.locals.get();
+        let mut others = false;
+        for local in self.locals.iter() {
+            local.pause();
+            others |= !mine.is_some_and(|mine| ptr::eq(mine, local));
+        }
+        if others {
+            self.barrier.heavy();
+        }
+        for local in self.locals.iter() {
+            local.wait_idle();
+        }
+        Paused {
+            locals: &self.locals,
+        }
     }
 
     /// Pins a new block from the backend, within the limit, retrying once after releasing
@@ -220,9 +440,9 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         self.blocks
             .lock()
             .insert(block.ptr().as_ptr() as usize, block);
-        let mut stats = self.backend_stats.lock();
-        raise(&mut stats.allocations, 1);
-        raise(&mut stats.allocated_bytes, bytes);
+        let mut central = self.central.lock();
+        raise(&mut central.allocations, 1);
+        raise(&mut central.allocated_bytes, bytes);
         Ok(handed)
     }
 
@@ -230,10 +450,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         let start = Instant::now();
         let result = self.backend.allocate(layout);
         if result.is_ok() {
-            self.backend_stats
-                .lock()
-                .host_alloc_time
-                .record(start.elapsed());
+            self.central.lock().host_alloc_time.record(start.elapsed());
         }
         result
     }
@@ -258,8 +475,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
                     return Ok(());
                 }
             } else if !trimmed {
-                let cached = self.cached_bytes();
-                self.trim(cached.saturating_sub(wanted - limit));
+                self.shed(|_| (wanted - limit) as u64);
                 trimmed = true;
             } else {
                 return Err(Error::LimitExceeded {
@@ -278,8 +494,64 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// - `allocation` came from [`allocate_raw`](Self::allocate_raw) of this pool, unchanged,
     ///   and is not used afterwards;
     /// - no device work still uses it (otherwise use [`free_raw_after`](Self::free_raw_after)).
+    #[inline(always)]
     pub unsafe fn free_raw(&self, allocation: Allocation) {
-        self.cache(my_shard(self.shards.len()), allocation, true, true);
+        let class = allocation.tag();
+        let size = class_size(class);
+        let local = self.local();
+        if self
+            .config
+            .max_block_cached_bytes
+            .is_some_and(|max| size > max)
+        {
+            self.count_returned(local, size);
+            self.release(vec![allocation]);
+            return;
+        }
+        let idle_since = self.config.idle_release.map(|_| Instant::now());
+        if let Some(mut data) = local.enter(self.barrier)
+            && local.give(&mut data, &allocation, idle_since, class, size)
+        {
+            drop(data);
+            self.cache_grew(size);
+            return;
+        }
+        self.free_slow(local, &allocation, idle_since, class, size);
+    }
+
+    /// A free when this thread's cache was paused or its stack of the class is full.
+    #[cold]
+    fn free_slow(
+        &self,
+        local: &Local,
+        allocation: &Allocation,
+        idle_since: Option<Instant>,
+        class: usize,
+        size: usize,
+    ) {
+        {
+            let mut central = self.central.lock();
+            // SAFETY: this thread owns `local`, is outside `enter` and holds the lock.
+            let data = unsafe { self.own(local) };
+            if !local.give(data, allocation, idle_since, class, size) {
+                // The stack is full: its older half and this block go to the shared lists.
+                central.spill(data, class);
+                central.depot[class].push(Cached::new(allocation, idle_since));
+                local.count_returned(data, size);
+            }
+        }
+        self.cache_grew(size);
+    }
+
+    /// Counts a block of `size` given back by this thread.
+    fn count_returned(&self, local: &Local, size: usize) {
+        if let Some(mut data) = local.enter(self.barrier) {
+            local.count_returned(&mut data, size);
+            return;
+        }
+        let _central = self.central.lock();
+        // SAFETY: this thread owns `local`, is outside `enter` and holds the lock.
+        local.count_returned(unsafe { self.own(local) }, size);
     }
 
     /// Gives a block back; it is reused only once `completion` says the device work that
@@ -291,59 +563,29 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     ///   may still use the block.
     pub unsafe fn free_raw_after(&self, allocation: Allocation, completion: C) {
         let size = class_size(allocation.tag());
-        if self.config.exact_peaks {
-            self.active.sub(size);
-        }
-        {
-            let mut data = self.shards[my_shard(self.shards.len())].lock();
-            data.returned += 1;
-            data.returned_bytes += size as u64;
-            if !self.config.exact_peaks {
-                data.active.sub(size);
-            }
-        }
+        self.count_returned(self.local(), size);
         self.pending_bytes.fetch_add(size, Ordering::Relaxed);
         self.pending_requests.fetch_add(1, Ordering::Relaxed);
         self.pending.lock().push((allocation, completion));
     }
 
-    /// Puts an idle block into shard `shard` (or releases it when caching it is not wanted).
-    /// `returned`: a user gave it back (counted as freed), rather than a pending block having
-    /// become free; `was_active`: it is still counted as handed out.
-    fn cache(&self, shard: usize, allocation: Allocation, returned: bool, was_active: bool) {
-        let size = class_size(allocation.tag());
-        let too_big = self
-            .config
-            .max_block_cached_bytes
-            .is_some_and(|max| size > max);
+    /// Counts `size` idle bytes more in the caches, under a cap on them: past the cap, the
+    /// cache is trimmed to it.
+    #[inline]
+    fn cache_grew(&self, size: usize) {
+        if let Some(max) = self.config.max_cached_bytes
+            && self.cached.fetch_add(size, Ordering::Relaxed) + size > max
         {
-            if was_active && self.config.exact_peaks {
-                self.active.sub(size);
-            }
-            let mut data = self.shards[shard].lock();
-            if returned {
-                data.returned += 1;
-                data.returned_bytes += size as u64;
-            }
-            if was_active && !self.config.exact_peaks {
-                data.active.sub(size);
-            }
-            if !too_big {
-                let idle_since = self.config.idle_release.map(|_| Instant::now());
-                data.free[allocation.tag()].push(Cached {
-                    allocation,
-                    idle_since,
-                });
-                drop(data);
-                if let Some(max) = self.config.max_cached_bytes
-                    && self.cached_bytes() > max
-                {
-                    self.trim(max);
-                }
-                return;
-            }
+            self.trim(max);
         }
-        self.release(vec![allocation]);
+    }
+
+    /// Counts `size` idle bytes fewer in the caches, under a cap on them.
+    #[inline]
+    fn cache_shrank(&self, size: usize) {
+        if self.config.max_cached_bytes.is_some() {
+            self.cached.fetch_sub(size, Ordering::Relaxed);
+        }
     }
 
     /// Moves every block whose device work has finished into the cache, however many older
@@ -356,14 +598,11 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             }
             std::mem::take(&mut *pending)
         };
-        let me = my_shard(self.shards.len());
+        let mut done = Vec::new();
         let mut still_waiting = Vec::new();
         for (allocation, mut completion) in waiting {
             if completion.is_complete() {
-                self.pending_bytes
-                    .fetch_sub(class_size(allocation.tag()), Ordering::Relaxed);
-                self.pending_requests.fetch_sub(1, Ordering::Relaxed);
-                self.cache(me, allocation, false, false);
+                done.push(allocation);
             } else {
                 still_waiting.push((allocation, completion));
             }
@@ -371,42 +610,71 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         if !still_waiting.is_empty() {
             self.pending.lock().extend(still_waiting);
         }
+        if done.is_empty() {
+            return;
+        }
+        self.pending_requests
+            .fetch_sub(done.len() as u64, Ordering::Relaxed);
+        let done_bytes = done.iter().map(|a| class_size(a.tag())).sum();
+        self.pending_bytes.fetch_sub(done_bytes, Ordering::Relaxed);
+        let too_big = |a: &Allocation| {
+            self.config
+                .max_block_cached_bytes
+                .is_some_and(|max| class_size(a.tag()) > max)
+        };
+        let (release, cache): (Vec<_>, Vec<_>) = done.into_iter().partition(too_big);
+        let cached_bytes = cache.iter().map(|a| class_size(a.tag())).sum();
+        {
+            let idle_since = self.config.idle_release.map(|_| Instant::now());
+            let mut central = self.central.lock();
+            for allocation in cache {
+                central.depot[allocation.tag()].push(Cached::new(&allocation, idle_since));
+            }
+        }
+        self.release(release);
+        self.cache_grew(cached_bytes);
     }
-
     /// Releases every idle block to the backend (PyTorch's `empty_cache`). Blocks in use or
     /// waiting for device work stay.
     pub fn empty_cache(&self) {
         self.process_events();
-        let mut idle = Vec::new();
-        for shard in self.shards.iter() {
-            let mut data = shard.lock();
-            for list in &mut data.free {
-                idle.extend(list.drain(..).map(|cached| cached.allocation));
+        self.evict(|holders| {
+            let mut victims = Vec::new();
+            for lists in holders {
+                for (class, list) in lists.iter_mut().enumerate() {
+                    victims.extend(list.drain(..).map(|cached| cached.into_allocation(class)));
+                }
             }
-        }
-        self.release(idle);
+            victims
+        });
     }
 
     /// Releases idle blocks, largest first, until at most `target_bytes` stay cached.
     pub fn trim(&self, target_bytes: usize) {
-        let mut excess = self.cached_bytes().saturating_sub(target_bytes);
-        let mut victims = Vec::new();
-        'classes: for class in (0..crate::size_class::CLASSES).rev() {
-            for shard in self.shards.iter() {
-                if excess == 0 {
-                    break 'classes;
-                }
-                let mut data = shard.lock();
-                while excess > 0 {
-                    let Some(cached) = data.free[class].pop() else {
-                        break;
-                    };
-                    excess = excess.saturating_sub(class_size(class));
-                    victims.push(cached.allocation);
+        self.shed(|cached| cached.saturating_sub(target_bytes as u64));
+    }
+
+    /// Releases idle blocks, largest first, until the excess `excess_of(cached bytes)` says
+    /// is gone (or nothing idle is left).
+    fn shed(&self, excess_of: impl FnOnce(u64) -> u64) {
+        self.evict(|holders| {
+            let cached = holders.iter().map(|lists| idle_bytes(lists)).sum();
+            let mut excess = excess_of(cached);
+            let mut victims = Vec::new();
+            for class in (0..CLASSES).rev() {
+                let size = class_size(class) as u64;
+                for lists in holders.iter_mut() {
+                    while excess > 0 {
+                        let Some(cached) = lists[class].pop() else {
+                            break;
+                        };
+                        excess = excess.saturating_sub(size);
+                        victims.push(cached.into_allocation(class));
+                    }
                 }
             }
-        }
-        self.release(victims);
+            victims
+        });
     }
 
     /// Releases blocks idle for longer than the configured
@@ -416,23 +684,41 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             return;
         };
         let now = Instant::now();
-        let mut victims = Vec::new();
-        for shard in self.shards.iter() {
-            let mut data = shard.lock();
-            for list in &mut data.free {
-                let mut i = 0;
-                while i < list.len() {
-                    if list[i]
-                        .idle_since
-                        .is_some_and(|t| now.duration_since(t) >= after)
-                    {
-                        victims.push(list.swap_remove(i).allocation);
-                    } else {
-                        i += 1;
-                    }
+        let expired = |cached: &Cached| {
+            cached
+                .idle_since
+                .is_some_and(|t| now.duration_since(t) >= after)
+        };
+        self.evict(|holders| {
+            let mut victims = Vec::new();
+            for lists in holders {
+                for (class, list) in lists.iter_mut().enumerate() {
+                    let idle = list.extract_if(.., |c| expired(c));
+                    victims.extend(idle.map(|c| c.into_allocation(class)));
                 }
             }
-        }
+            victims
+        });
+    }
+
+    /// Releases the idle blocks `select` takes out of the shared lists and every thread's
+    /// stacks (all paused meanwhile), with no lock held during the backend calls.
+    fn evict(&self, select: impl FnOnce(&mut [IdleLists<'_>]) -> Vec<Allocation>) {
+        let victims = {
+            let mut central = self.central.lock();
+            let paused = self.pause_all(&mut central);
+            let central = &mut *central;
+            let mut holders = vec![&mut central.depot[..]];
+            for local in self.locals.iter() {
+                // SAFETY: every cache is paused and the lock is held; each is borrowed once.
+                holders.push(&mut unsafe { local.data() }.magazine[..]);
+            }
+            let victims = select(&mut holders);
+            drop(holders);
+            drop(paused);
+            victims
+        };
+        self.cache_shrank(victims.iter().map(|a| class_size(a.tag())).sum());
         self.release(victims);
     }
 
@@ -450,10 +736,10 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             let elapsed = start.elapsed();
             self.reserved
                 .fetch_sub(class_size(handed.tag()), Ordering::Relaxed);
-            let mut stats = self.backend_stats.lock();
-            stats.host_free_time.record(elapsed);
-            lower(&mut stats.allocations, 1);
-            lower(&mut stats.allocated_bytes, bytes);
+            let mut central = self.central.lock();
+            central.host_free_time.record(elapsed);
+            lower(&mut central.allocations, 1);
+            lower(&mut central.allocated_bytes, bytes);
         }
     }
 
@@ -465,77 +751,64 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             .map(Allocation::kind)
     }
 
-    fn cached_bytes(&self) -> usize {
-        let reserved = self.reserved.load(Ordering::Relaxed);
-        let busy = self.active_totals().0.1 as usize + self.pending_bytes.load(Ordering::Relaxed);
-        reserved.saturating_sub(busy)
-    }
-
-    /// `((requests, bytes) now, (requests, bytes) peaks)` handed out. Per-shard counts are
-    /// summed: currents exactly, peaks as an upper bound.
-    fn active_totals(&self) -> ((u64, u64), (u64, u64)) {
-        if self.config.exact_peaks {
-            return (self.active.current(), self.active.peaks());
-        }
-        let mut sum = crate::shard::Active::default();
-        for shard in self.shards.iter() {
-            let active = shard.lock().active;
-            sum.requests += active.requests;
-            sum.bytes += active.bytes;
-            sum.peak_requests += active.peak_requests;
-            sum.peak_bytes += active.peak_bytes;
-        }
-        let u = |v: i64| v.max(0) as u64;
-        (
-            (u(sum.requests), u(sum.bytes)),
-            (u(sum.peak_requests), u(sum.peak_bytes)),
-        )
-    }
-
-    /// A snapshot of the statistics. Shard totals are read under each shard's lock; with no
-    /// allocation or free running, every number is exact.
+    /// A snapshot of the statistics: every thread cache is paused while it is read, so the
+    /// numbers are one consistent state of the pool even while other threads allocate.
     pub fn stats(&self) -> PoolStats {
+        let mut central = self.central.lock();
+        let paused = self.pause_all(&mut central);
         let mut stats = PoolStats::default();
-        for shard in self.shards.iter() {
-            let data = shard.lock();
+        let mut active = Amount::default();
+        stats.cached_bytes = idle_bytes(&central.depot);
+        for local in self.locals.iter() {
+            // SAFETY: every cache is paused and the lock is held; one borrow at a time.
+            let data = unsafe { local.data() };
             stats.cache_hits += data.hits;
             stats.cache_misses += data.misses;
-            stats.active_requests.allocated += data.handed;
-            stats.active_requests.freed += data.returned;
             stats.active_bytes.allocated += data.handed_bytes;
-            stats.active_bytes.freed += data.returned_bytes;
+            stats.cached_bytes += idle_bytes(&data.magazine);
+            active = active + data.active;
         }
-        let ((requests, bytes), (peak_requests, peak_bytes)) = self.active_totals();
-        stats.active_requests.current = requests;
-        stats.active_requests.peak = peak_requests;
-        stats.active_bytes.current = bytes;
-        stats.active_bytes.peak = peak_bytes;
+        drop(paused);
+        // Each thread's given-back counts are its handed-out counts less its active ones.
+        stats.active_requests.allocated = stats.cache_hits + stats.cache_misses;
+        stats.active_requests.current = active.requests as u64;
+        stats.active_requests.freed = stats.active_requests.allocated - active.requests as u64;
+        stats.active_bytes.current = active.bytes as u64;
+        stats.active_bytes.freed = stats.active_bytes.allocated - active.bytes as u64;
+        stats.active_requests.peak = central.peak.requests as u64;
+        stats.active_bytes.peak = central.peak.bytes as u64;
+        stats.allocations = central.allocations;
+        stats.allocated_bytes = central.allocated_bytes;
+        stats.num_host_alloc = central.allocations.allocated;
+        stats.num_host_free = central.allocations.freed;
+        stats.host_alloc_time = central.host_alloc_time;
+        stats.host_free_time = central.host_free_time;
         stats.pending_requests = self.pending_requests.load(Ordering::Relaxed);
         stats.pending_bytes = self.pending_bytes.load(Ordering::Relaxed) as u64;
-        stats.cached_bytes = self.cached_bytes() as u64;
-        let backend = self.backend_stats.lock();
-        stats.allocations = backend.allocations;
-        stats.allocated_bytes = backend.allocated_bytes;
-        stats.num_host_alloc = backend.allocations.allocated;
-        stats.num_host_free = backend.allocations.freed;
-        stats.host_alloc_time = backend.host_alloc_time;
-        stats.host_free_time = backend.host_free_time;
         stats
     }
 
     /// Sets every peak to its current value.
     pub fn reset_peak_stats(&self) {
-        self.active.reset_peaks();
-        for shard in self.shards.iter() {
-            let mut data = shard.lock();
-            data.active.peak_requests = data.active.requests;
-            data.active.peak_bytes = data.active.bytes;
+        let mut central = self.central.lock();
+        let paused = self.pause_all(&mut central);
+        let mut total = Amount::default();
+        for local in self.locals.iter() {
+            // SAFETY: every cache is paused and the lock is held; one borrow at a time.
+            let data = unsafe { local.data() };
+            // The ceilings must fit under the lowered peak: each falls to its thread's count.
+            local.set_ceiling(data.active);
+            total = total + data.active;
         }
-        let mut backend = self.backend_stats.lock();
-        backend.allocations.peak = backend.allocations.current;
-        backend.allocated_bytes.peak = backend.allocated_bytes.current;
+        drop(paused);
+        central.peak = total;
+        central.allocations.peak = central.allocations.current;
+        central.allocated_bytes.peak = central.allocated_bytes.current;
     }
 }
+
+/// One holder's idle blocks, by class.
+type IdleLists<'a> = &'a mut [Vec<Cached>];
 
 /// Failures worth one more try after the idle cache is released: memory and limit errors.
 fn retryable(error: &Error) -> bool {
@@ -564,10 +837,14 @@ impl<B: PinnedAllocator, C: Completion> Drop for Pool<B, C> {
             }
         }
         let mut idle = Vec::new();
-        for shard in self.shards.iter_mut() {
-            for list in &mut shard.get_mut().free {
-                idle.extend(list.drain(..).map(|cached| cached.allocation));
+        let mut drain = |lists: &mut [Vec<Cached>]| {
+            for (class, list) in lists.iter_mut().enumerate() {
+                idle.extend(list.drain(..).map(|cached| cached.into_allocation(class)));
             }
+        };
+        drain(&mut self.central.get_mut().depot);
+        for local in self.locals.iter_mut() {
+            drain(&mut local.data_mut().magazine);
         }
         self.release(idle);
     }
@@ -575,9 +852,10 @@ impl<B: PinnedAllocator, C: Completion> Drop for Pool<B, C> {
 
 // SAFETY: blocks come from the backend (whose contract covers validity, alignment to a page
 // and page-locking) with at least the class size ≥ the layout's size; a block is in exactly
-// one place at a time (handed out, pending, or idle in one shard), and pending blocks are
+// one place at a time (handed out, pending, or idle in one list), and pending blocks are
 // reused only after their completion says so. Alignment above a page is refused.
 unsafe impl<B: PinnedAllocator, C: Completion + From<PendingUses>> PinnedAllocator for &Pool<B, C> {
+    #[inline]
     fn allocate(&self, layout: Layout) -> Result<Allocation> {
         if layout.align() > PAGE {
             return Err(Error::Unsupported("alignment above the page size"));
@@ -585,6 +863,7 @@ unsafe impl<B: PinnedAllocator, C: Completion + From<PendingUses>> PinnedAllocat
         self.allocate_raw(layout.size())
     }
 
+    #[inline]
     unsafe fn deallocate(&self, allocation: Allocation) {
         // SAFETY: forwarded from the caller: from this pool, unused, no device work.
         unsafe { self.free_raw(allocation) }

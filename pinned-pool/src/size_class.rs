@@ -14,6 +14,7 @@ pub(crate) const MAX_CLASS_BYTES: usize = 1 << 47;
 pub(crate) const CLASSES: usize = STEPS + STEPS * (47 - 15);
 
 /// The class of a request of `bytes` (> 0): `(index, class size)`; `None` above the largest.
+#[inline]
 pub(crate) fn class_of(bytes: usize) -> Option<(usize, usize)> {
     if bytes > MAX_CLASS_BYTES {
         return None;
@@ -31,6 +32,7 @@ pub(crate) fn class_of(bytes: usize) -> Option<(usize, usize)> {
 }
 
 /// The size of class `index`.
+#[inline]
 pub(crate) fn class_size(index: usize) -> usize {
     if index < STEPS {
         return (index + 1) * PAGE;

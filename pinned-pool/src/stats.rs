@@ -1,6 +1,5 @@
 //! Statistics with PyTorch's names, exact under concurrency.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 /// One statistic: its current value, its peak since the last reset, and the running totals
@@ -88,99 +87,4 @@ pub struct PoolStats {
     pub cache_hits: u64,
     /// Allocations that had to pin new memory.
     pub cache_misses: u64,
-}
-
-/// Blocks and bytes handed out, in one atomic word so that a single read-modify-write keeps
-/// both exact and their peaks true: requests in the top 24 bits, bytes as 4 KiB pages in the
-/// low 40 (up to 16.7 million blocks and 4 PiB at once).
-#[derive(Debug, Default)]
-pub(crate) struct PackedActive {
-    word: AtomicU64,
-    peak_requests: AtomicU64,
-    peak_pages: AtomicU64,
-}
-
-const PAGE_BITS: u32 = 40;
-const PAGE_MASK: u64 = (1 << PAGE_BITS) - 1;
-const MAX_REQUESTS: u64 = (1 << (64 - PAGE_BITS)) - 1;
-
-fn delta(bytes: usize) -> u64 {
-    (1 << PAGE_BITS) | (bytes / crate::size_class::PAGE) as u64
-}
-
-impl PackedActive {
-    /// Counts a block of `bytes` (a multiple of 4 KiB) handed out; `false`, counting nothing,
-    /// when the word is full.
-    pub(crate) fn add(&self, bytes: usize) -> bool {
-        let delta = delta(bytes);
-        let before = self.word.fetch_add(delta, Ordering::Relaxed);
-        if before >> PAGE_BITS == MAX_REQUESTS
-            || (before & PAGE_MASK) + (delta & PAGE_MASK) > PAGE_MASK
-        {
-            self.word.fetch_sub(delta, Ordering::Relaxed);
-            return false;
-        }
-        let now = before + delta;
-        // Plain loads first: the peaks' cache line is written only when a peak moves.
-        if now >> PAGE_BITS > self.peak_requests.load(Ordering::Relaxed) {
-            self.peak_requests
-                .fetch_max(now >> PAGE_BITS, Ordering::Relaxed);
-        }
-        if now & PAGE_MASK > self.peak_pages.load(Ordering::Relaxed) {
-            self.peak_pages
-                .fetch_max(now & PAGE_MASK, Ordering::Relaxed);
-        }
-        true
-    }
-
-    /// Counts a block of `bytes` given back.
-    pub(crate) fn sub(&self, bytes: usize) {
-        self.word.fetch_sub(delta(bytes), Ordering::Relaxed);
-    }
-
-    /// `(requests, bytes)` now.
-    pub(crate) fn current(&self) -> (u64, u64) {
-        let word = self.word.load(Ordering::Relaxed);
-        (
-            word >> PAGE_BITS,
-            (word & PAGE_MASK) * crate::size_class::PAGE as u64,
-        )
-    }
-
-    /// `(requests, bytes)` peaks.
-    pub(crate) fn peaks(&self) -> (u64, u64) {
-        let pages = self.peak_pages.load(Ordering::Relaxed);
-        (
-            self.peak_requests.load(Ordering::Relaxed),
-            pages * crate::size_class::PAGE as u64,
-        )
-    }
-
-    pub(crate) fn reset_peaks(&self) {
-        let word = self.word.load(Ordering::Relaxed);
-        self.peak_requests
-            .store(word >> PAGE_BITS, Ordering::Relaxed);
-        self.peak_pages.store(word & PAGE_MASK, Ordering::Relaxed);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn packs_requests_and_bytes_and_refuses_overflow() {
-        let active = PackedActive::default();
-        assert!(active.add(8192));
-        assert!(active.add(4096));
-        active.sub(8192);
-        assert_eq!(active.current(), (1, 4096));
-        assert_eq!(active.peaks(), (2, 12288));
-        // A block that would carry the byte count into the request count is refused.
-        let huge = (PAGE_MASK as usize) * crate::size_class::PAGE;
-        assert!(!active.add(huge));
-        assert_eq!(active.current(), (1, 4096));
-        active.reset_peaks();
-        assert_eq!(active.peaks(), (1, 4096));
-    }
 }

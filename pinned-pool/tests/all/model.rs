@@ -1,7 +1,9 @@
 //! Random programs of allocate / free / free-after-events / complete / process / empty_cache /
-//! trim against a model of what must hold.
+//! trim / reset-peaks against a model of what must hold. Each operation runs on one of two
+//! threads, so blocks move between thread caches and one thread frees what the other took.
 
 use std::collections::HashMap;
+use std::sync::mpsc;
 
 use cuda_pinned::Allocation;
 use pinned_pool::PoolConfig;
@@ -19,6 +21,7 @@ enum Op {
     ProcessEvents,
     EmptyCache,
     Trim(usize),
+    ResetPeaks,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -36,6 +39,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::ProcessEvents),
         1 => Just(Op::EmptyCache),
         1 => (0usize..4_000_000).prop_map(Op::Trim),
+        1 => Just(Op::ResetPeaks),
     ]
 }
 
@@ -56,6 +60,44 @@ struct Model {
     live: Vec<(Allocation, usize)>,
     pending: Vec<(usize, usize, Flag)>, // (address, bytes, flag)
     allocations: usize,
+    /// Most blocks and bytes live at once since the start or the last reset.
+    peak: (u64, u64),
+}
+
+impl Model {
+    fn current(&self) -> (u64, u64) {
+        (
+            self.live.len() as u64,
+            self.live.iter().map(|(b, _)| b.bytes() as u64).sum(),
+        )
+    }
+}
+
+type Job<'a> = Box<dyn FnOnce() + Send + 'a>;
+
+/// A second thread that runs what it is given and waits for more.
+struct Helper<'a> {
+    jobs: mpsc::Sender<Job<'a>>,
+}
+
+impl<'a> Helper<'a> {
+    fn spawn(scope: &'a std::thread::Scope<'a, '_>) -> Self {
+        let (jobs, inbox) = mpsc::channel::<Job<'a>>();
+        scope.spawn(move || inbox.into_iter().for_each(|job| job()));
+        Self { jobs }
+    }
+
+    /// Runs `f` here or on the helper thread.
+    fn run<R: Send + 'a>(&self, there: bool, f: impl FnOnce() -> R + Send + 'a) -> R {
+        if !there {
+            return f();
+        }
+        let (reply, answer) = mpsc::channel();
+        self.jobs
+            .send(Box::new(move || reply.send(f()).unwrap()))
+            .unwrap();
+        answer.recv().unwrap()
+    }
 }
 
 fn check_no_overlap(ranges: &mut [(usize, usize)]) -> Result<(), TestCaseError> {
@@ -73,39 +115,57 @@ proptest! {
     #![proptest_config(config())]
 
     #[test]
-    fn pool_matches_its_model(
-        ops in proptest::collection::vec(op(), 1..80),
-        shards in 1usize..4,
-        exact_peaks in any::<bool>(),
-    ) {
-        let heap = Heap::new();
-        let config = PoolConfig::new().shards(shards).exact_peaks(exact_peaks);
-        let pool = TestPool::with_backend(heap.clone(), config);
-        let mut model = Model { live: Vec::new(), pending: Vec::new(), allocations: 0 };
-        for op in ops {
+    fn pool_matches_its_model(ops in proptest::collection::vec((op(), any::<bool>()), 1..80)) {
+        run(ops)?;
+    }
+}
+
+/// Runs `ops` (each here or on a helper thread) against the pool and the model.
+fn run(ops: Vec<(Op, bool)>) -> Result<(), TestCaseError> {
+    let heap = Heap::new();
+    let owned = TestPool::with_backend(heap.clone(), PoolConfig::new());
+    let pool = &owned;
+    let mut model = Model {
+        live: Vec::new(),
+        pending: Vec::new(),
+        allocations: 0,
+        peak: (0, 0),
+    };
+    std::thread::scope(|scope| -> Result<(), TestCaseError> {
+        let helper = Helper::spawn(scope);
+        for (op, there) in ops {
             match op {
                 Op::Allocate(bytes) => {
-                    let block = pool.allocate_raw(bytes).unwrap();
+                    let block = helper.run(there, move || pool.allocate_raw(bytes)).unwrap();
                     model.allocations += 1;
                     prop_assert!(block.bytes() >= bytes);
                     let address = block.ptr().as_ptr() as usize;
                     prop_assert!(
-                        !model.pending.iter().any(|(a, _, flag)| *a == address && !flag.is_done()),
+                        !model
+                            .pending
+                            .iter()
+                            .any(|(a, _, flag)| *a == address && !flag.is_done()),
                         "handed out a block whose device work is pending"
                     );
                     model.pending.retain(|(a, _, _)| *a != address);
                     model.live.push((block, bytes));
+                    let (requests, bytes) = model.current();
+                    model.peak = (model.peak.0.max(requests), model.peak.1.max(bytes));
                 }
                 Op::Free(i) | Op::FreeAfter(i) if !model.live.is_empty() => {
                     let (block, _) = model.live.swap_remove(i % model.live.len());
                     if matches!(op, Op::Free(_)) {
                         // SAFETY: from this pool, unused from here on.
-                        unsafe { pool.free_raw(block) };
+                        helper.run(there, move || unsafe { pool.free_raw(block) });
                     } else {
                         let flag = Flag::default();
-                        model.pending.push((block.ptr().as_ptr() as usize, block.bytes(), flag.clone()));
+                        model.pending.push((
+                            block.ptr().as_ptr() as usize,
+                            block.bytes(),
+                            flag.clone(),
+                        ));
                         // SAFETY: as above; the flag stands for the device work.
-                        unsafe { pool.free_raw_after(block, flag) };
+                        helper.run(there, move || unsafe { pool.free_raw_after(block, flag) });
                     }
                 }
                 Op::Complete(i) if !model.pending.is_empty() => {
@@ -113,57 +173,94 @@ proptest! {
                     model.pending[i % n].2.finish();
                 }
                 Op::ProcessEvents => {
-                    pool.process_events();
+                    helper.run(there, || pool.process_events());
                     model.pending.retain(|(_, _, flag)| !flag.is_done());
                     prop_assert_eq!(pool.stats().pending_requests, model.pending.len() as u64);
                 }
                 Op::EmptyCache => {
-                    pool.empty_cache();
+                    helper.run(there, || pool.empty_cache());
                     model.pending.retain(|(_, _, flag)| !flag.is_done());
                     let stats = pool.stats();
                     prop_assert_eq!(stats.cached_bytes, 0);
-                    let held: u64 = model.live.iter().map(|(b, _)| b.bytes() as u64).sum::<u64>()
+                    let held: u64 = model
+                        .live
+                        .iter()
+                        .map(|(b, _)| b.bytes() as u64)
+                        .sum::<u64>()
                         + model.pending.iter().map(|(_, b, _)| *b as u64).sum::<u64>();
                     prop_assert_eq!(stats.allocated_bytes.current, held);
                 }
                 Op::Trim(target) => {
-                    pool.trim(target);
+                    helper.run(there, move || pool.trim(target));
                     prop_assert!(pool.stats().cached_bytes <= target as u64);
+                }
+                Op::ResetPeaks => {
+                    helper.run(there, || pool.reset_peak_stats());
+                    model.peak = model.current();
                 }
                 _ => {}
             }
             // Invariants after every step.
-            let mut ranges: Vec<(usize, usize)> =
-                model.live.iter().map(|(b, _)| (b.ptr().as_ptr() as usize, b.bytes())).collect();
-            ranges.extend(model.pending.iter().filter(|p| !p.2.is_done()).map(|(a, b, _)| (*a, *b)));
+            let mut ranges: Vec<(usize, usize)> = model
+                .live
+                .iter()
+                .map(|(b, _)| (b.ptr().as_ptr() as usize, b.bytes()))
+                .collect();
+            ranges.extend(
+                model
+                    .pending
+                    .iter()
+                    .filter(|p| !p.2.is_done())
+                    .map(|(a, b, _)| (*a, *b)),
+            );
             check_no_overlap(&mut ranges)?;
             let stats = pool.stats();
-            prop_assert_eq!(stats.active_requests.current, model.live.len() as u64);
-            prop_assert_eq!(stats.active_bytes.current, model.live.iter().map(|(b, _)| b.bytes() as u64).sum::<u64>());
-            prop_assert_eq!(stats.active_requests.allocated - stats.active_requests.freed, stats.active_requests.current);
-            prop_assert_eq!(stats.cache_hits + stats.cache_misses, model.allocations as u64);
+            let (requests, bytes) = model.current();
+            prop_assert_eq!(stats.active_requests.current, requests);
+            prop_assert_eq!(stats.active_bytes.current, bytes);
+            prop_assert_eq!(
+                stats.active_requests.allocated - stats.active_requests.freed,
+                stats.active_requests.current
+            );
+            prop_assert_eq!(
+                stats.cache_hits + stats.cache_misses,
+                model.allocations as u64
+            );
             prop_assert_eq!(stats.allocations.current, heap.live() as u64);
-            prop_assert_eq!(stats.num_host_alloc - stats.num_host_free, heap.live() as u64);
-            prop_assert!(stats.active_bytes.peak >= stats.active_bytes.current);
+            prop_assert_eq!(
+                stats.num_host_alloc - stats.num_host_free,
+                heap.live() as u64
+            );
+            prop_assert_eq!(
+                (stats.active_requests.peak, stats.active_bytes.peak),
+                model.peak
+            );
+            let idle = stats.allocated_bytes.current - bytes - stats.pending_bytes;
+            prop_assert_eq!(stats.cached_bytes, idle);
         }
-        let by_address: HashMap<usize, usize> =
-            model.live.iter().map(|(b, r)| (b.ptr().as_ptr() as usize, *r)).collect();
-        prop_assert_eq!(by_address.len(), model.live.len());
-        for (block, _) in model.live.drain(..) {
-            // SAFETY: from this pool, unused.
-            unsafe { pool.free_raw(block) };
-        }
-        for (_, _, flag) in &model.pending {
-            flag.finish();
-        }
-        drop(pool);
-        prop_assert_eq!(heap.live(), 0, "the pool leaked blocks");
+        Ok(())
+    })?;
+    let by_address: HashMap<usize, usize> = model
+        .live
+        .iter()
+        .map(|(b, r)| (b.ptr().as_ptr() as usize, *r))
+        .collect();
+    prop_assert_eq!(by_address.len(), model.live.len());
+    for (block, _) in model.live.drain(..) {
+        // SAFETY: from this pool, unused.
+        unsafe { pool.free_raw(block) };
     }
+    for (_, _, flag) in &model.pending {
+        flag.finish();
+    }
+    drop(owned);
+    prop_assert_eq!(heap.live(), 0, "the pool leaked blocks");
+    Ok(())
 }
 
 #[test]
 fn completed_blocks_are_reused_whatever_older_blocks_wait_on() {
-    let pool = TestPool::with_backend(Heap::new(), PoolConfig::new().shards(1));
+    let pool = TestPool::with_backend(Heap::new(), PoolConfig::new());
     let (older, newer) = (
         pool.allocate_raw(8192).unwrap(),
         pool.allocate_raw(8192).unwrap(),
