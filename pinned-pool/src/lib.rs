@@ -72,9 +72,10 @@
 //! every cache, sums the exact total (counting blocks that threads waiting for the lock are
 //! about to take) and raises the peak to it if it is higher. Frees lower a thread's ceiling
 //! to its count plus its usual headroom, returning room to the others. Once the peak covers
-//! what threads hold at once, allocations take no lock; until then (say the first
-//! milliseconds after 16 threads start cycling blocks through a pool that has seen 8 in use
-//! at once) threads take the lock and pause often, while the pool learns the new peak.
+//! what threads hold at once, allocations take no lock; until then threads take the lock and
+//! pause often while the pool learns the new peak (on the H100 host, 16 threads joining a
+//! pool that had seen 8 blocks in use at once ran at 340 M pairs/s over their first 2
+//! million pairs each, then at 706–760 M/s with no lock taken; one thread: 58–64 M/s).
 //!
 //! *Locks and CUDA.* No CUDA call runs under a pool lock: events are queried with the pending
 //! list taken out, and blocks are pinned and released with no lock held (PyTorch's own rule,

@@ -291,8 +291,9 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
                     })
             });
             if let Some(cached) = cached {
-                // SAFETY: this thread owns `local` and holds the lock.
-                let data = unsafe { self.own(local) };
+                // SAFETY: this thread owns `local`, holds the lock and has paused every cache
+                // (its own included, which the guard resumes).
+                let data = unsafe { local.data() };
                 self.hand_out(&mut central, local, data, size, true, Some(&paused));
                 drop(paused);
                 drop(central);
