@@ -136,14 +136,16 @@ pub(crate) fn magazine_has_room(held: usize, size: usize) -> bool {
 pub(crate) struct LocalData {
     /// Idle blocks by class, the most recently freed last.
     pub(crate) magazine: Box<[Vec<Cached>]>,
-    /// Blocks handed out here less blocks given back here. With the counts below it gives
-    /// what was given back (handed out less active), so a free updates one counter less.
+    /// Blocks handed out here less blocks given back here.
     pub(crate) active: Amount,
-    /// How far above `active` a free leaves the ceiling: the most this thread recently
-    /// needed, so its next round of allocations does not have to ask again.
+    /// How far above `active` a free leaves the ceiling: the most this thread has needed at
+    /// once, so its next round of allocations does not have to ask again.
     pub(crate) keep: Amount,
+    /// Blocks handed out here from a cache, and newly pinned ones.
     pub(crate) hits: u64,
     pub(crate) misses: u64,
+    /// Their bytes. What was given back here is what was handed out less `active`, so a
+    /// free updates no counter of its own.
     pub(crate) handed_bytes: u64,
 }
 
