@@ -75,7 +75,7 @@
 //! what threads hold at once, allocations take no lock; until then threads take the lock and
 //! pause often while the pool learns the new peak (on the H100 host, 16 threads joining a
 //! pool that had seen 8 blocks in use at once ran at 340 M pairs/s over their first 2
-//! million pairs each, then at 706–760 M/s with no lock taken; one thread: 58–64 M/s).
+//! million pairs each, then at 706–760 M/s with no lock taken; one thread: 45–64 M/s).
 //!
 //! *Locks and CUDA.* No CUDA call runs under a pool lock: events are queried with the pending
 //! list taken out, and blocks are pinned and released with no lock held (PyTorch's own rule,
