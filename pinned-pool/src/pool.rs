@@ -303,7 +303,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         }
         let allocation = self.pin_new(class, size)?;
         let mut central = self.central.lock();
-        // SAFETY: this thread owns `local` and holds the lock.
+        // SAFETY: this thread owns `local`, is outside `enter` and holds the lock.
         let data = unsafe { self.own(local) };
         self.hand_out(&mut central, local, data, size, false, None);
         Ok(Cached::new(&allocation, None))
