@@ -42,7 +42,7 @@ fn kinds(c: &mut Criterion) {
     let pool = Pool::new();
     let mut group = c.benchmark_group("alloc/pool_hit");
     for bytes in [1usize << 20, 64 << 20] {
-        drop(pool.allocate(bytes).expect("pin"));
+        drop(pool.with_capacity(bytes).expect("pin"));
         group.bench_with_input(BenchmarkId::from_parameter(bytes), &bytes, |b, &bytes| {
             b.iter(|| {
                 let block = pool.allocate_raw(black_box(bytes)).expect("hit");

@@ -19,7 +19,7 @@ fn warm_pair(c: &mut Criterion) {
     let mut group = c.benchmark_group("pool/warm_alloc_free");
     for bytes in [64usize, 4096, 1 << 20, 64 << 20] {
         // Warm the cache: the first allocation of a class pins memory.
-        drop(pool.allocate(bytes).expect("pin"));
+        drop(pool.with_capacity(bytes).expect("pin"));
         // The block goes straight back, as in a program; a `black_box` around it would time
         // a trip through the stack that only the harness makes.
         group.bench_with_input(BenchmarkId::from_parameter(bytes), &bytes, |b, &bytes| {
@@ -55,7 +55,7 @@ fn threads(c: &mut Criterion) {
                         let workers: Vec<_> = (0..threads)
                             .map(|_| {
                                 scope.spawn(|| {
-                                    drop(pool.allocate(4096).expect("warm"));
+                                    drop(pool.with_capacity(4096).expect("warm"));
                                     start_line.wait();
                                     let start = Instant::now();
                                     for _ in 0..iters {

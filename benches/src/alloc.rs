@@ -81,7 +81,7 @@ fn pool_miss(bytes: usize, reps: usize) -> Result<(Duration, Duration)> {
 
 /// A hit: the block is cached; allocate and free it many times.
 fn pool_hit(pool: &Pool, bytes: usize) -> Result<(Duration, Duration)> {
-    drop(pool.allocate(bytes)?);
+    drop(pool.with_capacity(bytes)?);
     const ROUNDS: u32 = 10_000;
     let (mut pin, mut free) = (Duration::ZERO, Duration::ZERO);
     for _ in 0..ROUNDS {

@@ -464,7 +464,7 @@ fn both_tracked<A: PinnedAllocator + Clone>(
     let device_in = RefCell::new(device_in);
     let queue = || {
         let (source, sink) = buffers.borrow_mut().take().expect("buffers are back");
-        let upload = up.copy_to_device(source, &mut device_in.borrow_mut())?;
+        let upload = up.copy_to_device(source, &mut **device_in.borrow_mut())?;
         let download = down.copy_from_device(device_out, sink)?;
         *in_flight.borrow_mut() = Some((upload, download));
         Ok(())

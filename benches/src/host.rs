@@ -17,6 +17,22 @@ pub fn memlock_limit() -> Result<Option<u64>, std::io::Error> {
     Ok((limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur))
 }
 
+/// Whether this process may lock memory past `RLIMIT_MEMLOCK` (`CAP_IPC_LOCK` among its
+/// effective capabilities, as for root).
+pub fn has_ipc_lock() -> bool {
+    const CAP_IPC_LOCK: u32 = 14;
+    fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| effective_capabilities(&status))
+        .is_some_and(|caps| caps >> CAP_IPC_LOCK & 1 == 1)
+}
+
+/// The `CapEff:` mask of a `/proc/PID/status` text.
+fn effective_capabilities(status: &str) -> Option<u64> {
+    let line = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
+    u64::from_str_radix(line.trim(), 16).ok()
+}
+
 /// The selected transparent-huge-pages mode (`always`, `madvise` or `never`), if readable.
 pub fn transparent_huge_pages() -> Option<String> {
     let text = fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").ok()?;
@@ -125,5 +141,13 @@ mod tests {
     #[test]
     fn memlock_limit_is_readable() {
         assert!(memlock_limit().is_ok());
+    }
+
+    #[test]
+    fn effective_capabilities_parse() {
+        let root = "Name:\tx\nCapInh:\t0000000000000000\nCapEff:\t000001ffffffffff\n";
+        assert_eq!(effective_capabilities(root), Some(0x1ff_ffff_ffff));
+        assert_eq!(effective_capabilities("CapEff:\t0000000000000000"), Some(0));
+        assert_eq!(effective_capabilities("Name: x"), None);
     }
 }

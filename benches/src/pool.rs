@@ -60,7 +60,7 @@ pub fn run(quick: bool, progress: &mut Progress) -> Vec<Section> {
 fn measure_latency(pool: &Pool, rounds: u64, section: &mut Section, progress: &mut Progress) {
     for bytes in SIZES {
         progress.step(&format!("pool latency {}", size_label(bytes as u64)));
-        if let Err(e) = pool.allocate(bytes) {
+        if let Err(e) = pool.with_capacity(bytes) {
             section
                 .notes
                 .push(format!("{}: {e}", size_label(bytes as u64)));

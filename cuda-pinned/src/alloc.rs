@@ -65,7 +65,7 @@ impl Allocation {
     /// Describes `bytes` bytes at `ptr` of the given kind. `tag` is the allocator's own word
     /// (a block index, say) and is handed back on deallocation.
     #[inline]
-    pub fn new(ptr: NonNull<u8>, bytes: usize, kind: MemoryKind, tag: usize) -> Self {
+    pub const fn new(ptr: NonNull<u8>, bytes: usize, kind: MemoryKind, tag: usize) -> Self {
         Self {
             ptr,
             bytes,
@@ -212,43 +212,65 @@ impl PendingUses {
     pub(crate) fn push(&mut self, event: Arc<Event>) {
         self.events.push(event);
     }
+
+    pub(crate) fn from_event(event: Arc<Event>) -> Self {
+        Self {
+            events: vec![event],
+        }
+    }
 }
 
 /// A buffer's record of the streams it was used on (PyTorch's `record_stream`): at drop, one
-/// event per stream marks the end of those uses.
+/// event per stream marks the end of those uses. One pointer wide, and empty (no allocation)
+/// until a use is recorded, so a buffer that never meets a stream carries and checks one word.
 #[derive(Debug, Default)]
-pub struct StreamUses {
+pub(crate) struct StreamUses(Option<Box<Uses>>);
+
+#[derive(Debug, Default)]
+struct Uses {
     streams: Vec<Stream>,
     events: PendingUses,
 }
 
 impl StreamUses {
     pub(crate) const fn new() -> Self {
-        Self {
-            streams: Vec::new(),
-            events: PendingUses { events: Vec::new() },
-        }
+        Self(None)
+    }
+
+    fn uses(&mut self) -> &mut Uses {
+        self.0.get_or_insert_with(Box::default)
     }
 
     pub(crate) fn record_stream(&mut self, stream: &Stream) {
-        if !self.streams.contains(stream) {
-            self.streams.push(stream.clone());
+        let uses = self.uses();
+        if !uses.streams.contains(stream) {
+            uses.streams.push(stream.clone());
         }
     }
 
-    pub(crate) fn push_event(&mut self, event: Arc<Event>) {
-        self.events.push(event);
+    /// Adds every event of `pending`.
+    pub(crate) fn extend(&mut self, pending: PendingUses) {
+        if !pending.is_empty() {
+            self.uses().events.events.extend(pending.events);
+        }
     }
 
+    #[inline]
     pub(crate) fn is_empty(&self) -> bool {
-        self.streams.is_empty() && self.events.is_empty()
+        self.0.is_none()
     }
 
     /// The uses as events; `None` when an event could not be recorded and the stream could
     /// not be waited for either: then nobody can know when the memory is free.
     pub(crate) fn finish(self) -> Option<PendingUses> {
-        let mut pending = self.events;
-        for stream in self.streams {
+        let Some(uses) = self.0 else {
+            return Some(PendingUses::none());
+        };
+        let Uses {
+            streams,
+            events: mut pending,
+        } = *uses;
+        for stream in streams {
             match stream.record_event_untimed() {
                 Ok(event) => pending.push(Arc::new(event)),
                 Err(_) => stream.synchronize().ok()?,
@@ -277,6 +299,47 @@ pub(crate) unsafe fn release<A: PinnedAllocator + ?Sized>(
     } else if let Some(pending) = std::mem::take(uses).finish() {
         // SAFETY: `pending` covers every recorded use.
         unsafe { allocator.deallocate_after(allocation, pending) };
+    }
+}
+
+// SAFETY: every call goes to the allocator behind the reference, so an allocation is given
+// back to the allocator that made it, under that allocator's own contract.
+unsafe impl<A: PinnedAllocator + ?Sized> PinnedAllocator for &A {
+    #[inline]
+    fn allocate(&self, layout: Layout) -> Result<Allocation> {
+        (**self).allocate(layout)
+    }
+
+    #[inline]
+    unsafe fn deallocate(&self, allocation: Allocation) {
+        // SAFETY: forwarded from the caller.
+        unsafe { (**self).deallocate(allocation) }
+    }
+
+    #[inline]
+    unsafe fn deallocate_after(&self, allocation: Allocation, pending: PendingUses) {
+        // SAFETY: forwarded from the caller.
+        unsafe { (**self).deallocate_after(allocation, pending) }
+    }
+}
+
+// SAFETY: as for `&A`: every clone of the `Arc` reaches the same allocator.
+unsafe impl<A: PinnedAllocator + ?Sized> PinnedAllocator for Arc<A> {
+    #[inline]
+    fn allocate(&self, layout: Layout) -> Result<Allocation> {
+        (**self).allocate(layout)
+    }
+
+    #[inline]
+    unsafe fn deallocate(&self, allocation: Allocation) {
+        // SAFETY: forwarded from the caller.
+        unsafe { (**self).deallocate(allocation) }
+    }
+
+    #[inline]
+    unsafe fn deallocate_after(&self, allocation: Allocation, pending: PendingUses) {
+        // SAFETY: forwarded from the caller.
+        unsafe { (**self).deallocate_after(allocation, pending) }
     }
 }
 

@@ -1,8 +1,9 @@
 //! `allocator_api2::alloc::Allocator` for the pinned allocators, so that
 //! `allocator_api2::vec::Vec<T, _>` and hashbrown's maps can live in page-locked memory.
 //!
-//! Such containers know nothing of streams: copies from them go through the crate's raw,
-//! `unsafe` copy functions, whose callers keep the memory alive until the copies finish.
+//! Such a `Vec` is a [`HostBuffer`](crate::HostBuffer): async copies take it by value like a
+//! `PinnedVec`. It cannot record streams, so dropping a `Transfer` that holds one waits for
+//! the copy before the memory goes back.
 
 use std::alloc::Layout;
 use std::ptr::NonNull;

@@ -9,7 +9,8 @@ use std::ptr::{self, NonNull};
 
 use bytemuck::Zeroable;
 
-use crate::alloc::{Allocation, DefaultPinned, MemoryKind, PinnedAllocator, StreamUses, release};
+use crate::alloc::{DefaultPinned, MemoryKind, PinnedAllocator, StreamUses};
+use crate::block::Block;
 use crate::error::Result;
 use crate::stream::Stream;
 
@@ -19,10 +20,9 @@ use crate::stream::Stream;
 /// Zero-sized types never allocate. The same safety model as [`PinnedVec`](crate::PinnedVec):
 /// async copies take the box by value and give it back when they have finished.
 pub struct PinnedBox<T, A: PinnedAllocator = DefaultPinned> {
-    ptr: NonNull<T>,
-    allocation: Option<Allocation>,
-    uses: StreamUses,
-    allocator: A,
+    /// The memory (dangling and empty for zero-sized `T`); given back when the block drops,
+    /// after the value (also when dropping the value panics).
+    block: Block<A>,
     _owns: PhantomData<T>,
 }
 
@@ -92,27 +92,29 @@ impl<T, A: PinnedAllocator> PinnedBox<T, A> {
 
     /// The kind of memory; `None` for zero-sized types.
     pub fn memory_kind(&self) -> Option<MemoryKind> {
-        self.allocation.as_ref().map(Allocation::kind)
+        self.block.kind()
     }
 
     /// A pointer to the value.
+    #[inline]
     pub fn as_ptr(&self) -> *const T {
-        self.ptr.as_ptr()
+        self.block.ptr().as_ptr().cast()
     }
 
     /// A mutable pointer to the value.
+    #[inline]
     pub fn as_mut_ptr(&mut self) -> *mut T {
-        self.ptr.as_ptr()
+        self.block.ptr().as_ptr().cast()
     }
 
     /// Marks the memory as used by work on `stream` the crate cannot see; see
     /// [`PinnedVec::record_stream`](crate::PinnedVec::record_stream).
     pub fn record_stream(&mut self, stream: &Stream) {
-        self.uses.record_stream(stream);
+        self.block.record_stream(stream);
     }
 
     pub(crate) fn uses_mut(&mut self) -> &mut StreamUses {
-        &mut self.uses
+        self.block.uses_mut()
     }
 
     /// The value's address in the device's address space (mapped memory); see
@@ -123,8 +125,8 @@ impl<T, A: PinnedAllocator> PinnedBox<T, A> {
     /// [`Error::Unsupported`](crate::Error::Unsupported) for zero-sized types and `mlock`ed
     /// memory; the CUDA error when the memory is not mapped.
     pub fn device_ptr(&self) -> Result<u64> {
-        let allocation = self.allocation.as_ref();
-        allocation
+        self.block
+            .allocation()
             .ok_or(crate::Error::Unsupported(
                 "a zero-sized value has no buffer",
             ))?
@@ -133,18 +135,14 @@ impl<T, A: PinnedAllocator> PinnedBox<T, A> {
 
     /// Moves the value out and frees the memory.
     pub fn into_inner(self) -> T {
-        let mut this = ManuallyDrop::new(self);
-        // SAFETY: the value is initialised; it is read once and `this` is never dropped, so
-        // the memory is released below without dropping the value again.
-        let value = unsafe { this.ptr.as_ptr().read() };
-        let allocation = this.allocation.take();
-        // SAFETY: fields moved out once from a value that is not dropped.
-        let (mut uses, allocator) = unsafe { (ptr::read(&this.uses), ptr::read(&this.allocator)) };
-        if let Some(allocation) = allocation {
-            // SAFETY: from this allocator; `uses` covers device work.
-            unsafe { release(&allocator, allocation, &mut uses) };
+        let this = ManuallyDrop::new(self);
+        // SAFETY: the value is initialised and read once; `this` is never dropped, so the
+        // block (moved out once, and given back when it drops) does not drop it again.
+        unsafe {
+            let value = this.as_ptr().read();
+            drop(ptr::read(&this.block));
+            value
         }
-        value
     }
 }
 
@@ -155,17 +153,13 @@ impl<T, A: PinnedAllocator> PinnedBox<MaybeUninit<T>, A> {
     ///
     /// The allocator's error.
     pub fn new_uninit_in(allocator: A) -> Result<Self> {
-        let (ptr, allocation) = if mem::size_of::<T>() == 0 {
-            (NonNull::dangling(), None)
+        let block = if mem::size_of::<T>() == 0 {
+            Block::empty(NonNull::<T>::dangling().cast(), allocator)
         } else {
-            let allocation = allocator.allocate(Layout::new::<T>())?;
-            (allocation.ptr().cast(), Some(allocation))
+            Block::allocate(Layout::new::<T>(), allocator)?
         };
         Ok(Self {
-            ptr,
-            allocation,
-            uses: StreamUses::new(),
-            allocator,
+            block,
             _owns: PhantomData,
         })
     }
@@ -176,25 +170,22 @@ impl<T, A: PinnedAllocator> PinnedBox<MaybeUninit<T>, A> {
     ///
     /// - the memory holds a valid `T`.
     pub unsafe fn assume_init(self) -> PinnedBox<T, A> {
-        let mut this = ManuallyDrop::new(self);
-        // SAFETY: every field is moved out once from a value that is never dropped;
-        // `MaybeUninit<T>` and `T` have the same layout.
-        unsafe {
-            PinnedBox {
-                ptr: this.ptr.cast(),
-                allocation: this.allocation.take(),
-                uses: ptr::read(&this.uses),
-                allocator: ptr::read(&this.allocator),
-                _owns: PhantomData,
-            }
+        let this = ManuallyDrop::new(self);
+        // SAFETY: the block is moved out once from a value that is never dropped;
+        // `MaybeUninit<T>` and `T` have the same layout, so it fits the value as it is.
+        let block = unsafe { ptr::read(&this.block) };
+        PinnedBox {
+            block,
+            _owns: PhantomData,
         }
     }
 
     /// Writes `value` and declares the box initialised.
-    pub fn write(this: Self, value: T) -> PinnedBox<T, A> {
-        // SAFETY: `ptr` is valid for one `T`; `MaybeUninit` needs no drop of what was there.
+    pub fn write(mut this: Self, value: T) -> PinnedBox<T, A> {
+        // SAFETY: the block is valid for one `T` (or `T` is zero-sized and the pointer
+        // dangling, aligned); `MaybeUninit` needs no drop of what was there.
         unsafe {
-            this.ptr.as_ptr().write(MaybeUninit::new(value));
+            this.as_mut_ptr().write(MaybeUninit::new(value));
             this.assume_init()
         }
     }
@@ -202,12 +193,10 @@ impl<T, A: PinnedAllocator> PinnedBox<MaybeUninit<T>, A> {
 
 impl<T, A: PinnedAllocator> Drop for PinnedBox<T, A> {
     fn drop(&mut self) {
-        // SAFETY: the value is initialised (a `PinnedBox<MaybeUninit<_>>` drops nothing).
-        unsafe { ptr::drop_in_place(self.ptr.as_ptr()) };
-        if let Some(allocation) = self.allocation.take() {
-            // SAFETY: from this allocator; `uses` covers device work.
-            unsafe { release(&self.allocator, allocation, &mut self.uses) };
-        }
+        // SAFETY: the value is initialised (a `PinnedBox<MaybeUninit<_>>` drops nothing) and
+        // dropped once, here; the block field gives the memory back afterwards, also if the
+        // value's destructor panics.
+        unsafe { ptr::drop_in_place(self.as_mut_ptr()) };
     }
 }
 
@@ -216,14 +205,14 @@ impl<T, A: PinnedAllocator> Deref for PinnedBox<T, A> {
     fn deref(&self) -> &T {
         // SAFETY: the value is initialised and no device work writes it while `self` is
         // borrowed: copies take the box by value.
-        unsafe { self.ptr.as_ref() }
+        unsafe { &*self.as_ptr() }
     }
 }
 
 impl<T, A: PinnedAllocator> DerefMut for PinnedBox<T, A> {
     fn deref_mut(&mut self) -> &mut T {
         // SAFETY: as `deref`; `&mut self` makes the access unique.
-        unsafe { self.ptr.as_mut() }
+        unsafe { &mut *self.as_mut_ptr() }
     }
 }
 

@@ -113,6 +113,7 @@
 
 mod alloc;
 mod api2;
+mod block;
 mod boxed;
 mod device;
 mod device_buffer;
@@ -130,11 +131,14 @@ mod vec;
 
 pub use alloc::{Allocation, DefaultPinned, MemoryKind, PendingUses, PinnedAllocator};
 pub use boxed::PinnedBox;
+/// The raw CUDA runtime bindings this crate is built on (the types of [`Stream::as_raw`] and
+/// [`Event::as_raw`], and the rest of the runtime API).
+pub use cuda_pinned_sys as sys;
 pub use cuda_pinned_sys::LoadError;
 pub use device::{
     Device, Version, device_count, driver_version, is_available, runtime_path, runtime_version,
 };
-pub use device_buffer::DeviceBuffer;
+pub use device_buffer::{DeviceBuffer, DeviceSlice, DeviceSliceMut};
 pub use error::{CudaError, Error, Result};
 pub use host_alloc::{CudaHost, HostAllocFlags};
 pub use locked::HostLocked;
@@ -142,5 +146,5 @@ pub use pin::PinMemory;
 pub use registered::{RegisterFlags, Registered};
 pub use registration::{RegisteredVec, Registration};
 pub use stream::{Event, Stream};
-pub use transfer::{CopyError, HostBuffer, Transfer};
+pub use transfer::{HostBuffer, Transfer};
 pub use vec::{IntoIter, PinnedVec};

@@ -86,9 +86,10 @@ pub(crate) unsafe fn unmap(ptr: NonNull<u8>, bytes: usize) {
     unsafe { libc::munmap(ptr.as_ptr().cast(), bytes) };
 }
 
-/// Faults every page of the range in, spread over `threads` threads, so that registration
-/// finds the pages present (the kernel's page-fault path is the slow part of pinning, and it
-/// scales with threads).
+/// Faults every page of the range in, spread over up to `threads` threads, so that
+/// registration finds the pages present (the kernel's page-fault path is the slow part of
+/// pinning, and it scales with threads). A share whose thread cannot be started (a process
+/// or memory limit) is faulted in on the calling thread instead.
 ///
 /// # Safety
 ///
@@ -113,11 +114,30 @@ pub(crate) unsafe fn prefault(ptr: NonNull<u8>, bytes: usize, threads: usize) {
         return;
     }
     std::thread::scope(|scope| {
-        for t in 0..threads {
+        // The calling thread takes the last share itself.
+        for t in 0..threads - 1 {
             let (first, last) = (t * per_thread, ((t + 1) * per_thread).min(pages));
-            scope.spawn(move || touch(first, last));
+            if spawn(scope, move || touch(first, last)).is_err() {
+                touch(first, last);
+            }
         }
+        touch(((threads - 1) * per_thread).min(pages), pages);
     });
+}
+
+/// Starts a scoped thread, reporting failure instead of panicking as `Scope::spawn` does.
+fn spawn<'scope>(
+    scope: &'scope std::thread::Scope<'scope, '_>,
+    work: impl FnOnce() + Send + 'scope,
+) -> std::io::Result<()> {
+    #[cfg(test)]
+    if tests::spawn_refused() {
+        return Err(std::io::Error::other("thread creation refused by the test"));
+    }
+    std::thread::Builder::new()
+        .name("cuda-pinned-prefault".into())
+        .spawn_scoped(scope, work)
+        .map(drop)
 }
 
 /// `mlock`s the range, turning the kernel's refusal into [`Error::MemlockLimit`].
@@ -179,7 +199,45 @@ pub(crate) fn default_prefault_threads() -> usize {
 
 #[cfg(test)]
 mod tests {
+    use std::cell::Cell;
+
     use super::*;
+
+    thread_local! {
+        /// Makes `spawn` fail on this thread, as under `RLIMIT_NPROC`.
+        static REFUSE_SPAWN: Cell<bool> = const { Cell::new(false) };
+    }
+
+    pub(super) fn spawn_refused() -> bool {
+        REFUSE_SPAWN.get()
+    }
+
+    /// Whether every page of the range is resident.
+    fn resident(ptr: NonNull<u8>, bytes: usize) -> bool {
+        let mut pages = vec![0u8; bytes.div_ceil(page_size())];
+        // SAFETY: the range is a mapping of ours; `pages` has a byte per page.
+        let status = unsafe { libc::mincore(ptr.as_ptr().cast(), bytes, pages.as_mut_ptr()) };
+        assert_eq!(status, 0, "mincore: {}", std::io::Error::last_os_error());
+        pages.iter().all(|&p| p & 1 == 1)
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri does not model mmap'ed pages or mincore")]
+    fn prefault_without_threads_still_faults_every_page() {
+        let bytes = 8 << 20;
+        for refuse in [false, true] {
+            REFUSE_SPAWN.set(refuse);
+            let ptr = map(bytes, false).unwrap();
+            // SAFETY: fresh mapping of `bytes` bytes, unmapped once below.
+            unsafe {
+                assert!(!resident(ptr, bytes), "fresh mapping already resident");
+                prefault(ptr, bytes, 4);
+                assert!(resident(ptr, bytes), "refuse={refuse}: pages missing");
+                unmap(ptr, bytes);
+            }
+        }
+        REFUSE_SPAWN.set(false);
+    }
 
     #[test]
     fn rounds_up_and_detects_overflow() {

@@ -16,9 +16,9 @@ use crate::vec::PinnedVec;
 ///
 /// impl PinMemory for Batch {
 ///     type Pinned<A: PinnedAllocator + Clone> = PinnedBatch<A>;
-///     fn pin_memory_in<A: PinnedAllocator + Clone>(&self, allocator: &A) -> Result<PinnedBatch<A>> {
+///     fn pin_memory_in<A: PinnedAllocator + Clone>(&self, allocator: A) -> Result<PinnedBatch<A>> {
 ///         Ok(PinnedBatch {
-///             images: self.images.pin_memory_in(allocator)?,
+///             images: self.images.pin_memory_in(allocator.clone())?,
 ///             labels: self.labels.pin_memory_in(allocator)?,
 ///         })
 ///     }
@@ -33,12 +33,13 @@ pub trait PinMemory {
     /// The pinned counterpart, with memory from `A`.
     type Pinned<A: PinnedAllocator + Clone>;
 
-    /// Copies the value into memory from `allocator`.
+    /// Copies the value into memory from `allocator` (`&pool`, an `Arc` of a pool, or any
+    /// other allocator: cloned for each buffer).
     ///
     /// # Errors
     ///
     /// The allocator's error.
-    fn pin_memory_in<A: PinnedAllocator + Clone>(&self, allocator: &A) -> Result<Self::Pinned<A>>;
+    fn pin_memory_in<A: PinnedAllocator + Clone>(&self, allocator: A) -> Result<Self::Pinned<A>>;
 
     /// Copies the value into memory from [`DefaultPinned`].
     ///
@@ -46,34 +47,34 @@ pub trait PinMemory {
     ///
     /// The allocator's error.
     fn pin_memory(&self) -> Result<Self::Pinned<DefaultPinned>> {
-        self.pin_memory_in(&DefaultPinned)
+        self.pin_memory_in(DefaultPinned)
     }
 }
 
 impl<T: Clone> PinMemory for [T] {
     type Pinned<A: PinnedAllocator + Clone> = PinnedVec<T, A>;
-    fn pin_memory_in<A: PinnedAllocator + Clone>(&self, allocator: &A) -> Result<PinnedVec<T, A>> {
-        PinnedVec::from_slice_in(self, allocator.clone())
+    fn pin_memory_in<A: PinnedAllocator + Clone>(&self, allocator: A) -> Result<PinnedVec<T, A>> {
+        PinnedVec::from_slice_in(self, allocator)
     }
 }
 
 impl<T: Clone> PinMemory for Vec<T> {
     type Pinned<A: PinnedAllocator + Clone> = PinnedVec<T, A>;
-    fn pin_memory_in<A: PinnedAllocator + Clone>(&self, allocator: &A) -> Result<PinnedVec<T, A>> {
+    fn pin_memory_in<A: PinnedAllocator + Clone>(&self, allocator: A) -> Result<PinnedVec<T, A>> {
         self.as_slice().pin_memory_in(allocator)
     }
 }
 
 impl<T: Clone, const N: usize> PinMemory for [T; N] {
     type Pinned<A: PinnedAllocator + Clone> = PinnedVec<T, A>;
-    fn pin_memory_in<A: PinnedAllocator + Clone>(&self, allocator: &A) -> Result<PinnedVec<T, A>> {
+    fn pin_memory_in<A: PinnedAllocator + Clone>(&self, allocator: A) -> Result<PinnedVec<T, A>> {
         self.as_slice().pin_memory_in(allocator)
     }
 }
 
 impl<T: PinMemory> PinMemory for Option<T> {
     type Pinned<A: PinnedAllocator + Clone> = Option<T::Pinned<A>>;
-    fn pin_memory_in<A: PinnedAllocator + Clone>(&self, allocator: &A) -> Result<Self::Pinned<A>> {
+    fn pin_memory_in<A: PinnedAllocator + Clone>(&self, allocator: A) -> Result<Self::Pinned<A>> {
         self.as_ref()
             .map(|value| value.pin_memory_in(allocator))
             .transpose()
@@ -85,9 +86,9 @@ macro_rules! pin_tuple {
         impl<$($name: PinMemory),+> PinMemory for ($($name,)+) {
             type Pinned<A: PinnedAllocator + Clone> = ($($name::Pinned<A>,)+);
             #[allow(non_snake_case, reason = "bindings named after the type parameters")]
-            fn pin_memory_in<A: PinnedAllocator + Clone>(&self, allocator: &A) -> Result<Self::Pinned<A>> {
+            fn pin_memory_in<A: PinnedAllocator + Clone>(&self, allocator: A) -> Result<Self::Pinned<A>> {
                 let ($($name,)+) = self;
-                Ok(($($name.pin_memory_in(allocator)?,)+))
+                Ok(($($name.pin_memory_in(allocator.clone())?,)+))
             }
         }
     };

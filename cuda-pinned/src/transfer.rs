@@ -1,4 +1,4 @@
-//! Tracked async copies: a copy takes the pinned buffer by value and gives it back when the
+//! Tracked async copies: a copy takes the host buffer by value and gives it back when the
 //! device is done with it.
 
 use std::fmt;
@@ -7,97 +7,99 @@ use std::sync::Arc;
 
 use bytemuck::{AnyBitPattern, NoUninit};
 
-use crate::alloc::{PinnedAllocator, StreamUses};
+use crate::alloc::{PendingUses, PinnedAllocator};
 use crate::boxed::PinnedBox;
-use crate::device_buffer::DeviceBuffer;
+use crate::device_buffer::{DeviceRange, DeviceSlice, DeviceSliceMut};
 use crate::error::{Error, Result};
 use crate::ffi::{self, Direction};
 use crate::registration::RegisteredVec;
 use crate::stream::{Event, Stream};
 use crate::vec::PinnedVec;
 
-pub(crate) mod sealed {
-    use crate::alloc::StreamUses;
-
-    /// The buffer's address, length in elements, and use record.
-    pub trait Sealed {
-        fn raw_parts(&mut self) -> (*mut u8, usize, &mut StreamUses);
-    }
-}
-
-use sealed::Sealed;
-
-/// A page-locked buffer that async copies can take: [`PinnedVec`], [`PinnedBox`] and
-/// [`RegisteredVec`]. Sealed: the crate's safety argument depends on each implementation.
-pub trait HostBuffer: Sealed {
+/// A host buffer that async copies can take by value: [`PinnedVec`], [`PinnedBox`],
+/// [`RegisteredVec`], and allocator-api2's `Vec` over this crate's allocators (or a pool).
+/// Implement it for a container of your own to copy from and into it.
+///
+/// # Safety
+///
+/// Implementors promise that:
+/// - [`host_parts`](Self::host_parts) returns the address and length (in elements) of memory
+///   the buffer owns, valid for reads and writes of that many `Elem`s, that stays valid and
+///   in place, and that nothing but the buffer reaches, for as long as the buffer lives and is
+///   not used (a [`Transfer`] holds it untouched);
+/// - [`release_after`](Self::release_after) keeps that memory valid until every event of
+///   `pending` has completed: it waits for them, hands them to an allocator that defers reuse
+///   on them, or leaks the memory (when waiting fails).
+///
+/// Page-locked memory makes the copy asynchronous; it is not needed for soundness.
+pub unsafe trait HostBuffer {
     /// The element type copied.
     type Elem;
+
+    /// The buffer's address and length in elements.
+    fn host_parts(&mut self) -> (*mut Self::Elem, usize);
+
+    /// Drops the buffer once the device work in `pending` no longer uses it.
+    fn release_after(self, pending: PendingUses);
 }
 
-impl<T, A: PinnedAllocator> HostBuffer for PinnedVec<T, A> {
+// SAFETY: the vector owns its block; `pending` joins its recorded uses, which its allocator
+// waits for or defers reuse on when the vector drops.
+unsafe impl<T, A: PinnedAllocator> HostBuffer for PinnedVec<T, A> {
     type Elem = T;
-}
-impl<T, A: PinnedAllocator> Sealed for PinnedVec<T, A> {
-    fn raw_parts(&mut self) -> (*mut u8, usize, &mut StreamUses) {
-        (self.as_mut_ptr().cast(), self.len(), self.uses_mut())
+    #[inline]
+    fn host_parts(&mut self) -> (*mut T, usize) {
+        (self.as_mut_ptr(), self.len())
+    }
+    fn release_after(mut self, pending: PendingUses) {
+        self.uses_mut().extend(pending);
     }
 }
 
-impl<T, A: PinnedAllocator> HostBuffer for PinnedBox<T, A> {
+// SAFETY: as for `PinnedVec`.
+unsafe impl<T, A: PinnedAllocator> HostBuffer for PinnedBox<T, A> {
     type Elem = T;
-}
-impl<T, A: PinnedAllocator> Sealed for PinnedBox<T, A> {
-    fn raw_parts(&mut self) -> (*mut u8, usize, &mut StreamUses) {
-        (self.as_mut_ptr().cast(), 1, self.uses_mut())
+    #[inline]
+    fn host_parts(&mut self) -> (*mut T, usize) {
+        (self.as_mut_ptr(), 1)
+    }
+    fn release_after(mut self, pending: PendingUses) {
+        self.uses_mut().extend(pending);
     }
 }
 
-impl<T> HostBuffer for RegisteredVec<T> {
+// SAFETY: the registered `Vec` is owned and its length fixed while registered; `pending`
+// joins the recorded uses, which the drop waits for before unregistering and freeing.
+unsafe impl<T> HostBuffer for RegisteredVec<T> {
     type Elem = T;
-}
-impl<T> Sealed for RegisteredVec<T> {
-    fn raw_parts(&mut self) -> (*mut u8, usize, &mut StreamUses) {
-        let len = self.len();
-        let ptr = self.as_mut_ptr().cast();
-        (ptr, len, self.uses_mut())
+    #[inline]
+    fn host_parts(&mut self) -> (*mut T, usize) {
+        (self.as_mut_ptr(), self.len())
+    }
+    fn release_after(mut self, pending: PendingUses) {
+        self.uses_mut().extend(pending);
     }
 }
 
-/// A copy that could not be queued; the buffer comes back untouched.
-pub struct CopyError<B> {
-    /// What went wrong.
-    pub error: Error,
-    /// The buffer, as it was.
-    pub buffer: B,
-}
-
-impl<B> fmt::Debug for CopyError<B> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CopyError")
-            .field("error", &self.error)
-            .finish_non_exhaustive()
+// SAFETY: the `Vec` owns its buffer; it is dropped only after the events have completed, and
+// leaked when that cannot be known.
+unsafe impl<T, A> HostBuffer for allocator_api2::vec::Vec<T, A>
+where
+    A: PinnedAllocator + allocator_api2::alloc::Allocator,
+{
+    type Elem = T;
+    #[inline]
+    fn host_parts(&mut self) -> (*mut T, usize) {
+        (self.as_mut_ptr(), self.len())
+    }
+    fn release_after(self, pending: PendingUses) {
+        if pending.wait().is_err() {
+            std::mem::forget(self);
+        }
     }
 }
 
-impl<B> fmt::Display for CopyError<B> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.error.fmt(f)
-    }
-}
-
-impl<B> std::error::Error for CopyError<B> {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&self.error)
-    }
-}
-
-impl<B> From<CopyError<B>> for Error {
-    fn from(e: CopyError<B>) -> Self {
-        e.error
-    }
-}
-
-/// An async copy in flight, holding its pinned buffer until the device is done with it.
+/// An async copy in flight, holding its host buffer until the device is done with it.
 ///
 /// - [`wait`](Self::wait) blocks until the copy has finished and returns the buffer;
 /// - [`is_done`](Self::is_done) asks without blocking;
@@ -128,6 +130,12 @@ impl<B: HostBuffer> Transfer<B> {
         self.event.query()
     }
 
+    /// The event that completes with the copy, for ordering other work after it
+    /// ([`Stream::wait_event`]).
+    pub fn event(&self) -> &Event {
+        &self.event
+    }
+
     /// Waits for the copy to finish and returns the buffer.
     ///
     /// # Errors
@@ -149,66 +157,69 @@ impl<B: HostBuffer> Transfer<B> {
 impl<B: HostBuffer> Drop for Transfer<B> {
     fn drop(&mut self) {
         // SAFETY: the buffer is taken once, here; the copy's event goes with it, so its
-        // allocator frees or reuses the memory only after the copy.
-        let mut buffer = unsafe { ManuallyDrop::take(&mut self.buffer) };
-        buffer.raw_parts().2.push_event(self.event.clone());
-        drop(buffer);
+        // memory is freed or reused only after the copy.
+        let buffer = unsafe { ManuallyDrop::take(&mut self.buffer) };
+        buffer.release_after(PendingUses::from_event(self.event.clone()));
     }
 }
 
 impl Stream {
-    /// Queues a copy of `src` into `dst` on this stream. `src` travels with the returned
-    /// [`Transfer`] until the copy has finished.
+    /// Queues a copy of `src` into `dst` (a [`DeviceBuffer`](crate::DeviceBuffer) or a view
+    /// of part of one: `&mut device`, `device.slice_mut(..n)`) on this stream. `src` travels
+    /// with the returned [`Transfer`] until the copy has finished.
     ///
     /// # Errors
     ///
-    /// [`Error::LengthMismatch`] or the CUDA error, with `src` handed back untouched.
-    pub fn copy_to_device<B>(
+    /// [`Error::LengthMismatch`] when the lengths differ, or the CUDA error. `src` is then
+    /// dropped: given back to its allocator once nothing can still use it.
+    pub fn copy_to_device<'d, B>(
         &self,
         src: B,
-        dst: &mut DeviceBuffer<B::Elem>,
-    ) -> Result<Transfer<B>, CopyError<B>>
+        dst: impl Into<DeviceSliceMut<'d, B::Elem>>,
+    ) -> Result<Transfer<B>>
     where
         B: HostBuffer,
-        B::Elem: NoUninit,
+        B::Elem: NoUninit + 'd,
     {
-        // SAFETY: `dst` is a live device allocation of `dst.len()` elements; the element
-        // counts are checked against it; `dst` records the copy's event and frees its memory
-        // only after it.
+        let dst = dst.into();
+        // SAFETY: the range lies in a live device allocation that outlives the call and
+        // records the copy's event, freeing its memory only after it; it is borrowed
+        // uniquely, so nothing else writes it meanwhile.
         unsafe {
-            self.copy_device(
+            self.copy_host(
                 src,
-                dst.as_raw(),
-                dst.len(),
+                Some(dst.range),
+                dst.range.address,
                 Direction::HostToDevice,
-                Some(dst),
             )
         }
     }
 
-    /// Queues a copy of `src` into `dst` on this stream; `dst` travels with the returned
-    /// [`Transfer`] and holds the data once [`Transfer::wait`] returns it.
+    /// Queues a copy of `src` (a [`DeviceBuffer`](crate::DeviceBuffer) or a view of part of
+    /// one) into `dst` on this stream; `dst` travels with the returned [`Transfer`] and holds
+    /// the data once [`Transfer::wait`] returns it.
     ///
     /// # Errors
     ///
-    /// [`Error::LengthMismatch`] or the CUDA error, with `dst` handed back untouched.
-    pub fn copy_from_device<B>(
+    /// [`Error::LengthMismatch`] when the lengths differ, or the CUDA error. `dst` is then
+    /// dropped: given back to its allocator once nothing can still use it.
+    pub fn copy_from_device<'d, B>(
         &self,
-        src: &DeviceBuffer<B::Elem>,
+        src: impl Into<DeviceSlice<'d, B::Elem>>,
         dst: B,
-    ) -> Result<Transfer<B>, CopyError<B>>
+    ) -> Result<Transfer<B>>
     where
         B: HostBuffer,
-        B::Elem: AnyBitPattern,
+        B::Elem: AnyBitPattern + 'd,
     {
-        // SAFETY: as in `copy_to_device`, with the device buffer read.
+        let src = src.into();
+        // SAFETY: as in `copy_to_device`, with the device range read.
         unsafe {
-            self.copy_device(
+            self.copy_host(
                 dst,
-                src.as_raw(),
-                src.len(),
+                Some(src.range),
+                src.range.address,
                 Direction::DeviceToHost,
-                Some(src),
             )
         }
     }
@@ -217,95 +228,84 @@ impl Stream {
     ///
     /// # Errors
     ///
-    /// The CUDA error, with `src` handed back.
+    /// The CUDA error; `src` is then dropped once nothing can still use it.
     ///
     /// # Safety
     ///
     /// - `dst` is device memory writable for `src`'s length in bytes until the copy has
     ///   finished, and nothing else reads or writes it meanwhile.
-    pub unsafe fn copy_to_device_ptr<B>(
-        &self,
-        src: B,
-        dst: u64,
-    ) -> Result<Transfer<B>, CopyError<B>>
+    pub unsafe fn copy_to_device_ptr<B>(&self, src: B, dst: u64) -> Result<Transfer<B>>
     where
         B: HostBuffer,
         B::Elem: NoUninit,
     {
         // SAFETY: forwarded from the caller; no length check is possible for a raw address.
-        unsafe {
-            self.copy_device::<B, B::Elem>(src, dst, usize::MAX, Direction::HostToDevice, None)
-        }
+        unsafe { self.copy_host(src, None, dst, Direction::HostToDevice) }
     }
 
     /// Queues a copy from the raw device address `src` into `dst`.
     ///
     /// # Errors
     ///
-    /// The CUDA error, with `dst` handed back.
+    /// The CUDA error; `dst` is then dropped once nothing can still use it.
     ///
     /// # Safety
     ///
     /// - `src` is device memory readable for `dst`'s length in bytes until the copy has
     ///   finished, and nothing writes it meanwhile.
-    pub unsafe fn copy_from_device_ptr<B>(
-        &self,
-        src: u64,
-        dst: B,
-    ) -> Result<Transfer<B>, CopyError<B>>
+    pub unsafe fn copy_from_device_ptr<B>(&self, src: u64, dst: B) -> Result<Transfer<B>>
     where
         B: HostBuffer,
         B::Elem: AnyBitPattern,
     {
         // SAFETY: forwarded from the caller.
-        unsafe {
-            self.copy_device::<B, B::Elem>(dst, src, usize::MAX, Direction::DeviceToHost, None)
-        }
+        unsafe { self.copy_host(dst, None, src, Direction::DeviceToHost) }
     }
 
     /// # Safety
     ///
-    /// - `device` is device memory valid for the copy (for `device_len` elements when
-    ///   `tracked` is given, in which case `device_len` is that buffer's length) until the
-    ///   copy has finished.
-    unsafe fn copy_device<B: HostBuffer, T>(
+    /// - `device` is device memory valid for the copy until it has finished (for
+    ///   `tracked.len` elements when `tracked` is given, which is then the range at
+    ///   `device` and records the copy), and not used by anyone else meanwhile.
+    unsafe fn copy_host<B: HostBuffer>(
         &self,
         mut host: B,
+        tracked: Option<DeviceRange<'_>>,
         device: u64,
-        device_len: usize,
         direction: Direction,
-        tracked: Option<&DeviceBuffer<T>>,
-    ) -> Result<Transfer<B>, CopyError<B>> {
-        let (host_ptr, len, _) = host.raw_parts();
+    ) -> Result<Transfer<B>> {
+        let (host_ptr, len) = host.host_parts();
+        if let Some(range) = tracked
+            && range.len != len
+        {
+            return Err(Error::LengthMismatch {
+                host: len,
+                device: range.len,
+            });
+        }
+        let bytes = len
+            .checked_mul(size_of::<B::Elem>())
+            .ok_or(Error::CapacityOverflow)?;
+        if let Some(range) = tracked {
+            range.pending.order_before(self)?;
+        }
+        let (dst, src) = match direction {
+            Direction::HostToDevice => (device as *mut _, host_ptr.cast_const().cast()),
+            _ => (host_ptr.cast(), device as *const _),
+        };
         let queued = (|| {
-            if tracked.is_some() && len != device_len {
-                return Err(Error::LengthMismatch {
-                    host: len,
-                    device: device_len,
-                });
-            }
-            let bytes = len
-                .checked_mul(size_of::<B::Elem>())
-                .ok_or(Error::CapacityOverflow)?;
-            if let Some(buffer) = tracked {
-                buffer.order_after_pending(self)?;
-            }
-            let (dst, src) = match direction {
-                Direction::HostToDevice => (device as *mut _, host_ptr.cast_const().cast()),
-                _ => (host_ptr.cast(), device as *const _),
-            };
             if bytes > 0 {
                 // SAFETY: the host side is `bytes` long and owned by `host`, which the
-                // returned `Transfer` keeps (or leaks) until the copy has finished; the device
-                // side is valid per this function's contract.
+                // returned `Transfer` keeps (or leaks) until the copy has finished; the
+                // device side is valid per this function's contract.
                 unsafe { ffi::memcpy_async(dst, src, bytes, direction, self.as_raw())? };
             }
             Ok(Arc::new(self.record_event_untimed()?))
         })();
         match queued {
             Ok(event) => {
-                if let Some(buffer) = tracked {
-                    buffer.track(self, event.clone());
+                if let Some(range) = tracked {
+                    range.pending.track(self, event.clone());
                 }
                 Ok(Transfer {
                     buffer: ManuallyDrop::new(host),
@@ -313,16 +313,13 @@ impl Stream {
                 })
             }
             Err(error) => {
-                // The copy may have been queued before recording the event failed; wait for
-                // the stream so that handing the buffer back is safe. If even that fails the
-                // device is in an error state and runs nothing more.
-                if !matches!(error, Error::LengthMismatch { .. }) {
-                    let _ = self.synchronize();
+                // The copy may have been queued before recording its event failed: the
+                // buffer is dropped only once the stream has finished, and leaked when even
+                // that cannot be known (the device is in an error state).
+                if self.synchronize().is_err() {
+                    std::mem::forget(host);
                 }
-                Err(CopyError {
-                    error,
-                    buffer: host,
-                })
+                Err(error)
             }
         }
     }

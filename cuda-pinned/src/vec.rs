@@ -3,13 +3,14 @@
 use std::alloc::Layout;
 use std::fmt;
 use std::marker::PhantomData;
-use std::mem::{self, ManuallyDrop};
+use std::mem::{self, ManuallyDrop, MaybeUninit};
 use std::ops::{Deref, DerefMut};
 use std::ptr::{self, NonNull};
 
 use bytemuck::{AnyBitPattern, NoUninit, Zeroable};
 
-use crate::alloc::{Allocation, DefaultPinned, MemoryKind, PinnedAllocator, StreamUses, release};
+use crate::alloc::{Allocation, DefaultPinned, MemoryKind, PinnedAllocator, StreamUses};
+use crate::block::Block;
 use crate::error::{Error, Result};
 use crate::stream::Stream;
 
@@ -18,7 +19,8 @@ use crate::stream::Stream;
 ///
 /// `A` says where the memory comes from: [`DefaultPinned`] (the fast registration path with
 /// CUDA, `mlock` without), [`CudaHost`](crate::CudaHost), [`Registered`](crate::Registered),
-/// [`HostLocked`](crate::HostLocked), or a caching pool.
+/// [`HostLocked`](crate::HostLocked), or a caching pool (`&Pool` or `Arc<Pool>`: any
+/// reference or `Arc` of an allocator is one).
 ///
 /// Methods that allocate have a `try_` twin that returns [`Error`] instead of panicking.
 /// Zero-sized types and empty vectors never allocate.
@@ -31,12 +33,10 @@ use crate::stream::Stream;
 /// crate cannot see, such as a kernel reading [`device_ptr`](Self::device_ptr)) are waited
 /// for, or deferred on by a caching allocator, before the memory is freed or reused.
 pub struct PinnedVec<T, A: PinnedAllocator = DefaultPinned> {
-    ptr: NonNull<T>,
+    /// The memory: dangling and zero bytes until the first allocation; given back when the
+    /// block drops, after the elements (also when dropping an element panics).
+    block: Block<A>,
     len: usize,
-    cap: usize,
-    allocation: Option<Allocation>,
-    uses: StreamUses,
-    allocator: A,
     _owns: PhantomData<T>,
 }
 
@@ -84,18 +84,30 @@ impl<T: Zeroable> PinnedVec<T> {
     }
 }
 
+/// Keeps a vector's length in a local while a loop writes elements, and stores it back when
+/// the loop ends or a `clone` unwinds. With the length out of memory, the compiler can tell
+/// that the writes do not change it, and a loop of `Copy` elements becomes one `memcpy`.
+struct SetLenOnDrop<'a> {
+    len: &'a mut usize,
+    local: usize,
+}
+
+impl Drop for SetLenOnDrop<'_> {
+    #[inline]
+    fn drop(&mut self) {
+        *self.len = self.local;
+    }
+}
+
 impl<T, A: PinnedAllocator> PinnedVec<T, A> {
     const IS_ZST: bool = mem::size_of::<T>() == 0;
 
     /// An empty vector using `allocator`; allocates nothing.
+    #[inline]
     pub const fn new_in(allocator: A) -> Self {
         Self {
-            ptr: NonNull::dangling(),
+            block: Block::empty(NonNull::<T>::dangling().cast(), allocator),
             len: 0,
-            cap: if Self::IS_ZST { usize::MAX } else { 0 },
-            allocation: None,
-            uses: StreamUses::new(),
-            allocator,
             _owns: PhantomData,
         }
     }
@@ -105,59 +117,122 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
     /// # Errors
     ///
     /// [`Error::CapacityOverflow`] when the size overflows, or the allocator's error.
+    #[inline]
     pub fn with_capacity_in(capacity: usize, allocator: A) -> Result<Self> {
-        let mut vec = Self::new_in(allocator);
-        vec.try_reserve_exact(capacity)?;
-        Ok(vec)
+        if Self::IS_ZST || capacity == 0 {
+            return Ok(Self::new_in(allocator));
+        }
+        let Ok(layout) = Layout::array::<T>(capacity) else {
+            return Err(Error::CapacityOverflow);
+        };
+        Ok(Self {
+            block: Block::allocate(layout, allocator)?,
+            len: 0,
+            _owns: PhantomData,
+        })
     }
 
     /// Number of elements.
+    #[inline]
     pub fn len(&self) -> usize {
         self.len
     }
 
     /// Whether there are no elements.
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
     /// Elements the buffer holds without reallocating (page-granular allocators often give
     /// more than was asked for).
+    #[inline]
     pub fn capacity(&self) -> usize {
-        self.cap
+        if Self::IS_ZST {
+            usize::MAX
+        } else {
+            self.block.bytes() / mem::size_of::<T>()
+        }
     }
 
     /// The allocator.
     pub fn allocator(&self) -> &A {
-        &self.allocator
+        self.block.allocator()
     }
 
     /// The kind of memory the buffer is in; `None` while nothing is allocated.
     pub fn memory_kind(&self) -> Option<MemoryKind> {
-        self.allocation.as_ref().map(Allocation::kind)
+        self.block.kind()
     }
 
     /// A pointer to the first element (dangling when nothing is allocated).
+    #[inline]
     pub fn as_ptr(&self) -> *const T {
-        self.ptr.as_ptr()
+        self.block.ptr().as_ptr().cast()
     }
 
     /// A mutable pointer to the first element (dangling when nothing is allocated).
+    #[inline]
     pub fn as_mut_ptr(&mut self) -> *mut T {
-        self.ptr.as_ptr()
+        self.block.ptr().as_ptr().cast()
     }
 
     /// The elements.
+    #[inline]
     pub fn as_slice(&self) -> &[T] {
-        // SAFETY: `ptr` is valid for `len` initialised elements (dangling and 0 when empty),
-        // and no device work writes them while `self` is borrowed (see the type's Safety).
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+        // SAFETY: the block is valid for `len` initialised elements (dangling, aligned and 0
+        // when empty), and no device work writes them while `self` is borrowed (see the
+        // type's Safety).
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len) }
     }
 
     /// The elements, mutably.
+    #[inline]
     pub fn as_mut_slice(&mut self) -> &mut [T] {
         // SAFETY: as `as_slice`, and `&mut self` makes the access unique.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+        unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr(), self.len) }
+    }
+
+    /// The room after the elements, to be filled in place and then declared with
+    /// [`set_len`](Self::set_len) — how a worker writes a batch straight into pinned memory
+    /// without building it elsewhere first.
+    ///
+    /// ```
+    /// # use cuda_pinned::PinnedVec;
+    /// let mut v = PinnedVec::<u32>::with_capacity(4)?;
+    /// for (i, slot) in v.spare_capacity_mut()[..4].iter_mut().enumerate() {
+    ///     slot.write(i as u32 * 10);
+    /// }
+    /// // SAFETY: the first 4 elements were just written.
+    /// unsafe { v.set_len(4) };
+    /// assert_eq!(v, [0, 10, 20, 30][..]);
+    /// # Ok::<(), cuda_pinned::Error>(())
+    /// ```
+    #[inline]
+    pub fn spare_capacity_mut(&mut self) -> &mut [MaybeUninit<T>] {
+        let spare = self.capacity() - self.len;
+        // SAFETY: the block holds `capacity` elements' room; the slots from `len` on are
+        // unused (`MaybeUninit` asks nothing of their contents), and `&mut self` makes the
+        // access unique. For zero-sized `T` the dangling pointer is valid for any length.
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.as_mut_ptr().add(self.len).cast::<MaybeUninit<T>>(),
+                spare,
+            )
+        }
+    }
+
+    /// Sets the length, as `Vec::set_len`.
+    ///
+    /// # Safety
+    ///
+    /// - `new_len <= self.capacity()`;
+    /// - the elements at `old_len..new_len` are initialised (and those beyond `new_len` are
+    ///   no longer considered part of the vector: they are not dropped).
+    #[inline]
+    pub unsafe fn set_len(&mut self, new_len: usize) {
+        debug_assert!(new_len <= self.capacity());
+        self.len = new_len;
     }
 
     /// Makes room for at least `additional` more elements, growing geometrically.
@@ -165,12 +240,13 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
     /// # Errors
     ///
     /// [`Error::CapacityOverflow`] or the allocator's error; the vector is unchanged.
+    #[inline]
     pub fn try_reserve(&mut self, additional: usize) -> Result<()> {
         // `let else`, not `ok_or`: an error value built eagerly is also dropped on success.
         let Some(required) = self.len.checked_add(additional) else {
             return Err(Error::CapacityOverflow);
         };
-        if required <= self.cap {
+        if required <= self.capacity() {
             return Ok(());
         }
         let minimum = match mem::size_of::<T>() {
@@ -178,7 +254,7 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
             ..=1024 => 4,
             _ => 1,
         };
-        self.grow_to(required.max(self.cap.saturating_mul(2)).max(minimum))
+        self.grow_to(required.max(self.capacity().saturating_mul(2)).max(minimum))
     }
 
     /// Makes room for exactly `additional` more elements (the allocator may round up).
@@ -191,7 +267,7 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
         let Some(required) = self.len.checked_add(additional) else {
             return Err(Error::CapacityOverflow);
         };
-        if required <= self.cap {
+        if required <= self.capacity() {
             return Ok(());
         }
         self.grow_to(required)
@@ -208,24 +284,24 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
         }
     }
 
+    /// Moves the elements into a new allocation of room for `capacity` (> the current
+    /// capacity) elements.
+    #[cold]
     fn grow_to(&mut self, capacity: usize) -> Result<()> {
         if Self::IS_ZST {
             return Ok(()); // capacity is already usize::MAX
         }
         let layout = Layout::array::<T>(capacity).map_err(|_| Error::CapacityOverflow)?;
-        let allocation = self.allocator.allocate(layout)?;
-        let new_ptr = allocation.ptr().cast::<T>();
+        let allocation = self.block.allocate_more(layout)?;
         // SAFETY: the new block holds ≥ `capacity` ≥ `len` elements and does not overlap the
         // old one (both are live allocations); moving the bits moves the values.
-        unsafe { ptr::copy_nonoverlapping(self.ptr.as_ptr(), new_ptr.as_ptr(), self.len) };
-        let new_cap = allocation.bytes() / mem::size_of::<T>();
-        if let Some(old) = self.allocation.replace(allocation) {
-            // SAFETY: `old` came from this allocator; its values were moved out above and
-            // `uses` holds every recorded device use of it.
-            unsafe { release(&self.allocator, old, &mut self.uses) };
-        }
-        self.ptr = new_ptr;
-        self.cap = new_cap;
+        unsafe {
+            ptr::copy_nonoverlapping(self.as_ptr(), allocation.ptr().as_ptr().cast(), self.len)
+        };
+        // SAFETY: from this block's allocator, unused elsewhere; the old block's values were
+        // moved out above. The block points at the new memory before the old one is given
+        // back, so an unwinding allocator cannot leave this vector on freed memory.
+        unsafe { self.block.replace(allocation) };
         Ok(())
     }
 
@@ -234,12 +310,13 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
     /// # Errors
     ///
     /// The allocator's error if the vector had to grow; `value` is dropped.
+    #[inline]
     pub fn try_push(&mut self, value: T) -> Result<()> {
-        if self.len == self.cap {
+        if self.len == self.capacity() {
             self.try_reserve(1)?;
         }
-        // SAFETY: `len < cap`, so the slot is inside the buffer and unused.
-        unsafe { self.ptr.as_ptr().add(self.len).write(value) };
+        // SAFETY: `len < capacity`, so the slot is inside the buffer and unused.
+        unsafe { self.as_mut_ptr().add(self.len).write(value) };
         self.len += 1;
         Ok(())
     }
@@ -249,6 +326,7 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
     /// # Panics
     ///
     /// When growing fails; [`try_push`](Self::try_push) returns the error instead.
+    #[inline]
     pub fn push(&mut self, value: T) {
         if let Err(e) = self.try_push(value) {
             panic!("PinnedVec::push: {e}");
@@ -262,7 +340,7 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
         }
         self.len -= 1;
         // SAFETY: the slot held an initialised value, now outside `len`, read once.
-        Some(unsafe { self.ptr.as_ptr().add(self.len).read() })
+        Some(unsafe { self.as_ptr().add(self.len).read() })
     }
 
     /// Keeps the first `len` elements and drops the rest.
@@ -272,7 +350,7 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
         }
         let tail = ptr::slice_from_raw_parts_mut(
             // SAFETY: `len < self.len`, inside the buffer.
-            unsafe { self.ptr.as_ptr().add(len) },
+            unsafe { self.as_mut_ptr().add(len) },
             self.len - len,
         );
         // Shorten first: if a destructor panics, the vector never sees a dropped value.
@@ -291,11 +369,11 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
     /// When the buffer is freed or returned to a pool, that work is waited for, or deferred on,
     /// first. Copies made through this crate record their use themselves.
     pub fn record_stream(&mut self, stream: &Stream) {
-        self.uses.record_stream(stream);
+        self.block.record_stream(stream);
     }
 
     pub(crate) fn uses_mut(&mut self) -> &mut StreamUses {
-        &mut self.uses
+        self.block.uses_mut()
     }
 
     /// The address of the buffer in the device's address space, for kernels that read or
@@ -309,8 +387,8 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
     /// [`Error::Unsupported`] for empty vectors and `mlock`ed memory; the CUDA error when
     /// the memory is not mapped.
     pub fn device_ptr(&self) -> Result<u64> {
-        let allocation = self.allocation.as_ref();
-        allocation
+        self.block
+            .allocation()
             .ok_or(Error::Unsupported("an empty vector has no buffer"))?
             .device_ptr()
     }
@@ -320,15 +398,11 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
     /// the memory (through [`from_raw_parts`](Self::from_raw_parts) or the allocator) answers
     /// for them.
     pub fn into_raw_parts(self) -> (Option<Allocation>, usize, A) {
-        let mut this = ManuallyDrop::new(self);
-        let allocation = this.allocation.take();
-        let len = this.len;
-        // SAFETY: `this` is never used or dropped again; the allocator is moved out once,
-        // and `uses` is dropped in place (it owns only handles).
-        unsafe {
-            ptr::drop_in_place(&mut this.uses);
-            (allocation, len, ptr::read(&this.allocator))
-        }
+        let this = ManuallyDrop::new(self);
+        // SAFETY: `this` is never used or dropped again; the block is moved out once.
+        let block = unsafe { ptr::read(&this.block) };
+        let (allocation, allocator) = block.into_parts();
+        (allocation, this.len, allocator)
     }
 
     /// Rebuilds a vector from [`into_raw_parts`](Self::into_raw_parts).
@@ -340,16 +414,30 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
     /// - its first `len` elements are initialised `T`s, and `len` ≤ its capacity;
     /// - no device work still uses the memory.
     pub unsafe fn from_raw_parts(allocation: Option<Allocation>, len: usize, allocator: A) -> Self {
-        let mut vec = Self::new_in(allocator);
-        if let Some(allocation) = allocation {
-            vec.ptr = allocation.ptr().cast();
-            if !Self::IS_ZST {
-                vec.cap = allocation.bytes() / mem::size_of::<T>();
-            }
-            vec.allocation = Some(allocation);
+        Self {
+            // SAFETY: forwarded from the caller.
+            block: unsafe {
+                Block::from_parts(allocation, NonNull::<T>::dangling().cast(), allocator)
+            },
+            len,
+            _owns: PhantomData,
         }
-        vec.len = len;
-        vec
+    }
+
+    /// Writes `count` values from `next` after the elements; room for them is reserved.
+    /// Keeps the length right if `next` unwinds.
+    #[inline]
+    fn write_reserved(&mut self, count: usize, mut next: impl FnMut(usize) -> T) {
+        let ptr = self.as_mut_ptr();
+        let mut len = SetLenOnDrop {
+            local: self.len,
+            len: &mut self.len,
+        };
+        for i in 0..count {
+            // SAFETY: the caller reserved room for `count` more elements.
+            unsafe { ptr.add(len.local).write(next(i)) };
+            len.local += 1;
+        }
     }
 }
 
@@ -365,26 +453,24 @@ impl<T: Clone, A: PinnedAllocator> PinnedVec<T, A> {
         Ok(vec)
     }
 
-    /// Appends clones of `slice`'s elements.
+    /// Appends clones of `slice`'s elements (for `Copy` types, one `memcpy`).
     ///
     /// # Errors
     ///
     /// The allocator's error; the vector is unchanged.
+    #[inline]
     pub fn try_extend_from_slice(&mut self, slice: &[T]) -> Result<()> {
         self.try_reserve(slice.len())?;
-        for value in slice {
-            // SAFETY: room was reserved for every element.
-            unsafe { self.ptr.as_ptr().add(self.len).write(value.clone()) };
-            self.len += 1;
-        }
+        self.write_reserved(slice.len(), |i| slice[i].clone());
         Ok(())
     }
 
-    /// Appends clones of `slice`'s elements.
+    /// Appends clones of `slice`'s elements (for `Copy` types, one `memcpy`).
     ///
     /// # Panics
     ///
     /// When growing fails.
+    #[inline]
     pub fn extend_from_slice(&mut self, slice: &[T]) {
         if let Err(e) = self.try_extend_from_slice(slice) {
             panic!("PinnedVec::extend_from_slice: {e}");
@@ -401,12 +487,9 @@ impl<T: Clone, A: PinnedAllocator> PinnedVec<T, A> {
             self.truncate(len);
             return Ok(());
         }
-        self.try_reserve(len - self.len)?;
-        while self.len < len {
-            // SAFETY: room was reserved up to `len`.
-            unsafe { self.ptr.as_ptr().add(self.len).write(value.clone()) };
-            self.len += 1;
-        }
+        let extra = len - self.len;
+        self.try_reserve(extra)?;
+        self.write_reserved(extra, |_| value.clone());
         Ok(())
     }
 
@@ -429,7 +512,7 @@ impl<T: Clone, A: PinnedAllocator + Clone> PinnedVec<T, A> {
     ///
     /// The allocator's error.
     pub fn try_clone(&self) -> Result<Self> {
-        Self::from_slice_in(self, self.allocator.clone())
+        Self::from_slice_in(self, self.allocator().clone())
     }
 }
 
@@ -443,8 +526,8 @@ impl<T: Zeroable, A: PinnedAllocator> PinnedVec<T, A> {
         let mut vec = Self::with_capacity_in(len, allocator)?;
         // SAFETY: capacity ≥ len; all-zero bytes are a valid `T` (`Zeroable`).
         unsafe {
-            ptr::write_bytes(vec.ptr.as_ptr(), 0, len);
-            vec.len = len;
+            ptr::write_bytes(vec.as_mut_ptr(), 0, len);
+            vec.set_len(len);
         }
         Ok(vec)
     }
@@ -465,13 +548,11 @@ impl<T: NoUninit + AnyBitPattern, A: PinnedAllocator> PinnedVec<T, A> {
 }
 
 impl<T, A: PinnedAllocator> Drop for PinnedVec<T, A> {
+    #[inline]
     fn drop(&mut self) {
-        // SAFETY: the first `len` elements are initialised and dropped once here.
-        unsafe { ptr::drop_in_place(ptr::slice_from_raw_parts_mut(self.ptr.as_ptr(), self.len)) };
-        if let Some(allocation) = self.allocation.take() {
-            // SAFETY: the allocation came from this allocator; `uses` covers device work.
-            unsafe { release(&self.allocator, allocation, &mut self.uses) };
-        }
+        // SAFETY: the first `len` elements are initialised and dropped once here. The block
+        // field gives the memory back afterwards, also if a destructor panics.
+        unsafe { ptr::drop_in_place(ptr::slice_from_raw_parts_mut(self.as_mut_ptr(), self.len)) };
     }
 }
 
@@ -622,7 +703,7 @@ impl<T, A: PinnedAllocator> Iterator for IntoIter<T, A> {
             return None;
         }
         // SAFETY: slots `next..end` hold initialised values not yet yielded; each is read once.
-        let value = unsafe { self.buffer.ptr.as_ptr().add(self.next).read() };
+        let value = unsafe { self.buffer.as_ptr().add(self.next).read() };
         self.next += 1;
         Some(value)
     }
@@ -639,7 +720,7 @@ impl<T, A: PinnedAllocator> Drop for IntoIter<T, A> {
     fn drop(&mut self) {
         let rest = ptr::slice_from_raw_parts_mut(
             // SAFETY: `next ≤ end ≤ capacity`.
-            unsafe { self.buffer.ptr.as_ptr().add(self.next) },
+            unsafe { self.buffer.as_mut_ptr().add(self.next) },
             self.end - self.next,
         );
         // SAFETY: the values not yet yielded are initialised and dropped once, here.

@@ -1,6 +1,7 @@
-//! allocator-api2's `Allocator` for `&Pool`, so `allocator_api2::vec::Vec<T, &Pool>` and
-//! hashbrown maps can live in pooled pinned memory. Such containers cannot record streams:
-//! copies from them go through raw, `unsafe` copies whose callers wait for them.
+//! allocator-api2's `Allocator` for `Pool` (and so for `&Pool`), so
+//! `allocator_api2::vec::Vec<T, &Pool>` and hashbrown maps can live in pooled pinned memory.
+//! Such a `Vec` is a `cuda_pinned::HostBuffer`: async copies take it like a `PinnedVec`, and
+//! dropping their `Transfer` waits for the copy before the block goes back.
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
@@ -15,7 +16,7 @@ use crate::size_class::{PAGE, class_of};
 // SAFETY: blocks come from `allocate_raw` (valid for the class size, page-aligned, used by
 // nobody else); the returned length is the class size, so every layout size that fits the
 // block (between the request and the class size) maps back to the same class.
-unsafe impl<B: PinnedAllocator, C: Completion + From<PendingUses>> Allocator for &Pool<B, C> {
+unsafe impl<B: PinnedAllocator, C: Completion + From<PendingUses>> Allocator for Pool<B, C> {
     fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
         if layout.size() == 0 {
             // SAFETY: an alignment is never zero.

@@ -5,11 +5,14 @@
 //! of "paused", against the pauser's store of "paused" before its load of "inside", like a
 //! full fence on both sides would (Dekker's pattern), without a fence on the common side.
 //!
-//! Where the call is missing (not Linux, kernels before 4.14, a sandbox that filters it, Miri)
-//! both sides are full fences: correct everywhere, a few nanoseconds slower per operation.
+//! Where the call is missing (not Linux, kernels before 4.14, a sandbox that filters it, Miri,
+//! the loom model) both sides are full fences: correct everywhere, a few nanoseconds slower
+//! per operation.
 
 use std::sync::OnceLock;
-use std::sync::atomic::{Ordering, compiler_fence, fence};
+use std::sync::atomic::compiler_fence;
+
+use crate::sync::{Ordering, fence};
 
 /// The two sides of the barrier; which kind is chosen once per process.
 #[derive(Clone, Copy, Debug)]
@@ -24,6 +27,12 @@ impl Barrier {
         Self {
             expedited: *EXPEDITED.get_or_init(membarrier::register),
         }
+    }
+
+    /// The full-fence barrier, as where `membarrier` is missing.
+    #[cfg(loom)]
+    pub(crate) fn fences() -> Self {
+        Self { expedited: false }
     }
 
     /// The common side: after a store, before a load that must not pass it.
@@ -51,7 +60,7 @@ impl Barrier {
     }
 }
 
-#[cfg(all(target_os = "linux", not(miri)))]
+#[cfg(all(target_os = "linux", not(miri), not(loom)))]
 mod membarrier {
     // From the kernel's uapi `linux/membarrier.h`; the libc crate does not carry them.
     const CMD_QUERY: libc::c_long = 0;
@@ -96,22 +105,16 @@ mod membarrier {
     }
 }
 
-#[cfg(not(all(target_os = "linux", not(miri))))]
+#[cfg(not(all(target_os = "linux", not(miri), not(loom))))]
 mod membarrier {
     pub(super) fn register() -> bool {
         false
     }
 
+    /// Whether expedited barriers are used here: never.
     #[cfg(test)]
     pub(super) fn offered() -> bool {
         false
-    }
-
-    /// Whether the kernel offers expedited private barriers.
-    #[cfg(test)]
-    pub(super) fn offered() -> bool {
-        let supported = call(CMD_QUERY);
-        supported >= 0 && supported & CMD_PRIVATE_EXPEDITED != 0
     }
 
     pub(super) fn expedited() {

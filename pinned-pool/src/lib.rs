@@ -22,11 +22,11 @@
 //!
 //! | PyTorch | pinned-pool |
 //! |---|---|
-//! | `allocate(size)` | [`Pool::allocate`] (raw bytes), or `&pool` as the allocator of [`PinnedVec`](cuda_pinned::PinnedVec) |
+//! | `allocate(size)` | [`Pool::with_capacity`] (a byte buffer), or `&pool` / `Arc<Pool>` as the allocator of any [`PinnedVec`](cuda_pinned::PinnedVec); [`Pool::allocate_raw`] for the raw block |
 //! | `record_event(ptr, ctx, stream)` | `PinnedVec::record_stream(&stream)`; copies through `cuda_pinned` record themselves |
 //! | `free` (deleter) | dropping the buffer (or the in-flight `Transfer`) |
 //! | `empty_cache()` | [`Pool::empty_cache`] |
-//! | `get_stats()`, `reset_peak_stats()` | [`Pool::stats`], [`Pool::reset_peak_stats`] |
+//! | `get_stats()`, `reset_peak_stats()` | [`Pool::stats`] (exact), [`Pool::approximate_stats`] (for monitoring: pauses nobody), [`Pool::reset_peak_stats`] |
 //! | `PYTORCH_ALLOC_CONF=pinned_…` | [`PoolConfig`], or `CUDA_PINNED_POOL_CONF=max_cached_mb:1024,…` |
 //!
 //! # Design note
@@ -56,12 +56,20 @@
 //! half to shared lists; one whose stack is empty refills from them; a miss there pauses
 //! every cache and looks in the other threads' stacks before pinning new memory.
 //!
+//! A thread whose thread-locals are being destroyed (a buffer kept in a `thread_local!` and
+//! dropped at thread exit) has no cache of its own any more; it is served by a shared cache
+//! under the pool's lock.
+//!
 //! *Pausing.* `empty_cache`, `trim`, `release_idle`, `stats` and the rare peak check below
 //! need every thread's cache at once. The pauser, holding the pool's lock, marks each cache
 //! paused, runs `membarrier(2)` (which makes every running thread of the process execute a
 //! full fence, so no fence is needed on the fast path) and waits for each owner to leave its
 //! cache; owners meanwhile take the lock instead. On systems without `membarrier` the fast
 //! path pays one fence instead ([`Pool::has_fence_free_fast_path`]).
+//!
+//! *Counters.* Each thread's counters have one writer at a time and are updated with a plain
+//! load and store, but as atomics: [`Pool::stats`] pauses every cache to read one consistent
+//! state, [`Pool::approximate_stats`] just reads them as they are.
 //!
 //! *Exact peaks without a shared counter.* PyTorch sums per-bucket peaks, an upper bound.
 //! Here `active_*` peaks are true pool-wide peaks: each thread may hand out blocks while its
@@ -103,6 +111,8 @@ mod local;
 mod pool;
 mod size_class;
 mod stats;
+mod sync;
+mod threads;
 
 pub use completion::Completion;
 pub use config::{ConfigError, POOL_CONF_VAR, PoolConfig};

@@ -5,13 +5,13 @@
 use std::cell::UnsafeCell;
 use std::ops::{Add, Deref, DerefMut, Sub};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::Instant;
 
 use cuda_pinned::{Allocation, MemoryKind};
 
 use crate::barrier::Barrier;
 use crate::size_class::{CLASSES, class_size};
+use crate::sync::{AtomicBool, AtomicI64, AtomicU64, Ordering, spin};
 
 /// An idle block of a class known from the list holding it and, when the pool releases idle
 /// blocks, since when it has been idle. Smaller than an [`Allocation`], so the fast path
@@ -131,22 +131,51 @@ pub(crate) fn magazine_has_room(held: usize, size: usize) -> bool {
     held == 0 || (held < MAGAZINE_BLOCKS && (held + 1) * size <= MAGAZINE_BYTES)
 }
 
-/// What a thread's cache holds and has counted.
+/// What a thread's cache holds.
 #[derive(Debug)]
 pub(crate) struct LocalData {
     /// Idle blocks by class, the most recently freed last.
     pub(crate) magazine: Box<[Vec<Cached>]>,
-    /// Blocks handed out here less blocks given back here.
-    pub(crate) active: Amount,
     /// How far above `active` a free leaves the ceiling: the most this thread has needed at
     /// once, so its next round of allocations does not have to ask again.
     pub(crate) keep: Amount,
+}
+
+/// What a thread's cache has counted. Only the thread using the cache writes them (inside
+/// `enter`, or under the pool's lock), each with a plain load and store; any thread may read
+/// them at any time, which is what makes the pool's approximate statistics free.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    /// Blocks (and their bytes) handed out here less those given back here.
+    active_requests: AtomicI64,
+    active_bytes: AtomicI64,
     /// Blocks handed out here from a cache, and newly pinned ones.
-    pub(crate) hits: u64,
-    pub(crate) misses: u64,
+    hits: AtomicU64,
+    misses: AtomicU64,
     /// Their bytes. What was given back here is what was handed out less `active`, so a
     /// free updates no counter of its own.
+    handed_bytes: AtomicU64,
+}
+
+/// A reading of one cache's counters.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Counted {
+    pub(crate) active: Amount,
+    pub(crate) hits: u64,
+    pub(crate) misses: u64,
     pub(crate) handed_bytes: u64,
+}
+
+/// Adds `by` to a counter only one thread writes at a time: a load and a store, no
+/// read-modify-write.
+#[inline]
+fn bump_u64(counter: &AtomicU64, by: u64) {
+    counter.store(counter.load(Ordering::Relaxed) + by, Ordering::Relaxed);
+}
+
+#[inline]
+fn bump_i64(counter: &AtomicI64, by: i64) {
+    counter.store(counter.load(Ordering::Relaxed) + by, Ordering::Relaxed);
 }
 
 /// One thread's cache, on cache lines of its own.
@@ -169,6 +198,7 @@ pub(crate) struct Local {
     /// counts it as taken and grants it, so that threads waiting for room are not starved of
     /// it (which would keep them from ever being counted at a new peak).
     wanted_bytes: AtomicI64,
+    counters: Counters,
     data: UnsafeCell<LocalData>,
 }
 
@@ -188,13 +218,10 @@ impl Local {
             ceiling_requests: AtomicI64::new(0),
             ceiling_bytes: AtomicI64::new(0),
             wanted_bytes: AtomicI64::new(0),
+            counters: Counters::default(),
             data: UnsafeCell::new(LocalData {
                 magazine: (0..CLASSES).map(|_| Vec::new()).collect(),
-                active: Amount::default(),
                 keep: Amount::default(),
-                hits: 0,
-                misses: 0,
-                handed_bytes: 0,
             }),
         }
     }
@@ -222,12 +249,8 @@ impl Local {
     pub(crate) fn wait_idle(&self) {
         let mut spins = 0u32;
         while self.busy.load(Ordering::Acquire) {
-            spins += 1;
-            if spins < 64 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
+            spins = spins.saturating_add(1);
+            spin(spins);
         }
     }
 
@@ -255,6 +278,25 @@ impl Local {
     /// The data, through exclusive access (no lock needed).
     pub(crate) fn data_mut(&mut self) -> &mut LocalData {
         self.data.get_mut()
+    }
+
+    /// Blocks and bytes handed out here less those given back here.
+    #[inline]
+    pub(crate) fn active(&self) -> Amount {
+        Amount {
+            requests: self.counters.active_requests.load(Ordering::Relaxed),
+            bytes: self.counters.active_bytes.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The counters as they are now (exact when the cache is paused or is this thread's).
+    pub(crate) fn counted(&self) -> Counted {
+        Counted {
+            active: self.active(),
+            hits: self.counters.hits.load(Ordering::Relaxed),
+            misses: self.counters.misses.load(Ordering::Relaxed),
+            handed_bytes: self.counters.handed_bytes.load(Ordering::Relaxed),
+        }
     }
 
     /// How much this thread may hand out without asking.
@@ -293,26 +335,31 @@ impl Local {
     /// Hands out an idle block of `class` if there is one and the ceiling allows it.
     #[inline]
     pub(crate) fn take(&self, data: &mut LocalData, class: usize, size: usize) -> Option<Cached> {
-        let after = data.active + Amount::block(size);
+        let after = self.active() + Amount::block(size);
         if !after.within(self.ceiling()) {
             return None;
         }
         let cached = data.magazine[class].pop()?;
-        Self::count_handed(data, size, true);
+        self.count_handed(size, true);
         Some(cached)
     }
 
     /// Counts a block of `size` handed out: from a cache (`hit`) or newly pinned. The
-    /// caller has checked the ceiling.
+    /// caller, the cache's one writer now, has checked the ceiling.
     #[inline]
-    pub(crate) fn count_handed(data: &mut LocalData, size: usize, hit: bool) {
-        data.active = data.active + Amount::block(size);
-        if hit {
-            data.hits += 1;
-        } else {
-            data.misses += 1;
-        }
-        data.handed_bytes += size as u64;
+    pub(crate) fn count_handed(&self, size: usize, hit: bool) {
+        let counters = &self.counters;
+        bump_i64(&counters.active_requests, 1);
+        bump_i64(&counters.active_bytes, size as i64);
+        bump_u64(
+            if hit {
+                &counters.hits
+            } else {
+                &counters.misses
+            },
+            1,
+        );
+        bump_u64(&counters.handed_bytes, size as u64);
     }
 
     /// Keeps a freed block of `class` if the stack has room, counting it given back;
@@ -337,12 +384,15 @@ impl Local {
     }
 
     /// Counts a block of `size` given back, and lowers the ceiling to `keep` above what is
-    /// left, so that other threads can raise theirs without pausing this one.
+    /// left, so that other threads can raise theirs without pausing this one. The caller is
+    /// the cache's one writer now.
     #[inline]
-    pub(crate) fn count_returned(&self, data: &mut LocalData, size: usize) {
-        data.active = data.active - Amount::block(size);
+    pub(crate) fn count_returned(&self, data: &LocalData, size: usize) {
+        let counters = &self.counters;
+        bump_i64(&counters.active_requests, -1);
+        bump_i64(&counters.active_bytes, -(size as i64));
         let ceiling = self.ceiling();
-        let lowered = ceiling.min(data.active + data.keep);
+        let lowered = ceiling.min(self.active() + data.keep);
         if lowered != ceiling {
             self.set_ceiling(lowered);
         }
@@ -377,5 +427,53 @@ impl Drop for Entered<'_> {
     #[inline]
     fn drop(&mut self) {
         self.local.busy.store(false, Ordering::Release);
+    }
+}
+
+/// The pause hand-off under the loom model checker: whatever the interleaving and the
+/// memory model allow, the owner inside `enter` and a pauser past `wait_idle` never touch the
+/// cache's data at once. A loom cell stands in for the data and reports any such overlap.
+///
+/// Loom models the fallback barrier (a `SeqCst` fence on both sides); the expedited one
+/// replaces the fast side's fence by a `membarrier(2)` call on the pauser's side that runs a
+/// full fence on every running thread of the process, which loom cannot express.
+///
+/// `RUSTFLAGS="--cfg loom" cargo test -p pinned-pool --release --lib loom`
+#[cfg(all(test, loom))]
+mod loom_model {
+    use loom::cell::UnsafeCell as Witness;
+    use loom::sync::Arc;
+
+    use super::Local;
+    use crate::barrier::Barrier;
+
+    #[test]
+    fn loom_pause_and_owner_never_overlap() {
+        loom::model(|| {
+            let barrier = Barrier::fences();
+            let local = Arc::new(Local::new());
+            // Let out of its initial pause, as the owner's first (locked) use does.
+            local.resume();
+            let data = Arc::new(Witness::new(0u32));
+            let owner = {
+                let (local, data) = (local.clone(), data.clone());
+                loom::thread::spawn(move || {
+                    for _ in 0..2 {
+                        if let Some(entered) = local.enter(barrier) {
+                            // SAFETY: loom checks that no pauser holds the data meanwhile.
+                            data.with_mut(|value| unsafe { *value += 1 });
+                            drop(entered);
+                        }
+                    }
+                })
+            };
+            local.pause();
+            barrier.heavy();
+            local.wait_idle();
+            // SAFETY: loom checks that the owner is not inside `enter` meanwhile.
+            data.with_mut(|value| unsafe { *value += 10 });
+            local.resume();
+            owner.join().unwrap();
+        });
     }
 }

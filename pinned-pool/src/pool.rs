@@ -12,26 +12,47 @@ use cuda_pinned::{
     Allocation, DefaultPinned, Error, PendingUses, PinnedAllocator, PinnedVec, Result,
 };
 use parking_lot::Mutex;
-use thread_local::ThreadLocal;
 
 use crate::barrier::Barrier;
 use crate::completion::Completion;
 use crate::config::{ConfigError, PoolConfig};
-use crate::local::{Amount, Cached, Local, LocalData, idle_bytes, magazine_has_room};
+use crate::local::{Amount, Cached, Counted, Local, LocalData, idle_bytes, magazine_has_room};
 use crate::size_class::{CLASSES, PAGE, class_of, class_size};
 use crate::stats::{DurationStat, PoolStats, Stat};
+use crate::threads::PerThread;
 
 /// A caching allocator of page-locked memory; see the crate documentation for the design.
 ///
-/// Use `&Pool` as the allocator of [`PinnedVec`] (or allocator-api2 containers):
-/// `PinnedVec::with_capacity_in(n, &pool)`. `B` is where new memory comes from; `C` is what
-/// says a freed block's device work has finished ([`PendingUses`], CUDA events, in real use).
+/// A pool is a [`PinnedAllocator`]: use `&pool` (or an `Arc<Pool>`, to move buffers to other
+/// threads) as the allocator of [`PinnedVec`] and the crate's other containers, and of
+/// allocator-api2's: `PinnedVec::with_capacity_in(n, &pool)`. `B` is where new memory comes
+/// from; `C` is what says a freed block's device work has finished ([`PendingUses`], CUDA
+/// events, in real use).
+///
+/// ```
+/// use std::sync::Arc;
+/// use cuda_pinned::PinnedVec;
+/// use pinned_pool::Pool;
+///
+/// let pool = Arc::new(Pool::new());
+/// let worker = {
+///     let pool = pool.clone();
+///     std::thread::spawn(move || PinnedVec::from_slice_in(&[1u8, 2, 3], pool))
+/// };
+/// let batch = worker.join().unwrap()?; // a PinnedVec<u8, Arc<Pool>>, moved across threads
+/// assert_eq!(batch, [1, 2, 3][..]);
+/// # Ok::<(), cuda_pinned::Error>(())
+/// ```
 pub struct Pool<B: PinnedAllocator = DefaultPinned, C: Completion = PendingUses> {
     backend: B,
     config: PoolConfig,
     barrier: Barrier,
     /// Each thread's cache.
-    locals: ThreadLocal<Local>,
+    locals: PerThread<Local>,
+    /// The cache of threads that have none: those whose thread-locals are being destroyed
+    /// (a buffer dropped from a `thread_local!` at thread exit). Never entered without the
+    /// lock; counted, paused and drained like every other.
+    shared: Local,
     /// What threads share: taken on a thread's slow path, and to pause every cache.
     central: Mutex<Central>,
     /// Blocks given back while device work may still use them.
@@ -43,7 +64,8 @@ pub struct Pool<B: PinnedAllocator = DefaultPinned, C: Completion = PendingUses>
     pending_bytes: AtomicUsize,
     pending_requests: AtomicU64,
     /// Idle bytes in all caches, kept only under a cap on them (it costs a shared update per
-    /// allocation and free).
+    /// allocation and free). Raised before a block enters a cache and lowered after one
+    /// leaves, so it is never below the true figure, and never wraps.
     cached: AtomicUsize,
 }
 
@@ -95,13 +117,13 @@ impl Central {
 }
 
 /// Every thread cache paused (see [`Pool::pause_all`]); resumes them when dropped.
-struct Paused<'a> {
-    locals: &'a ThreadLocal<Local>,
+struct Paused<'a, B: PinnedAllocator, C: Completion> {
+    pool: &'a Pool<B, C>,
 }
 
-impl Drop for Paused<'_> {
+impl<B: PinnedAllocator, C: Completion> Drop for Paused<'_, B, C> {
     fn drop(&mut self) {
-        for local in self.locals.iter() {
+        for local in self.pool.caches() {
             local.resume();
         }
     }
@@ -130,7 +152,12 @@ impl<B: PinnedAllocator, C: Completion> fmt::Debug for Pool<B, C> {
 impl Pool {
     /// A pool over [`DefaultPinned`] with the default configuration.
     pub fn new() -> Self {
-        Self::with_backend(DefaultPinned, PoolConfig::default())
+        Self::with_config(PoolConfig::default())
+    }
+
+    /// A pool over [`DefaultPinned`] with `config`.
+    pub fn with_config(config: PoolConfig) -> Self {
+        Self::with_backend(DefaultPinned, config)
     }
 
     /// A pool over [`DefaultPinned`] configured by `CUDA_PINNED_POOL_CONF`.
@@ -139,7 +166,15 @@ impl Pool {
     ///
     /// The variable's first malformed entry, unknown key or bad value.
     pub fn from_env() -> Result<Self, ConfigError> {
-        Ok(Self::with_backend(DefaultPinned, PoolConfig::from_env()?))
+        Ok(Self::with_config(PoolConfig::from_env()?))
+    }
+}
+
+impl<B: PinnedAllocator> Pool<B> {
+    /// A pool pinning new memory from `backend` ([`CudaHost`](cuda_pinned::CudaHost) with
+    /// chosen flags, [`Registered`](cuda_pinned::Registered), …).
+    pub fn with_backend(backend: B, config: PoolConfig) -> Self {
+        Self::with_completion(backend, config)
     }
 }
 
@@ -150,13 +185,15 @@ impl Default for Pool {
 }
 
 impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
-    /// A pool pinning new memory from `backend`.
-    pub fn with_backend(backend: B, config: PoolConfig) -> Self {
+    /// A pool pinning new memory from `backend` and told by completions of type `C` when
+    /// freed blocks' device work has finished (`Pool::<_, MyCompletion>::with_completion`).
+    pub fn with_completion(backend: B, config: PoolConfig) -> Self {
         Self {
             backend,
             config,
             barrier: Barrier::new(),
-            locals: ThreadLocal::new(),
+            locals: PerThread::new(),
+            shared: Local::new(),
             central: Mutex::new(Central::new()),
             pending: Mutex::new(Vec::new()),
             blocks: Mutex::new(HashMap::new()),
@@ -184,36 +221,42 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         self.barrier.is_expedited()
     }
 
-    /// This thread's cache, created on first use.
+    /// This thread's cache, created on first use; `None` while the thread's thread-locals
+    /// are being destroyed (it is then served by the shared cache, under the lock).
     #[inline]
-    fn local(&self) -> &Local {
-        match self.locals.get() {
-            Some(local) => local,
-            None => self.new_local(),
-        }
-    }
-
-    /// Creates this thread's cache and looks it up again: the reference the creating call
-    /// returns is derived from a unique one, which a pauser's write to the cache's flags
-    /// would invalidate under Rust's aliasing rules (as Miri checks them).
-    #[cold]
-    fn new_local(&self) -> &Local {
-        self.locals.get_or(Local::new);
+    fn local(&self) -> Option<&Local> {
         self.locals.get_or(Local::new)
     }
 
-    /// An empty byte vector with room for at least `bytes` bytes: the raw block (fill it
-    /// with `extend_from_slice`, `resize` or `io::Write`, or write through `as_mut_ptr`).
-    /// Dropping it gives the block back.
+    /// Every cache: each thread's and the shared one.
+    fn caches(&self) -> impl Iterator<Item = &Local> {
+        self.locals.iter().chain(std::iter::once(&self.shared))
+    }
+
+    /// An empty byte vector with room for at least `bytes` bytes, PyTorch's
+    /// `allocate(bytes)`: fill it with `extend_from_slice`, `resize`, `io::Write`, or in place
+    /// through `spare_capacity_mut` and `set_len`. Dropping it gives the block back.
     ///
     /// # Errors
     ///
     /// As [`allocate_raw`](Self::allocate_raw).
-    pub fn allocate(&self, bytes: usize) -> Result<PinnedVec<u8, &Self>>
+    pub fn with_capacity(&self, bytes: usize) -> Result<PinnedVec<u8, &Self>>
     where
         C: From<PendingUses>,
     {
         PinnedVec::with_capacity_in(bytes, self)
+    }
+
+    /// `bytes` zeroed bytes (the zeroing costs what a `memset` of them does).
+    ///
+    /// # Errors
+    ///
+    /// As [`allocate_raw`](Self::allocate_raw).
+    pub fn zeroed(&self, bytes: usize) -> Result<PinnedVec<u8, &Self>>
+    where
+        C: From<PendingUses>,
+    {
+        PinnedVec::zeroed_in(bytes, self)
     }
 
     /// A block of at least `bytes` bytes. Its [`Allocation::bytes`] is the class size and its
@@ -231,7 +274,8 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             return Err(Error::CapacityOverflow);
         };
         let local = self.local();
-        if let Some(mut data) = local.enter(self.barrier)
+        if let Some(local) = local
+            && let Some(mut data) = local.enter(self.barrier)
             && let Some(cached) = local.take(&mut data, class, size)
         {
             drop(data);
@@ -249,7 +293,12 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// its parts on either path: a whole `Allocation` written here and copied there would
     /// stall the fast path on store forwarding.
     #[cold]
-    fn allocate_slow(&self, local: &Local, class: usize, size: usize) -> Result<Cached> {
+    fn allocate_slow(&self, local: Option<&Local>, class: usize, size: usize) -> Result<Cached> {
+        let Some(local) = local else {
+            // Several threads may use the shared cache: a wish there would not be one
+            // thread's, so it makes none.
+            return self.find_or_pin(&self.shared, class, size);
+        };
         local.want(size);
         let result = self.find_or_pin(local, class, size);
         local.want(0);
@@ -257,7 +306,8 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     }
 
     /// The search of [`allocate_slow`](Self::allocate_slow), while this thread's wish for a
-    /// block is visible to pausers.
+    /// block is visible to pausers. `local` is this thread's cache or the shared one, used
+    /// only under the lock.
     fn find_or_pin(&self, local: &Local, class: usize, size: usize) -> Result<Cached> {
         {
             let mut central = self.central.lock();
@@ -281,8 +331,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             let mut central = self.central.lock();
             let paused = self.pause_all(&mut central);
             let cached = central.depot[class].pop().or_else(|| {
-                self.locals
-                    .iter()
+                self.caches()
                     .filter(|other| !ptr::eq(*other, local))
                     .find_map(|other| {
                         // SAFETY: every cache is paused and the lock is held; `other` is not
@@ -313,8 +362,9 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     ///
     /// # Safety
     ///
-    /// As [`Local::data`] for the owning thread: `local` is this thread's, the caller holds
-    /// the lock, is outside `enter`, and holds no other reference to the data.
+    /// As [`Local::data`] for the owning thread: `local` is this thread's (or the shared
+    /// cache, which no thread enters), the caller holds the lock, is outside `enter`, and
+    /// holds no other reference to the data.
     #[allow(clippy::mut_from_ref, reason = "exclusivity comes from the lock")]
     unsafe fn own<'a>(&self, local: &'a Local) -> &'a mut LocalData {
         // A cache starts paused (see `Local::new`); under the lock no pause is running.
@@ -332,10 +382,10 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         data: &mut LocalData,
         size: usize,
         hit: bool,
-        paused: Option<&Paused<'_>>,
+        paused: Option<&Paused<'_, B, C>>,
     ) {
         self.make_room(central, local, data, size, paused);
-        Local::count_handed(data, size, hit);
+        local.count_handed(size, hit);
     }
 
     /// Raises `local`'s ceiling to fit one more block of `size`, keeping the peaks exact.
@@ -354,13 +404,14 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         local: &Local,
         data: &mut LocalData,
         size: usize,
-        paused: Option<&Paused<'_>>,
+        paused: Option<&Paused<'_, B, C>>,
     ) {
-        let after = data.active + Amount::block(size);
+        let active = local.active();
+        let after = active + Amount::block(size);
         if after.within(local.ceiling()) {
             return;
         }
-        let others = || self.locals.iter().filter(|other| !ptr::eq(*other, local));
+        let others = || self.caches().filter(|other| !ptr::eq(*other, local));
         // Room for as much again as this thread last needed, so that a loop of allocations
         // asks here a logarithmic number of times.
         let headroom = data.keep.max(Amount::block(size));
@@ -378,7 +429,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
                 // SAFETY: every cache is paused and the lock is held; `other` is not this
                 // thread's, whose data the caller holds.
                 let theirs = unsafe { other.data() };
-                held.push((other, theirs.active + other.wanted(), theirs.keep));
+                held.push((other, other.active() + other.wanted(), theirs.keep));
             }
             let elsewhere: Amount = held.iter().map(|(_, amount, _)| *amount).sum();
             central.peak = central.peak.max(elsewhere + after);
@@ -394,34 +445,36 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             after + extra
         };
         local.set_ceiling(ceiling);
-        data.keep = data.keep.max(ceiling - data.active);
+        data.keep = data.keep.max(ceiling - active);
     }
 
     /// Pauses every thread cache: owners take the lock (held by the caller, as `_central`
     /// shows) instead of their lock-free path until the guard drops.
-    fn pause_all(&self, _central: &mut Central) -> Paused<'_> {
+    fn pause_all(&self, _central: &mut Central) -> Paused<'_, B, C> {
         let mine = self.locals.get();
         let mut others = false;
         for local in self.locals.iter() {
             local.pause();
             others |= !mine.is_some_and(|mine| ptr::eq(mine, local));
         }
+        // The shared cache is only used under the lock: pausing it asks for no barrier.
+        self.shared.pause();
         if others {
             self.barrier.heavy();
         }
         for local in self.locals.iter() {
             local.wait_idle();
         }
-        Paused {
-            locals: &self.locals,
-        }
+        Paused { pool: self }
     }
 
     /// Pins a new block from the backend, within the limit, retrying once after releasing
     /// the idle cache.
     fn pin_new(&self, class: usize, size: usize) -> Result<Allocation> {
-        self.reserve(size)?;
         let layout = Layout::from_size_align(size, PAGE).map_err(|_| Error::CapacityOverflow)?;
+        self.reserve(size)?;
+        // Gives the reservation back if the backend fails, or unwinds.
+        let reservation = Reservation { pool: self, size };
         let mut result = self.timed_backend_allocate(layout);
         if let Err(error) = &result
             && retryable(error)
@@ -429,13 +482,8 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             self.empty_cache();
             result = self.timed_backend_allocate(layout);
         }
-        let block = match result {
-            Ok(block) => block,
-            Err(error) => {
-                self.reserved.fetch_sub(size, Ordering::Relaxed);
-                return Err(error);
-            }
-        };
+        let block = result?;
+        std::mem::forget(reservation);
         let handed = Allocation::new(block.ptr(), size, block.kind(), class);
         let bytes = block.bytes() as u64;
         self.blocks
@@ -510,48 +558,58 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             return;
         }
         let idle_since = self.config.idle_release.map(|_| Instant::now());
-        if let Some(mut data) = local.enter(self.barrier)
+        // Counted before the block is in a cache, so that nobody can take it out (and count
+        // it out) first.
+        let over_cap = self.cache_grows(size);
+        if let Some(local) = local
+            && let Some(mut data) = local.enter(self.barrier)
             && local.give(&mut data, &allocation, idle_since, class, size)
         {
             drop(data);
-            self.cache_grew(size);
-            return;
+        } else {
+            self.free_slow(local, &allocation, idle_since, class, size);
         }
-        self.free_slow(local, &allocation, idle_since, class, size);
+        if over_cap {
+            self.trim_to_cap();
+        }
     }
 
     /// A free when this thread's cache was paused or its stack of the class is full.
     #[cold]
     fn free_slow(
         &self,
-        local: &Local,
+        local: Option<&Local>,
         allocation: &Allocation,
         idle_since: Option<Instant>,
         class: usize,
         size: usize,
     ) {
-        {
-            let mut central = self.central.lock();
-            // SAFETY: this thread owns `local`, is outside `enter` and holds the lock.
-            let data = unsafe { self.own(local) };
-            if !local.give(data, allocation, idle_since, class, size) {
-                // The stack is full: its older half and this block go to the shared lists.
-                central.spill(data, class);
-                central.depot[class].push(Cached::new(allocation, idle_since));
-                local.count_returned(data, size);
-            }
+        let local = local.unwrap_or(&self.shared);
+        let mut central = self.central.lock();
+        // SAFETY: this thread owns `local` (or it is the shared cache), is outside `enter`
+        // and holds the lock.
+        let data = unsafe { self.own(local) };
+        if !local.give(data, allocation, idle_since, class, size) {
+            // The stack is full: its older half and this block go to the shared lists.
+            central.spill(data, class);
+            central.depot[class].push(Cached::new(allocation, idle_since));
+            local.count_returned(data, size);
         }
-        self.cache_grew(size);
     }
 
-    /// Counts a block of `size` given back by this thread.
-    fn count_returned(&self, local: &Local, size: usize) {
-        if let Some(mut data) = local.enter(self.barrier) {
-            local.count_returned(&mut data, size);
+    /// Counts a block of `size` given back by this thread (`None`: by a thread without a
+    /// cache of its own).
+    fn count_returned(&self, local: Option<&Local>, size: usize) {
+        if let Some(local) = local
+            && let Some(data) = local.enter(self.barrier)
+        {
+            local.count_returned(&data, size);
             return;
         }
+        let local = local.unwrap_or(&self.shared);
         let _central = self.central.lock();
-        // SAFETY: this thread owns `local`, is outside `enter` and holds the lock.
+        // SAFETY: this thread owns `local` (or it is the shared cache), is outside `enter`
+        // and holds the lock.
         local.count_returned(unsafe { self.own(local) }, size);
     }
 
@@ -570,18 +628,26 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         self.pending.lock().push((allocation, completion));
     }
 
-    /// Counts `size` idle bytes more in the caches, under a cap on them: past the cap, the
-    /// cache is trimmed to it.
+    /// Counts `size` idle bytes more in the caches, under a cap on them, *before* they enter
+    /// one; whether the caches are then over the cap (and want [`trim_to_cap`](Self::trim_to_cap)
+    /// once the bytes are in).
     #[inline]
-    fn cache_grew(&self, size: usize) {
-        if let Some(max) = self.config.max_cached_bytes
-            && self.cached.fetch_add(size, Ordering::Relaxed) + size > max
-        {
+    fn cache_grows(&self, size: usize) -> bool {
+        self.config
+            .max_cached_bytes
+            .is_some_and(|max| self.cached.fetch_add(size, Ordering::Relaxed) + size > max)
+    }
+
+    /// Trims the caches to the cap on idle bytes.
+    #[cold]
+    fn trim_to_cap(&self) {
+        if let Some(max) = self.config.max_cached_bytes {
             self.trim(max);
         }
     }
 
-    /// Counts `size` idle bytes fewer in the caches, under a cap on them.
+    /// Counts `size` idle bytes fewer in the caches, under a cap on them, *after* they have
+    /// left them.
     #[inline]
     fn cache_shrank(&self, size: usize) {
         if self.config.max_cached_bytes.is_some() {
@@ -625,6 +691,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         };
         let (release, cache): (Vec<_>, Vec<_>) = done.into_iter().partition(too_big);
         let cached_bytes = cache.iter().map(|a| class_size(a.tag())).sum();
+        let over_cap = self.cache_grows(cached_bytes);
         {
             let idle_since = self.config.idle_release.map(|_| Instant::now());
             let mut central = self.central.lock();
@@ -633,7 +700,9 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             }
         }
         self.release(release);
-        self.cache_grew(cached_bytes);
+        if over_cap {
+            self.trim_to_cap();
+        }
     }
     /// Releases every idle block to the backend (PyTorch's `empty_cache`). Blocks in use or
     /// waiting for device work stay.
@@ -710,7 +779,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             let paused = self.pause_all(&mut central);
             let central = &mut *central;
             let mut holders = vec![&mut central.depot[..]];
-            for local in self.locals.iter() {
+            for local in self.caches() {
                 // SAFETY: every cache is paused and the lock is held; each is borrowed once.
                 holders.push(&mut unsafe { local.data() }.magazine[..]);
             }
@@ -752,32 +821,68 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             .map(Allocation::kind)
     }
 
-    /// A snapshot of the statistics: every thread cache is paused while it is read, so the
-    /// numbers are one consistent state of the pool even while other threads allocate. The
-    /// pause costs one `membarrier(2)` call and the pool's lock: microseconds, fine for
-    /// logging, not for every allocation.
+    /// A snapshot of the statistics, exact: every thread cache is paused while it is read,
+    /// so the numbers are one consistent state of the pool even while other threads
+    /// allocate. The pause costs one `membarrier(2)` call, the pool's lock and a wait for
+    /// each thread to leave its cache: microseconds, and while other threads allocate the
+    /// pause slows them too. For frequent monitoring use
+    /// [`approximate_stats`](Self::approximate_stats).
     pub fn stats(&self) -> PoolStats {
         let mut central = self.central.lock();
         let paused = self.pause_all(&mut central);
-        let mut stats = PoolStats::default();
-        let mut active = Amount::default();
-        stats.cached_bytes = idle_bytes(&central.depot);
-        for local in self.locals.iter() {
+        let mut stats = PoolStats {
+            cached_bytes: idle_bytes(&central.depot),
+            ..PoolStats::default()
+        };
+        let mut counted = Vec::new();
+        for local in self.caches() {
             // SAFETY: every cache is paused and the lock is held; one borrow at a time.
-            let data = unsafe { local.data() };
-            stats.cache_hits += data.hits;
-            stats.cache_misses += data.misses;
-            stats.active_bytes.allocated += data.handed_bytes;
-            stats.cached_bytes += idle_bytes(&data.magazine);
-            active = active + data.active;
+            stats.cached_bytes += idle_bytes(&unsafe { local.data() }.magazine);
+            counted.push(local.counted());
         }
         drop(paused);
+        self.fill_stats(&mut stats, &central, counted);
+        stats
+    }
+
+    /// The statistics without pausing anyone: each thread's counters are read as they are
+    /// at that moment, so the totals may mix moments (a block freed on one thread and just
+    /// handed out on another may count twice or not at all, and `cached_bytes` is derived
+    /// from the others). Peaks and backend figures are exact. It costs a short hold of the
+    /// pool's lock and a read of each thread's counters, and slows no allocating thread.
+    pub fn approximate_stats(&self) -> PoolStats {
+        let central = self.central.lock();
+        let counted: Vec<_> = self.caches().map(Local::counted).collect();
+        let mut stats = PoolStats::default();
+        self.fill_stats(&mut stats, &central, counted);
+        // Whatever is pinned and neither handed out nor pending is idle.
+        stats.cached_bytes = (self.reserved.load(Ordering::Relaxed) as u64)
+            .saturating_sub(stats.active_bytes.current)
+            .saturating_sub(stats.pending_bytes);
+        stats
+    }
+
+    /// Fills in what `counted` (each cache's counters) and `central` say.
+    fn fill_stats(&self, stats: &mut PoolStats, central: &Central, counted: Vec<Counted>) {
+        let mut active = Amount::default();
+        for counted in counted {
+            stats.cache_hits += counted.hits;
+            stats.cache_misses += counted.misses;
+            stats.active_bytes.allocated += counted.handed_bytes;
+            active = active + counted.active;
+        }
+        // Read without a pause, a sum may be caught between a free and its count.
+        let active_requests = active.requests.max(0) as u64;
+        let active_bytes = active.bytes.max(0) as u64;
         // Each thread's given-back counts are its handed-out counts less its active ones.
         stats.active_requests.allocated = stats.cache_hits + stats.cache_misses;
-        stats.active_requests.current = active.requests as u64;
-        stats.active_requests.freed = stats.active_requests.allocated - active.requests as u64;
-        stats.active_bytes.current = active.bytes as u64;
-        stats.active_bytes.freed = stats.active_bytes.allocated - active.bytes as u64;
+        stats.active_requests.current = active_requests;
+        stats.active_requests.freed = stats
+            .active_requests
+            .allocated
+            .saturating_sub(active_requests);
+        stats.active_bytes.current = active_bytes;
+        stats.active_bytes.freed = stats.active_bytes.allocated.saturating_sub(active_bytes);
         stats.active_requests.peak = central.peak.requests as u64;
         stats.active_bytes.peak = central.peak.bytes as u64;
         stats.allocations = central.allocations;
@@ -788,7 +893,6 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         stats.host_free_time = central.host_free_time;
         stats.pending_requests = self.pending_requests.load(Ordering::Relaxed);
         stats.pending_bytes = self.pending_bytes.load(Ordering::Relaxed) as u64;
-        stats
     }
 
     /// Sets every peak to its current value.
@@ -796,17 +900,29 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         let mut central = self.central.lock();
         let paused = self.pause_all(&mut central);
         let mut total = Amount::default();
-        for local in self.locals.iter() {
-            // SAFETY: every cache is paused and the lock is held; one borrow at a time.
-            let data = unsafe { local.data() };
+        for local in self.caches() {
             // The ceilings must fit under the lowered peak: each falls to its thread's count.
-            local.set_ceiling(data.active);
-            total = total + data.active;
+            let active = local.active();
+            local.set_ceiling(active);
+            total = total + active;
         }
         drop(paused);
         central.peak = total;
         central.allocations.peak = central.allocations.current;
         central.allocated_bytes.peak = central.allocated_bytes.current;
+    }
+}
+
+/// Bytes reserved against `max_pinned_bytes` for a block being pinned; given back unless
+/// forgotten once the block exists.
+struct Reservation<'a, B: PinnedAllocator, C: Completion> {
+    pool: &'a Pool<B, C>,
+    size: usize,
+}
+
+impl<B: PinnedAllocator, C: Completion> Drop for Reservation<'_, B, C> {
+    fn drop(&mut self) {
+        self.pool.reserved.fetch_sub(self.size, Ordering::Relaxed);
     }
 }
 
@@ -849,6 +965,7 @@ impl<B: PinnedAllocator, C: Completion> Drop for Pool<B, C> {
         for local in self.locals.iter_mut() {
             drain(&mut local.data_mut().magazine);
         }
+        drain(&mut self.shared.data_mut().magazine);
         self.release(idle);
     }
 }
@@ -856,8 +973,9 @@ impl<B: PinnedAllocator, C: Completion> Drop for Pool<B, C> {
 // SAFETY: blocks come from the backend (whose contract covers validity, alignment to a page
 // and page-locking) with at least the class size ≥ the layout's size; a block is in exactly
 // one place at a time (handed out, pending, or idle in one list), and pending blocks are
-// reused only after their completion says so. Alignment above a page is refused.
-unsafe impl<B: PinnedAllocator, C: Completion + From<PendingUses>> PinnedAllocator for &Pool<B, C> {
+// reused only after their completion (an `unsafe` contract) says so. Alignment above a page
+// is refused.
+unsafe impl<B: PinnedAllocator, C: Completion + From<PendingUses>> PinnedAllocator for Pool<B, C> {
     #[inline]
     fn allocate(&self, layout: Layout) -> Result<Allocation> {
         if layout.align() > PAGE {

@@ -35,7 +35,9 @@ impl DurationStat {
         if self.count == 0 {
             Duration::ZERO
         } else {
-            self.total / self.count as u32
+            // In nanoseconds, so that any count divides (a `u32` divisor would wrap).
+            let nanos = self.total.as_nanos() / u128::from(self.count);
+            Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX))
         }
     }
 
@@ -87,4 +89,23 @@ pub struct PoolStats {
     pub cache_hits: u64,
     /// Allocations that had to pin new memory.
     pub cache_misses: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn average_divides_by_any_count() {
+        let mut stat = DurationStat {
+            total: Duration::from_secs(1 << 33),
+            count: 1 << 32,
+            ..DurationStat::default()
+        };
+        assert_eq!(stat.avg(), Duration::from_secs(2));
+        stat.count += 1;
+        assert!(stat.avg() < Duration::from_secs(2));
+        stat.record(Duration::from_secs(3));
+        assert_eq!(stat.max, Duration::from_secs(3));
+    }
 }

@@ -311,17 +311,19 @@ fn devices_report_names_bus_ids_and_versions() {
 
 #[test]
 #[ignore = "needs a CUDA device"]
-fn length_mismatch_hands_the_buffer_back() {
+fn length_mismatch_is_a_clear_error_and_frees_the_buffer() {
     let stream = Stream::new().unwrap();
     let mut device = DeviceBuffer::<u8>::zeroed(10).unwrap();
-    let src = PinnedVec::from_slice(&[1u8; 11]).unwrap();
+    let allocator = crate::support::Counting::default();
+    let src = PinnedVec::from_slice_in(&[1u8; 11], allocator.clone()).unwrap();
     let error = stream.copy_to_device(src, &mut device).unwrap_err();
     assert!(matches!(
-        error.error,
+        error,
         cuda_pinned::Error::LengthMismatch {
             host: 11,
             device: 10
         }
     ));
-    assert_eq!(error.buffer.len(), 11);
+    assert!(error.to_string().contains("lengths differ"), "{error}");
+    assert_eq!(allocator.live(), 0);
 }

@@ -8,4 +8,5 @@ mod boxed;
 mod errors;
 mod gpu;
 mod pin;
+mod unwind;
 mod vec_model;

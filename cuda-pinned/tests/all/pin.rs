@@ -6,7 +6,8 @@ use crate::support::Counting;
 fn slices_vecs_arrays_options_and_tuples_pin() {
     let allocator = Counting::default();
     let data = vec![1u16, 2, 3];
-    let pinned: PinnedVec<u16, Counting> = data.pin_memory_in(&allocator).unwrap();
+    // A reference is an allocator: no `&&`, and the buffers borrow it.
+    let pinned: PinnedVec<u16, &Counting> = data.pin_memory_in(&allocator).unwrap();
     assert_eq!(pinned, data);
     let (a, b, c) = ([1u8; 4], Some(vec![5i64]), None::<Vec<u8>>)
         .pin_memory_in(&allocator)

@@ -1,17 +1,55 @@
-//! Test allocators: one that counts live blocks (leaks), one that fails on demand (faults).
+//! Test allocators: one that counts live blocks (leaks) and fails on demand (faults), one
+//! that panics on demand (unwinding), and a heap stand-in for page-locked memory under Miri.
 
 use std::alloc::Layout;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use cuda_pinned::{Allocation, HostLocked, PinnedAllocator, Result};
+use cuda_pinned::{Allocation, PinnedAllocator, Result};
 
-/// Wraps `HostLocked`, counting live allocations and failing while `fail` is set.
+/// Page-locked memory (`HostLocked`); under Miri, which cannot lock pages, the heap.
+#[derive(Clone, Copy, Default)]
+pub struct Backing;
+
+// SAFETY: forwards to `HostLocked`, or takes heap memory of the layout (page-aligned) and
+// gives it back with the same layout.
+unsafe impl PinnedAllocator for Backing {
+    fn allocate(&self, layout: Layout) -> Result<Allocation> {
+        if cfg!(miri) {
+            let layout = layout.align_to(4096).unwrap();
+            // SAFETY: the size is non-zero (containers never ask for 0).
+            let ptr = std::ptr::NonNull::new(unsafe { std::alloc::alloc(layout) }).unwrap();
+            Ok(Allocation::new(
+                ptr,
+                layout.size(),
+                cuda_pinned::MemoryKind::Locked,
+                0,
+            ))
+        } else {
+            cuda_pinned::HostLocked.allocate(layout)
+        }
+    }
+
+    unsafe fn deallocate(&self, allocation: Allocation) {
+        if cfg!(miri) {
+            let layout = Layout::from_size_align(allocation.bytes(), 4096).unwrap();
+            // SAFETY: allocated above with this layout; given back once.
+            unsafe { std::alloc::dealloc(allocation.ptr().as_ptr(), layout) };
+        } else {
+            // SAFETY: forwarded from the caller; the allocation came from `HostLocked`.
+            unsafe { cuda_pinned::HostLocked.deallocate(allocation) }
+        }
+    }
+}
+
+/// Wraps [`Backing`], counting live allocations, failing while `fail` is set and panicking
+/// in `deallocate` (after giving the memory back) while `panic_on_free` is set.
 #[derive(Clone, Default)]
 pub struct Counting {
     pub live: Arc<AtomicUsize>,
     pub allocations: Arc<AtomicUsize>,
     pub fail: Arc<AtomicBool>,
+    pub panic_on_free: Arc<AtomicBool>,
 }
 
 impl Counting {
@@ -20,7 +58,7 @@ impl Counting {
     }
 }
 
-// SAFETY: forwards to `HostLocked`, which upholds the contract; failing returns no memory.
+// SAFETY: forwards to `Backing`, which upholds the contract; failing returns no memory.
 unsafe impl PinnedAllocator for Counting {
     fn allocate(&self, layout: Layout) -> Result<Allocation> {
         if self.fail.load(Ordering::SeqCst) {
@@ -28,7 +66,7 @@ unsafe impl PinnedAllocator for Counting {
                 requested: layout.size(),
             });
         }
-        let allocation = HostLocked.allocate(layout)?;
+        let allocation = Backing.allocate(layout)?;
         self.live.fetch_add(1, Ordering::SeqCst);
         self.allocations.fetch_add(1, Ordering::SeqCst);
         Ok(allocation)
@@ -36,7 +74,10 @@ unsafe impl PinnedAllocator for Counting {
 
     unsafe fn deallocate(&self, allocation: Allocation) {
         self.live.fetch_sub(1, Ordering::SeqCst);
-        // SAFETY: forwarded from the caller; the allocation came from `HostLocked`.
-        unsafe { HostLocked.deallocate(allocation) }
+        // SAFETY: forwarded from the caller; the allocation came from `Backing`.
+        unsafe { Backing.deallocate(allocation) };
+        if self.panic_on_free.load(Ordering::SeqCst) {
+            panic!("deallocate panicked (on purpose)");
+        }
     }
 }

@@ -16,7 +16,7 @@ fn rounds() -> usize {
 #[test]
 fn sixteen_threads_keep_exact_stats_and_leak_nothing() {
     let heap = Heap::new();
-    let pool = Arc::new(TestPool::with_backend(heap.clone(), PoolConfig::new()));
+    let pool = Arc::new(TestPool::with_completion(heap.clone(), PoolConfig::new()));
     let (senders, receivers): (Vec<_>, Vec<_>) =
         (0..THREADS).map(|_| mpsc::channel::<Allocation>()).unzip();
     let handles: Vec<_> = receivers
@@ -77,7 +77,7 @@ fn sixteen_threads_keep_exact_stats_and_leak_nothing() {
 #[test]
 fn peaks_are_true_peaks_under_concurrency() {
     let heap = Heap::new();
-    let pool = Arc::new(TestPool::with_backend(heap, PoolConfig::new()));
+    let pool = Arc::new(TestPool::with_completion(heap, PoolConfig::new()));
     let per_thread = if cfg!(miri) { 2 } else { 50 };
     let barrier = Arc::new(Barrier::new(THREADS));
     let handles: Vec<_> = (0..THREADS)
@@ -127,7 +127,7 @@ fn peaks_are_true_peaks_under_concurrency() {
 #[test]
 fn pausing_calls_during_traffic_see_consistent_states() {
     let heap = Heap::new();
-    let pool = Arc::new(TestPool::with_backend(heap.clone(), PoolConfig::new()));
+    let pool = Arc::new(TestPool::with_completion(heap.clone(), PoolConfig::new()));
     let workers = if cfg!(miri) { 3 } else { 8 };
     let rounds = if cfg!(miri) { 30 } else { 3000 };
     // Bounded, so that workers cannot run far ahead of the main thread's frees.
@@ -196,7 +196,7 @@ fn pausing_calls_during_traffic_see_consistent_states() {
 #[test]
 fn blocks_cached_by_finished_threads_are_released() {
     let heap = Heap::new();
-    let pool = Arc::new(TestPool::with_backend(heap.clone(), PoolConfig::new()));
+    let pool = Arc::new(TestPool::with_completion(heap.clone(), PoolConfig::new()));
     for _ in 0..3 {
         let pool = pool.clone();
         std::thread::spawn(move || {

@@ -68,7 +68,7 @@ fn program(pool: &TestPool) -> usize {
 
 fn clean_calls() -> usize {
     let heap = Heap::new();
-    let pool = TestPool::with_backend(heap.clone(), PoolConfig::new());
+    let pool = TestPool::with_completion(heap.clone(), PoolConfig::new());
     assert_eq!(program(&pool), 0);
     drop(pool);
     assert_eq!(heap.live(), 0);
@@ -79,7 +79,7 @@ fn clean_calls() -> usize {
 fn a_single_failure_is_retried_after_releasing_the_cache() {
     for n in 0..clean_calls() {
         let heap = Heap::failing(n, n + 1);
-        let pool = TestPool::with_backend(heap.clone(), PoolConfig::new());
+        let pool = TestPool::with_completion(heap.clone(), PoolConfig::new());
         assert_eq!(program(&pool), 0, "failing call {n} was not retried");
         let stats = pool.stats();
         assert_eq!(stats.allocations.current, heap.live() as u64);
@@ -92,7 +92,7 @@ fn a_single_failure_is_retried_after_releasing_the_cache() {
 fn lasting_failures_come_back_as_errors() {
     for n in 0..clean_calls() {
         let heap = Heap::failing(n, usize::MAX);
-        let pool = TestPool::with_backend(heap.clone(), PoolConfig::new());
+        let pool = TestPool::with_completion(heap.clone(), PoolConfig::new());
         let failures = program(&pool);
         assert!(failures > 0 || n >= heap.calls.load(std::sync::atomic::Ordering::SeqCst));
         let stats = pool.stats();
@@ -106,7 +106,7 @@ fn lasting_failures_come_back_as_errors() {
 #[test]
 fn the_pinned_cap_releases_cache_then_refuses() {
     let heap = Heap::new();
-    let pool = TestPool::with_backend(heap.clone(), PoolConfig::new().max_pinned_bytes(4 << 20));
+    let pool = TestPool::with_completion(heap.clone(), PoolConfig::new().max_pinned_bytes(4 << 20));
     let a = pool.allocate_raw(2 << 20).unwrap();
     let b = pool.allocate_raw(1 << 20).unwrap();
     // SAFETY: from this pool, unused.
@@ -139,7 +139,7 @@ fn the_cached_cap_and_block_cap_and_idle_release() {
     let config = PoolConfig::new()
         .max_cached_bytes(1 << 20)
         .max_block_cached_bytes(8 << 20);
-    let pool = TestPool::with_backend(heap.clone(), config);
+    let pool = TestPool::with_completion(heap.clone(), config);
     let blocks: Vec<_> = (0..4)
         .map(|_| pool.allocate_raw(512 << 10).unwrap())
         .collect();
@@ -159,7 +159,7 @@ fn the_cached_cap_and_block_cap_and_idle_release() {
         "the big block and two of the small ones went back"
     );
 
-    let pool = TestPool::with_backend(
+    let pool = TestPool::with_completion(
         heap.clone(),
         PoolConfig::new().idle_release(std::time::Duration::ZERO),
     );

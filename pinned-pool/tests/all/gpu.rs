@@ -23,7 +23,7 @@ fn a_block_in_flight_is_not_reused_until_its_copy_ends() {
     let pool = Pool::new();
     let stream = Stream::new().unwrap();
     let data = pattern(LEN);
-    let mut block = pool.allocate(LEN).unwrap();
+    let mut block = pool.with_capacity(LEN).unwrap();
     block.extend_from_slice(&data);
     assert_eq!(block.memory_kind(), Some(MemoryKind::Registered));
     let address = block.as_ptr();
@@ -35,7 +35,7 @@ fn a_block_in_flight_is_not_reused_until_its_copy_ends() {
 
     // The copy waits behind the blocked stream: the pool must hand out other memory. (Only if
     // something delayed this thread until the stream had finished may it hand back the block.)
-    let mut other = pool.allocate(LEN).unwrap();
+    let mut other = pool.with_capacity(LEN).unwrap();
     let reused_early = other.as_ptr() == address;
     if reused_early {
         assert!(
@@ -59,7 +59,9 @@ fn a_block_in_flight_is_not_reused_until_its_copy_ends() {
     // (two blocks exist unless the original was already reused above).
     let blocks = if reused_early { 1 } else { 2 };
     let before = pool.stats();
-    let held: Vec<_> = (0..blocks).map(|_| pool.allocate(LEN).unwrap()).collect();
+    let held: Vec<_> = (0..blocks)
+        .map(|_| pool.with_capacity(LEN).unwrap())
+        .collect();
     let after = pool.stats();
     assert_eq!(after.cache_hits - before.cache_hits, blocks as u64);
     assert_eq!(after.cache_misses, before.cache_misses);
@@ -72,7 +74,7 @@ fn a_block_used_on_two_streams_waits_for_both() {
     let pool = Pool::new();
     let (copy_stream, other_stream) = (Stream::new().unwrap(), Stream::new().unwrap());
     let data = pattern(LEN);
-    let mut block = pool.allocate(LEN).unwrap();
+    let mut block = pool.with_capacity(LEN).unwrap();
     block.extend_from_slice(&data);
     let address = block.as_ptr();
     let mut device = DeviceBuffer::<u8>::zeroed(LEN).unwrap();
@@ -87,7 +89,7 @@ fn a_block_used_on_two_streams_waits_for_both() {
 
     copy_stream.synchronize().unwrap();
     // The copy is done but the other stream is not: still not reusable.
-    let early = pool.allocate(LEN).unwrap();
+    let early = pool.with_capacity(LEN).unwrap();
     if early.as_ptr() == address {
         assert!(
             other_stream.query().unwrap(),
@@ -98,7 +100,7 @@ fn a_block_used_on_two_streams_waits_for_both() {
     other_stream.synchronize().unwrap();
     assert_eq!(device.to_vec().unwrap(), data);
     // Both streams are done: the original is reusable (unless it was reused already, above).
-    let late = pool.allocate(LEN).unwrap();
+    let late = pool.with_capacity(LEN).unwrap();
     assert!(
         early.as_ptr() == address || late.as_ptr() == address,
         "not reused after both streams finished"

@@ -7,4 +7,5 @@ mod config;
 mod faults;
 mod gpu;
 mod model;
+mod soundness;
 mod waste;

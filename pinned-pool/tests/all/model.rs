@@ -123,7 +123,7 @@ proptest! {
 /// Runs `ops` (each here or on a helper thread) against the pool and the model.
 fn run(ops: Vec<(Op, bool)>) -> Result<(), TestCaseError> {
     let heap = Heap::new();
-    let owned = TestPool::with_backend(heap.clone(), PoolConfig::new());
+    let owned = TestPool::with_completion(heap.clone(), PoolConfig::new());
     let pool = &owned;
     let mut model = Model {
         live: Vec::new(),
@@ -260,7 +260,7 @@ fn run(ops: Vec<(Op, bool)>) -> Result<(), TestCaseError> {
 
 #[test]
 fn completed_blocks_are_reused_whatever_older_blocks_wait_on() {
-    let pool = TestPool::with_backend(Heap::new(), PoolConfig::new());
+    let pool = TestPool::with_completion(Heap::new(), PoolConfig::new());
     let (older, newer) = (
         pool.allocate_raw(8192).unwrap(),
         pool.allocate_raw(8192).unwrap(),

@@ -84,7 +84,9 @@ impl Flag {
     }
 }
 
-impl Completion for Flag {
+// SAFETY: tests finish a flag only when nothing uses the block (or to check that the pool
+// trusts it).
+unsafe impl Completion for Flag {
     fn is_complete(&mut self) -> bool {
         self.is_done()
     }
@@ -94,3 +96,7 @@ impl Completion for Flag {
 }
 
 pub type TestPool = pinned_pool::Pool<Heap, Flag>;
+
+/// A pool over [`Heap`] whose freed blocks carry CUDA events (none, in CPU tests): the
+/// allocator of `PinnedVec`s in tests.
+pub type HeapPool = pinned_pool::Pool<Heap>;

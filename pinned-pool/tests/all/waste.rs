@@ -10,7 +10,7 @@ fn mixed_set_reserves_at_most_ten_percent_more_than_requested() {
         return; // 1.4 GiB of heap is too much for the interpreter
     }
     let heap = Heap::new();
-    let pool = TestPool::with_backend(heap.clone(), PoolConfig::new());
+    let pool = TestPool::with_completion(heap.clone(), PoolConfig::new());
     // The set PyTorch reserves 1.85× for: 1.1 GiB + 300 MiB + 3 MB + 5 KB.
     let sizes = [1_181_116_006usize, 314_572_800, 3_000_000, 5_000];
     let blocks: Vec<_> = sizes
@@ -29,7 +29,7 @@ fn mixed_set_reserves_at_most_ten_percent_more_than_requested() {
 
 #[test]
 fn no_request_of_a_page_or_more_grows_by_more_than_an_eighth_plus_a_page() {
-    let pool = TestPool::with_backend(Heap::new(), PoolConfig::new());
+    let pool = TestPool::with_completion(Heap::new(), PoolConfig::new());
     let mut size = 4096usize;
     while size < if cfg!(miri) { 1 << 16 } else { 256 << 20 } {
         for request in [size, size + 1, size + size / 3, size * 2 - 1] {
