@@ -12,6 +12,7 @@ use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use cuda_pinned::PinnedVec;
 use pinned_pool::Pool;
 
 fn warm_pair(c: &mut Criterion) {
@@ -31,6 +32,71 @@ fn warm_pair(c: &mut Criterion) {
         });
     }
     group.finish();
+}
+
+/// The same through what users write: `PinnedVec::with_capacity_in(n, &pool)`, then drop.
+fn vec_pair(c: &mut Criterion) {
+    let pool = Pool::new();
+    let mut group = c.benchmark_group("pool/vec_alloc_drop");
+    for bytes in [64usize, 4096, 1 << 20, 64 << 20] {
+        drop(pool.with_capacity(bytes).expect("pin"));
+        group.bench_with_input(BenchmarkId::from_parameter(bytes), &bytes, |b, &bytes| {
+            b.iter(|| {
+                let buffer = PinnedVec::<u8, _>::with_capacity_in(black_box(bytes), &pool)
+                    .expect("cached block");
+                drop(buffer);
+            })
+        });
+    }
+    group.finish();
+}
+
+/// Filling a 9.6 MB batch (64 images of 3x224x224 bytes) in 224-byte rows, the way a loader
+/// worker does: `Vec::extend_from_slice` (the reference), `PinnedVec::extend_from_slice`, and
+/// in place through `spare_capacity_mut`.
+fn fill(c: &mut Criterion) {
+    const BATCH: usize = 64 * 3 * 224 * 224;
+    const ROW: usize = 224;
+    let pool = Pool::new();
+    let source: Vec<u8> = (0..BATCH).map(|i| i as u8).collect();
+    let mut group = c.benchmark_group("fill_9.6MB_in_224B_rows");
+    group.throughput(Throughput::Bytes(BATCH as u64));
+    let mut vec = Vec::with_capacity(BATCH);
+    group.bench_function("Vec::extend_from_slice", |b| {
+        b.iter(|| {
+            vec.clear();
+            for row in source.chunks(ROW) {
+                vec.extend_from_slice(black_box(row));
+            }
+        })
+    });
+    let mut pinned = PinnedVec::<u8, _>::with_capacity_in(BATCH, &pool).expect("pin");
+    group.bench_function("PinnedVec::extend_from_slice", |b| {
+        b.iter(|| {
+            pinned.clear();
+            for row in source.chunks(ROW) {
+                pinned.extend_from_slice(black_box(row));
+            }
+        })
+    });
+    group.bench_function("PinnedVec::spare_capacity_mut", |b| {
+        b.iter(|| {
+            pinned.clear();
+            let spare = &mut pinned.spare_capacity_mut()[..BATCH];
+            for (slot, row) in spare.chunks_mut(ROW).zip(source.chunks(ROW)) {
+                slot.copy_from_slice(as_uninit(black_box(row)));
+            }
+            // SAFETY: every byte up to BATCH was written above.
+            unsafe { pinned.set_len(BATCH) };
+        })
+    });
+    group.finish();
+}
+
+/// `row` as `MaybeUninit` bytes, for `copy_from_slice` into spare capacity.
+fn as_uninit(row: &[u8]) -> &[std::mem::MaybeUninit<u8>] {
+    // SAFETY: `MaybeUninit<u8>` has the layout of `u8`, and initialised bytes are valid ones.
+    unsafe { std::slice::from_raw_parts(row.as_ptr().cast(), row.len()) }
 }
 
 fn threads(c: &mut Criterion) {
@@ -116,5 +182,5 @@ fn mixed_set(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, warm_pair, threads, mixed_set);
+criterion_group!(benches, warm_pair, vec_pair, fill, threads, mixed_set);
 criterion_main!(benches);

@@ -42,9 +42,9 @@ pub fn facts() -> Vec<(String, String)> {
     }
     let memlock = match host::memlock_limit() {
         Ok(None) => "unlimited".to_owned(),
-        Ok(Some(bytes)) if host::has_ipc_lock() => format!(
-            "{bytes} bytes, not enforced here: this process holds CAP_IPC_LOCK"
-        ),
+        Ok(Some(bytes)) if host::has_ipc_lock() => {
+            format!("{bytes} bytes, not enforced here: this process holds CAP_IPC_LOCK")
+        }
         Ok(Some(bytes)) => {
             format!("{bytes} bytes: locking more with mlock (the kind used without CUDA) fails")
         }

@@ -44,6 +44,45 @@ impl Value {
     }
 }
 
+/// The spread of repeated measurements: the smallest, the median and the largest.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Spread {
+    /// Smallest.
+    pub min: f64,
+    /// Median (the mean of the middle two for an even count).
+    pub median: f64,
+    /// Largest.
+    pub max: f64,
+}
+
+impl Spread {
+    /// The spread of `values` (at least one).
+    pub fn of(mut values: Vec<f64>) -> Self {
+        assert!(!values.is_empty(), "a spread of nothing");
+        values.sort_by(f64::total_cmp);
+        let n = values.len();
+        let median = if n % 2 == 1 {
+            values[n / 2]
+        } else {
+            (values[n / 2 - 1] + values[n / 2]) / 2.0
+        };
+        Self {
+            min: values[0],
+            median,
+            max: values[n - 1],
+        }
+    }
+
+    /// Three cells: min, median, max, with `decimals` decimals.
+    pub fn cells(self, decimals: usize) -> [Value; 3] {
+        [
+            Value::Num(self.min, decimals),
+            Value::Num(self.median, decimals),
+            Value::Num(self.max, decimals),
+        ]
+    }
+}
+
 /// `1048576` → `1 MiB`.
 pub fn size_label(bytes: u64) -> String {
     const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
@@ -217,6 +256,13 @@ fn json_string(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn spreads_sort_and_take_the_middle() {
+        let spread = Spread::of(vec![5.0, 1.0, 3.0]);
+        assert_eq!((spread.min, spread.median, spread.max), (1.0, 3.0, 5.0));
+        assert_eq!(Spread::of(vec![4.0, 1.0, 2.0, 3.0]).median, 2.5);
+    }
 
     #[test]
     fn tables_align_and_json_escapes() {

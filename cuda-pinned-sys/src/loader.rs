@@ -147,6 +147,16 @@ pub fn is_available() -> bool {
 }
 
 fn load() -> Result<Cudart, LoadError> {
+    // Miri cannot run foreign code: there the runtime is absent, as on a machine without CUDA,
+    // and the code above takes its CPU-only paths.
+    if cfg!(miri) {
+        return Err(LoadError::NotFound {
+            attempts: vec![Attempt {
+                candidate: "libcudart.so".into(),
+                reason: "not loaded under Miri, which cannot run foreign code".into(),
+            }],
+        });
+    }
     if let Some(path) = std::env::var_os(CUDART_PATH_VAR).filter(|p| !p.is_empty()) {
         let path = PathBuf::from(path);
         return open(path.as_os_str()).map_err(|reason| LoadError::ExplicitPath { path, reason });

@@ -18,7 +18,7 @@ use crate::registered::Registered;
 /// A zero-sized request gets a dangling, aligned pointer, as allocator-api2 allows.
 fn dangling(layout: Layout) -> NonNull<[u8]> {
     // SAFETY: an alignment is never zero.
-    let ptr = unsafe { NonNull::new_unchecked(layout.align() as *mut u8) };
+    let ptr = unsafe { NonNull::new_unchecked(std::ptr::without_provenance_mut(layout.align())) };
     NonNull::slice_from_raw_parts(ptr, 0)
 }
 

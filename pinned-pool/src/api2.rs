@@ -20,7 +20,8 @@ unsafe impl<B: PinnedAllocator, C: Completion + From<PendingUses>> Allocator for
     fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
         if layout.size() == 0 {
             // SAFETY: an alignment is never zero.
-            let dangling = unsafe { NonNull::new_unchecked(layout.align() as *mut u8) };
+            let dangling =
+                unsafe { NonNull::new_unchecked(std::ptr::without_provenance_mut(layout.align())) };
             return Ok(NonNull::slice_from_raw_parts(dangling, 0));
         }
         if layout.align() > PAGE {

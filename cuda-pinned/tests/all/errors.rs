@@ -81,6 +81,7 @@ fn memlock_child_side() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "starts a child process, which Miri cannot")]
 fn memlock_limit_gives_the_clear_error() {
     let output = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
