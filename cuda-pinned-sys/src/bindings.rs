@@ -413,6 +413,105 @@ impl cudaDeviceAttr {
 #[repr(transparent)]
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct cudaDeviceAttr(pub ::core::ffi::c_uint);
+impl cudaMemLocationType {
+    pub const cudaMemLocationTypeInvalid: cudaMemLocationType = cudaMemLocationType(0);
+    pub const cudaMemLocationTypeNone: cudaMemLocationType = cudaMemLocationType(0);
+    pub const cudaMemLocationTypeDevice: cudaMemLocationType = cudaMemLocationType(1);
+    pub const cudaMemLocationTypeHost: cudaMemLocationType = cudaMemLocationType(2);
+    pub const cudaMemLocationTypeHostNuma: cudaMemLocationType = cudaMemLocationType(3);
+    pub const cudaMemLocationTypeHostNumaCurrent: cudaMemLocationType = cudaMemLocationType(
+        4,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct cudaMemLocationType(pub ::core::ffi::c_uint);
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct cudaMemLocation {
+    pub type_: cudaMemLocationType,
+    pub id: ::core::ffi::c_int,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of cudaMemLocation"][::core::mem::size_of::<cudaMemLocation>() - 8usize];
+    [
+        "Alignment of cudaMemLocation",
+    ][::core::mem::align_of::<cudaMemLocation>() - 4usize];
+    [
+        "Offset of field: cudaMemLocation::type_",
+    ][::core::mem::offset_of!(cudaMemLocation, type_) - 0usize];
+    [
+        "Offset of field: cudaMemLocation::id",
+    ][::core::mem::offset_of!(cudaMemLocation, id) - 4usize];
+};
+impl Default for cudaMemLocation {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+impl cudaMemcpySrcAccessOrder {
+    pub const cudaMemcpySrcAccessOrderInvalid: cudaMemcpySrcAccessOrder = cudaMemcpySrcAccessOrder(
+        0,
+    );
+    pub const cudaMemcpySrcAccessOrderStream: cudaMemcpySrcAccessOrder = cudaMemcpySrcAccessOrder(
+        1,
+    );
+    pub const cudaMemcpySrcAccessOrderDuringApiCall: cudaMemcpySrcAccessOrder = cudaMemcpySrcAccessOrder(
+        2,
+    );
+    pub const cudaMemcpySrcAccessOrderAny: cudaMemcpySrcAccessOrder = cudaMemcpySrcAccessOrder(
+        3,
+    );
+    pub const cudaMemcpySrcAccessOrderMax: cudaMemcpySrcAccessOrder = cudaMemcpySrcAccessOrder(
+        2147483647,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct cudaMemcpySrcAccessOrder(pub ::core::ffi::c_uint);
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct cudaMemcpyAttributes {
+    pub srcAccessOrder: cudaMemcpySrcAccessOrder,
+    pub srcLocHint: cudaMemLocation,
+    pub dstLocHint: cudaMemLocation,
+    pub flags: ::core::ffi::c_uint,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    [
+        "Size of cudaMemcpyAttributes",
+    ][::core::mem::size_of::<cudaMemcpyAttributes>() - 24usize];
+    [
+        "Alignment of cudaMemcpyAttributes",
+    ][::core::mem::align_of::<cudaMemcpyAttributes>() - 4usize];
+    [
+        "Offset of field: cudaMemcpyAttributes::srcAccessOrder",
+    ][::core::mem::offset_of!(cudaMemcpyAttributes, srcAccessOrder) - 0usize];
+    [
+        "Offset of field: cudaMemcpyAttributes::srcLocHint",
+    ][::core::mem::offset_of!(cudaMemcpyAttributes, srcLocHint) - 4usize];
+    [
+        "Offset of field: cudaMemcpyAttributes::dstLocHint",
+    ][::core::mem::offset_of!(cudaMemcpyAttributes, dstLocHint) - 12usize];
+    [
+        "Offset of field: cudaMemcpyAttributes::flags",
+    ][::core::mem::offset_of!(cudaMemcpyAttributes, flags) - 20usize];
+};
+impl Default for cudaMemcpyAttributes {
+    fn default() -> Self {
+        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]
 pub struct CUuuid_st {
@@ -928,6 +1027,16 @@ cudart_api! {
         src: *const ::core::ffi::c_void,
         count: usize,
         kind: cudaMemcpyKind,
+        stream: cudaStream_t,
+    ) -> cudaError_t;
+    pub fn cudaMemcpyBatchAsync(
+        dsts: *const *mut ::core::ffi::c_void,
+        srcs: *const *const ::core::ffi::c_void,
+        sizes: *const usize,
+        count: usize,
+        attrs: *mut cudaMemcpyAttributes,
+        attrsIdxs: *mut usize,
+        numAttrs: usize,
         stream: cudaStream_t,
     ) -> cudaError_t;
     pub fn cudaMemset(

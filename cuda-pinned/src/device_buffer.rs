@@ -388,6 +388,29 @@ impl<'a, T> From<DeviceSliceMut<'a, T>> for DeviceSlice<'a, T> {
 }
 
 impl<'a, T> DeviceSlice<'a, T> {
+    /// The same bytes seen as elements of `U` (as `bytemuck::try_cast_slice`); `None` when
+    /// the length in bytes is not a multiple of `U`'s size or the address is not aligned
+    /// for `U`.
+    pub fn cast<U>(self) -> Option<DeviceSlice<'a, U>>
+    where
+        T: bytemuck::Pod,
+        U: bytemuck::Pod,
+    {
+        let bytes = self.range.len * size_of::<T>();
+        let fits = if size_of::<U>() == 0 {
+            bytes == 0
+        } else {
+            bytes % size_of::<U>() == 0 && self.range.address.is_multiple_of(align_of::<U>() as u64)
+        };
+        fits.then(|| DeviceSlice {
+            range: DeviceRange {
+                len: bytes.checked_div(size_of::<U>()).unwrap_or(0),
+                ..self.range
+            },
+            _elements: PhantomData,
+        })
+    }
+
     /// Number of elements.
     pub fn len(&self) -> usize {
         self.range.len

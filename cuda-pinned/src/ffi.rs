@@ -205,6 +205,66 @@ pub(crate) unsafe fn memcpy_async(
     cuda!(cudaMemcpyAsync(dst, src, bytes, direction.kind(), stream))
 }
 
+/// As [`memcpy_async`], the direction told by unified addressing (`cudaMemcpyDefault`).
+///
+/// # Safety
+///
+/// As [`memcpy_async`].
+pub(crate) unsafe fn memcpy_async_any(
+    dst: *mut c_void,
+    src: *const c_void,
+    bytes: usize,
+    stream: sys::cudaStream_t,
+) -> Result<()> {
+    cuda!(cudaMemcpyAsync(
+        dst,
+        src,
+        bytes,
+        sys::cudaMemcpyKind::cudaMemcpyDefault,
+        stream
+    ))
+}
+
+/// Whether `cudaMemcpyBatchAsync` can be called with the signature of the bindings: the
+/// runtime is CUDA 13 or newer (12.8 and 12.9 take one argument more).
+pub(crate) fn has_memcpy_batch() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        runtime_version().is_ok_and(|v| v >= 13000)
+            && cudart().is_ok_and(|rt| rt.cudaMemcpyBatchAsync().is_ok())
+    })
+}
+
+/// Queues `dsts.len()` copies at once (unified addressing tells each one's direction); the
+/// sources are read in stream order.
+///
+/// # Safety
+///
+/// - the three slices have one length, and [`has_memcpy_batch`] said yes;
+/// - as [`memcpy_async`] for each `(dsts[i], srcs[i], sizes[i])`.
+pub(crate) unsafe fn memcpy_batch_async(
+    dsts: &[*mut c_void],
+    srcs: &[*const c_void],
+    sizes: &[usize],
+    stream: sys::cudaStream_t,
+) -> Result<()> {
+    let mut attributes = sys::cudaMemcpyAttributes {
+        srcAccessOrder: sys::cudaMemcpySrcAccessOrder::cudaMemcpySrcAccessOrderStream,
+        ..Default::default()
+    };
+    let mut first = 0usize;
+    cuda!(cudaMemcpyBatchAsync(
+        dsts.as_ptr(),
+        srcs.as_ptr(),
+        sizes.as_ptr(),
+        dsts.len(),
+        &mut attributes,
+        &mut first,
+        1,
+        stream
+    ))
+}
+
 /// # Safety
 ///
 /// - `ptr` is device memory writable for `bytes` bytes until the work on `stream` finishes.

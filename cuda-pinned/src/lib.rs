@@ -145,6 +145,6 @@ pub use locked::HostLocked;
 pub use pin::PinMemory;
 pub use registered::{RegisterFlags, Registered};
 pub use registration::{RegisteredVec, Registration};
-pub use stream::{Event, Stream};
+pub use stream::{Event, RawCopy, Stream};
 pub use transfer::{HostBuffer, Transfer};
 pub use vec::{IntoIter, PinnedVec};

@@ -34,6 +34,7 @@ const FUNCTIONS: &[&str] = &[
     "cudaMallocHost",
     "cudaMemcpy",
     "cudaMemcpyAsync",
+    "cudaMemcpyBatchAsync",
     "cudaMemset",
     "cudaMemsetAsync",
     "cudaPeekAtLastError",

@@ -36,8 +36,21 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+fn config() -> ProptestConfig {
+    ProptestConfig {
+        cases: if cfg!(miri) { 8 } else { 256 },
+        // Miri isolates the program from the file system.
+        failure_persistence: if cfg!(miri) {
+            None
+        } else {
+            ProptestConfig::default().failure_persistence
+        },
+        ..ProptestConfig::default()
+    }
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(config())]
 
     #[test]
     fn behaves_like_vec(ops in proptest::collection::vec(op(), 1..60)) {

@@ -1,0 +1,152 @@
+//! `HostBatch`: a batch in pinned memory, and the slots batches are made in.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use cuda_pinned::{PinnedVec, Transfer};
+use pinned_pool::Pool;
+
+use crate::fields::Fields;
+
+/// One field's pinned region of a slot: ready for the host, or still being read by an upload.
+pub(crate) enum Region {
+    Ready(PinnedVec<u8, Arc<Pool>>),
+    Uploading(Transfer<PinnedVec<u8, Arc<Pool>>>),
+}
+
+/// The pinned memory one batch is made in: a region per field, each with room for a full
+/// batch. Slots are made before the first batch and recycled, so the hot path pins nothing.
+pub(crate) struct Slot {
+    pub(crate) regions: Vec<Region>,
+}
+
+impl Slot {
+    /// A slot of zeroed regions of `bytes[k]` each.
+    pub(crate) fn new(pool: &Arc<Pool>, bytes: &[usize]) -> cuda_pinned::Result<Self> {
+        let regions = bytes
+            .iter()
+            .map(|&b| PinnedVec::zeroed_in(b, pool.clone()).map(Region::Ready))
+            .collect::<Result<_, _>>()?;
+        Ok(Self { regions })
+    }
+
+    /// The regions, each `bytes[k]` long, once every upload from them has finished. A region
+    /// whose upload cannot be waited for (the device failed) is lost, and a new one pinned.
+    pub(crate) fn ready(
+        &mut self,
+        pool: &Arc<Pool>,
+        bytes: &[usize],
+    ) -> cuda_pinned::Result<Vec<&mut PinnedVec<u8, Arc<Pool>>>> {
+        for (region, &full) in self.regions.iter_mut().zip(bytes) {
+            let mut vec =
+                match std::mem::replace(region, Region::Ready(PinnedVec::new_in(pool.clone()))) {
+                    Region::Ready(vec) => vec,
+                    Region::Uploading(upload) => match upload.wait() {
+                        Ok(vec) => vec,
+                        Err(_) => PinnedVec::zeroed_in(full, pool.clone())?,
+                    },
+                };
+            // A short batch's upload cut the region; zeroes make it whole again.
+            vec.try_resize(full, 0)?;
+            *region = Region::Ready(vec);
+        }
+        Ok(self
+            .regions
+            .iter_mut()
+            .map(|region| match region {
+                Region::Ready(vec) => vec,
+                Region::Uploading(_) => unreachable!("every region was made ready above"),
+            })
+            .collect())
+    }
+}
+
+/// Free slots, shared by the workers, the consumer's batches and the uploads.
+#[derive(Default)]
+pub(crate) struct SlotPool {
+    free: Mutex<Vec<Slot>>,
+}
+
+impl SlotPool {
+    pub(crate) fn take(&self) -> Option<Slot> {
+        self.free
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop()
+    }
+
+    pub(crate) fn give(&self, slot: Slot) {
+        self.free
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(slot);
+    }
+
+    /// Drops every free slot (the pool gets its blocks back, after any pending upload).
+    pub(crate) fn clear(&self) {
+        let slots = std::mem::take(&mut *self.free.lock().unwrap_or_else(PoisonError::into_inner));
+        drop(slots);
+    }
+}
+
+/// A batch in pinned memory, as a loader delivers it: read its fields with
+/// [`fields`](Self::fields); dropping it gives its memory back to the loader for a later
+/// batch.
+pub struct HostBatch<F: Fields> {
+    pub(crate) slot: Option<Slot>,
+    pub(crate) len: usize,
+    pub(crate) index: usize,
+    pub(crate) fields: F,
+    pub(crate) sample_bytes: Arc<[usize]>,
+    pub(crate) home: Arc<SlotPool>,
+}
+
+impl<F: Fields> HostBatch<F> {
+    /// Samples in the batch (the last of an epoch may be short).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the batch has no samples.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The batch's number in its epoch.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// The fields: for `(Field<u8>, Field<i64>)`, `(&[u8], &[i64])` of `len` samples each.
+    pub fn fields(&self) -> F::Host<'_> {
+        let slot = self.slot.as_ref().expect("a delivered batch has its slot");
+        let mut regions = slot.regions.iter().zip(self.sample_bytes.iter()).map(
+            |(region, &bytes)| match region {
+                Region::Ready(vec) => &vec[..self.len * bytes],
+                Region::Uploading(_) => unreachable!("a delivered batch is ready"),
+            },
+        );
+        self.fields.host(&mut regions)
+    }
+
+    /// Takes the slot out (the batch then gives nothing back when dropped).
+    pub(crate) fn into_slot(mut self) -> Slot {
+        self.slot.take().expect("a delivered batch has its slot")
+    }
+}
+
+impl<F: Fields> Drop for HostBatch<F> {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            self.home.give(slot);
+        }
+    }
+}
+
+impl<F: Fields> std::fmt::Debug for HostBatch<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostBatch")
+            .field("index", &self.index)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,143 @@
+//! The loader's knobs, with PyTorch's names and meanings.
+
+use std::sync::Arc;
+
+use pinned_pool::Pool;
+
+use crate::error::LoaderError;
+use crate::sampler::Sampler;
+
+/// How a [`Loader`](crate::Loader) cuts, orders and prepares batches.
+///
+/// | PyTorch `DataLoader` | here |
+/// |---|---|
+/// | `batch_size` | [`new(batch_size)`](Self::new) |
+/// | `num_workers` | [`workers`](Self::workers) (0: the consumer's thread fills batches) |
+/// | `prefetch_factor` | [`prefetch`](Self::prefetch): batches in the making per worker |
+/// | `shuffle=True` + `generator.manual_seed` | [`shuffle(seed)`](Self::shuffle): a new, reproducible order each epoch |
+/// | `drop_last` | [`drop_last`](Self::drop_last) |
+/// | `persistent_workers` | [`persistent_workers`](Self::persistent_workers) |
+/// | `DistributedSampler(rank, num_replicas)` | [`shard(rank, world_size)`](Self::shard) |
+/// | `in_order` | [`in_order`](Self::in_order) (`true` by default) |
+/// | `pin_memory=True` | always: batches are written straight into pinned memory |
+#[derive(Clone, Debug)]
+pub struct LoaderConfig {
+    pub(crate) batch_size: usize,
+    pub(crate) workers: usize,
+    pub(crate) prefetch: usize,
+    pub(crate) shuffle: Option<u64>,
+    pub(crate) drop_last: bool,
+    pub(crate) persistent_workers: bool,
+    pub(crate) shard: (usize, usize),
+    pub(crate) in_order: bool,
+    pub(crate) max_pinned_fraction: f64,
+    pub(crate) pool: Option<Arc<Pool>>,
+}
+
+impl LoaderConfig {
+    /// Batches of `batch_size` samples; no workers (the consumer fills each batch), prefetch
+    /// 2, no shuffle, the last short batch kept, in order, at most half the machine's memory
+    /// pinned.
+    pub fn new(batch_size: usize) -> Self {
+        Self {
+            batch_size,
+            workers: 0,
+            prefetch: 2,
+            shuffle: None,
+            drop_last: false,
+            persistent_workers: false,
+            shard: (0, 1),
+            in_order: true,
+            max_pinned_fraction: 0.5,
+            pool: None,
+        }
+    }
+
+    /// Threads that fill batches.
+    pub fn workers(mut self, workers: usize) -> Self {
+        self.workers = workers;
+        self
+    }
+
+    /// Batches each worker may have in the making ahead of the consumer (at least 1).
+    pub fn prefetch(mut self, batches: usize) -> Self {
+        self.prefetch = batches;
+        self
+    }
+
+    /// A new order each epoch, drawn from `seed` and the epoch's number: the same on every
+    /// run and every rank.
+    pub fn shuffle(mut self, seed: u64) -> Self {
+        self.shuffle = Some(seed);
+        self
+    }
+
+    /// Whether to drop the last batch when it is short.
+    pub fn drop_last(mut self, drop_last: bool) -> Self {
+        self.drop_last = drop_last;
+        self
+    }
+
+    /// Whether workers live from one epoch to the next (otherwise each epoch starts its own
+    /// and ends them).
+    pub fn persistent_workers(mut self, persistent: bool) -> Self {
+        self.persistent_workers = persistent;
+        self
+    }
+
+    /// This process's share of the samples in distributed training: rank `rank` of
+    /// `world_size`, as `DistributedSampler` (equal counts; the order padded by wrapping
+    /// around unless `drop_last`).
+    pub fn shard(mut self, rank: usize, world_size: usize) -> Self {
+        self.shard = (rank, world_size);
+        self
+    }
+
+    /// Whether batches come out in order (the default) or as soon as each is ready.
+    pub fn in_order(mut self, in_order: bool) -> Self {
+        self.in_order = in_order;
+        self
+    }
+
+    /// The most of the machine's memory the loader may pin (0.5 by default).
+    pub fn max_pinned_fraction(mut self, fraction: f64) -> Self {
+        self.max_pinned_fraction = fraction;
+        self
+    }
+
+    /// Takes pinned memory from `pool` (shared with the rest of the program) instead of a
+    /// pool of the loader's own.
+    pub fn pool(mut self, pool: Arc<Pool>) -> Self {
+        self.pool = Some(pool);
+        self
+    }
+
+    /// Checks the settings against a dataset of `len` samples.
+    pub(crate) fn sampler(&self, len: usize) -> Result<Sampler, LoaderError> {
+        let (rank, world) = self.shard;
+        if self.batch_size == 0 {
+            return Err(LoaderError::Config("batch size 0".into()));
+        }
+        if self.prefetch == 0 {
+            return Err(LoaderError::Config("prefetch 0".into()));
+        }
+        if world == 0 || rank >= world {
+            return Err(LoaderError::Config(format!(
+                "rank {rank} of a world of {world}"
+            )));
+        }
+        if !(self.max_pinned_fraction > 0.0 && self.max_pinned_fraction <= 1.0) {
+            return Err(LoaderError::Config(format!(
+                "max_pinned_fraction {} is not in (0, 1]",
+                self.max_pinned_fraction
+            )));
+        }
+        Ok(Sampler {
+            len,
+            batch_size: self.batch_size,
+            shuffle: self.shuffle,
+            drop_last: self.drop_last,
+            shard: self.shard,
+        })
+    }
+}

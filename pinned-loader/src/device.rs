@@ -1,0 +1,480 @@
+//! `DeviceLoader`: batches on the device, uploaded on a stream of the loader's own; the
+//! consumer's stream waits for each on the device (PyTorch's `non_blocking=True`).
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use cuda_pinned::{DeviceBuffer, Event, RawCopy, Stream};
+
+use crate::batch::{HostBatch, Region};
+use crate::dataset::Dataset;
+use crate::error::LoaderError;
+use crate::fields::Fields;
+use crate::loader::{Epoch, Loader};
+use crate::stats::LoaderStats;
+
+/// How a device batch is assembled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Assembly {
+    /// Workers write samples into a pinned batch on the host; one upload per field.
+    HostCollate,
+    /// The samples already sit in pinned memory ([`PinnedSamples`](crate::PinnedSamples)):
+    /// the DMA engine copies each straight into its place in the device batch, all in one
+    /// batched copy. No host `memcpy`, no workers.
+    DeviceGather,
+}
+
+/// Device memory for one batch: a buffer per field, and the consumer's events after which
+/// it may be written again.
+struct DeviceSlot {
+    buffers: Vec<DeviceBuffer<u8>>,
+    released: Vec<Event>,
+    /// Events around the last upload into it, for the upload time.
+    timing: Option<(Event, Event)>,
+}
+
+impl Drop for DeviceSlot {
+    fn drop(&mut self) {
+        // The consumer's work may still read the buffers: they are freed after it, or leaked
+        // when that cannot be known.
+        if !self.released.iter().all(|e| e.synchronize().is_ok()) {
+            std::mem::forget(std::mem::take(&mut self.buffers));
+        }
+    }
+}
+
+type DeviceSlots = Arc<Mutex<Vec<DeviceSlot>>>;
+
+/// Batches of a [`Dataset`] on the device, ready when a stream's work reaches them:
+///
+/// ```no_run
+/// # use pinned_loader::*;
+/// # fn run<D: Dataset<Fields = (Field<u8>, Field<i64>)>>(loader: Loader<D>) -> Result<(), LoaderError> {
+/// let stream = cuda_pinned::Stream::new()?;
+/// let mut device = DeviceLoader::new(loader, Assembly::HostCollate)?;
+/// for batch in device.epoch(0) {
+///     let mut batch = batch?;
+///     let (images, labels) = batch.ready_on(&stream)?; // the stream waits; the host does not
+///     // ... queue work on `stream` reading `images` and `labels` ...
+/// } // each batch's memory is reused only after `stream` has passed its work
+/// # Ok(()) }
+/// ```
+pub struct DeviceLoader<D: Dataset> {
+    loader: Loader<D>,
+    stream: Stream,
+    assembly: Assembly,
+    /// Batches uploaded ahead of the consumer.
+    ahead: usize,
+    slots: DeviceSlots,
+}
+
+impl<D: Dataset> DeviceLoader<D> {
+    /// A device loader over `loader`, with its own copy stream and device memory for the
+    /// batches it uploads ahead (two) and those the consumer holds (two more).
+    ///
+    /// # Errors
+    ///
+    /// [`LoaderError::NotPinned`] for [`Assembly::DeviceGather`] over a dataset not in pinned
+    /// memory; the CUDA error (no device, out of device memory).
+    pub fn new(loader: Loader<D>, assembly: Assembly) -> Result<Self, LoaderError> {
+        if assembly == Assembly::DeviceGather && loader.dataset().pinned_storage().is_none() {
+            return Err(LoaderError::NotPinned);
+        }
+        let stream = Stream::new()?;
+        let ahead = 2;
+        let slots = Arc::new(Mutex::new(Vec::new()));
+        for _ in 0..ahead + 2 {
+            let slot = new_slot(&loader)?;
+            slots
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(slot);
+        }
+        Ok(Self {
+            loader,
+            stream,
+            assembly,
+            ahead,
+            slots,
+        })
+    }
+
+    /// The stream the uploads run on.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// The host loader behind it.
+    pub fn loader(&self) -> &Loader<D> {
+        &self.loader
+    }
+
+    /// What the loader has done so far, uploads included.
+    pub fn stats(&self) -> LoaderStats {
+        self.loader.stats()
+    }
+
+    /// The batches of epoch `epoch` on the device.
+    pub fn epoch(&mut self, epoch: u64) -> DeviceEpoch<'_, D> {
+        let shared = self.loader.shared.clone();
+        let Self {
+            loader,
+            stream,
+            assembly,
+            ahead,
+            slots,
+        } = self;
+        let source = match assembly {
+            Assembly::HostCollate => Source::Host(loader.epoch(epoch)),
+            Assembly::DeviceGather => {
+                let indices = loader.sampler.indices(epoch);
+                let batches = loader.sampler.batches(indices.len()).into();
+                Source::Gather {
+                    indices,
+                    batches,
+                    next: 0,
+                }
+            }
+        };
+        DeviceEpoch {
+            stream,
+            slots,
+            shared,
+            source,
+            ready: VecDeque::new(),
+            depth: *ahead,
+        }
+    }
+}
+
+impl<D: Dataset> Drop for DeviceLoader<D> {
+    fn drop(&mut self) {
+        // Gathers read the dataset's pinned memory: they end before it can go.
+        let _ = self.stream.synchronize();
+    }
+}
+
+fn new_slot<D: Dataset>(loader: &Loader<D>) -> Result<DeviceSlot, LoaderError> {
+    let buffers = loader
+        .shared
+        .region_bytes
+        .iter()
+        .map(|&bytes| DeviceBuffer::zeroed(bytes))
+        .collect::<Result<_, _>>()?;
+    Ok(DeviceSlot {
+        buffers,
+        released: Vec::new(),
+        timing: None,
+    })
+}
+
+/// Where an epoch's batches come from.
+enum Source<'a, D: Dataset> {
+    Host(Epoch<'a, D>),
+    Gather {
+        indices: Vec<usize>,
+        batches: VecDeque<Range<usize>>,
+        next: usize,
+    },
+}
+
+/// One epoch's batches on the device: an iterator of `Result<DeviceBatch, LoaderError>`.
+/// Uploads run ahead of the consumer (two batches), on the loader's stream.
+pub struct DeviceEpoch<'a, D: Dataset> {
+    stream: &'a Stream,
+    slots: &'a DeviceSlots,
+    shared: Arc<crate::loader::Shared<D>>,
+    source: Source<'a, D>,
+    ready: VecDeque<Result<DeviceBatch<D::Fields>, LoaderError>>,
+    depth: usize,
+}
+
+impl<D: Dataset> DeviceEpoch<'_, D> {
+    /// Device memory for a batch: a free slot, or a new one when the consumer holds them
+    /// all. The stream waits (on the device) for the consumer's last use of it.
+    fn take_slot(&self) -> Result<DeviceSlot, LoaderError> {
+        let free = self
+            .slots
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop();
+        let mut slot = match free {
+            Some(slot) => slot,
+            None => {
+                let buffers = self
+                    .shared
+                    .region_bytes
+                    .iter()
+                    .map(|&bytes| DeviceBuffer::zeroed(bytes))
+                    .collect::<Result<_, _>>()?;
+                DeviceSlot {
+                    buffers,
+                    released: Vec::new(),
+                    timing: None,
+                }
+            }
+        };
+        for event in slot.released.drain(..) {
+            self.stream.wait_event(&event)?;
+        }
+        if let Some((start, end)) = slot.timing.take()
+            && let Ok(ms) = end.elapsed_ms_since(&start)
+        {
+            self.shared
+                .counters
+                .upload_ns
+                .fetch_add((f64::from(ms) * 1e6) as u64, Ordering::Relaxed);
+        }
+        Ok(slot)
+    }
+
+    /// Uploads a host batch into device memory; its pinned slot goes back to the workers
+    /// with the uploads, which they wait for before refilling it.
+    fn upload(
+        &mut self,
+        batch: HostBatch<D::Fields>,
+    ) -> Result<DeviceBatch<D::Fields>, LoaderError> {
+        let (len, index) = (batch.len(), batch.index());
+        let mut device = self.take_slot()?;
+        let start = self.stream.record_event()?;
+        let mut host = batch.into_slot();
+        let mut bytes_moved = 0;
+        let mut result = Ok(());
+        for ((region, buffer), &sample_bytes) in host
+            .regions
+            .iter_mut()
+            .zip(&mut device.buffers)
+            .zip(self.shared.sample_bytes.iter())
+        {
+            let bytes = len * sample_bytes;
+            let Region::Ready(mut vec) = std::mem::replace(
+                region,
+                Region::Ready(cuda_pinned::PinnedVec::new_in(self.shared.pool.clone())),
+            ) else {
+                unreachable!("a delivered batch is ready");
+            };
+            vec.truncate(bytes);
+            match self.stream.copy_to_device(vec, buffer.slice_mut(..bytes)) {
+                Ok(upload) => *region = Region::Uploading(upload),
+                Err(error) => {
+                    // The region was given back to the pool; the slot pins a new one when
+                    // it is next filled.
+                    result = Err(error);
+                    break;
+                }
+            }
+            bytes_moved += bytes;
+        }
+        self.shared.slots.give(host);
+        result?;
+        self.finish(device, start, len, index, bytes_moved)
+    }
+
+    /// Gathers a batch's samples from pinned memory straight into device memory.
+    fn gather(
+        &mut self,
+        indices: &[usize],
+        index: usize,
+    ) -> Result<DeviceBatch<D::Fields>, LoaderError> {
+        let device = self.take_slot()?;
+        let shared = self.shared.clone();
+        let storage = shared
+            .dataset
+            .pinned_storage()
+            .ok_or(LoaderError::NotPinned)?;
+        let start = self.stream.record_event()?;
+        let mut copies = Vec::with_capacity(indices.len() * device.buffers.len());
+        let mut bytes_moved = 0;
+        for (field, buffer) in device.buffers.iter().enumerate() {
+            let bytes = storage.sample_bytes()[field];
+            for (position, &sample) in indices.iter().enumerate() {
+                copies.push(RawCopy {
+                    dst: buffer.as_raw() + (position * bytes) as u64,
+                    src: storage.address(sample, field),
+                    bytes,
+                });
+                bytes_moved += bytes;
+            }
+        }
+        // SAFETY: each source is a sample in the dataset's page-locked storage, which is
+        // never written and outlives the copies (the device loader owns the dataset and
+        // waits for its stream before dropping it); each destination lies inside a buffer of
+        // this slot (position < batch size), which nothing else uses until the batch is
+        // delivered, and the consumer's earlier uses were waited for in `take_slot`.
+        unsafe { self.stream.copy_batch_raw(&copies)? };
+        self.finish(device, start, indices.len(), index, bytes_moved)
+    }
+
+    fn finish(
+        &mut self,
+        mut device: DeviceSlot,
+        start: Event,
+        len: usize,
+        index: usize,
+        bytes: usize,
+    ) -> Result<DeviceBatch<D::Fields>, LoaderError> {
+        let end = self.stream.record_event()?;
+        let ready = Arc::new(self.stream.record_event()?);
+        device.timing = Some((start, end));
+        let counters = &self.shared.counters;
+        counters.uploads.fetch_add(1, Ordering::Relaxed);
+        counters
+            .uploaded_bytes
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+        Ok(DeviceBatch {
+            slot: Some(device),
+            ready,
+            len,
+            index,
+            fields: self.shared.fields.clone(),
+            sample_bytes: self.shared.sample_bytes.clone(),
+            streams: Vec::new(),
+            home: self.slots.clone(),
+        })
+    }
+
+    /// Queues the next batch's upload; `false` when there is nothing (ready) to queue.
+    fn queue_one(&mut self, block: bool) -> bool {
+        let next = match &mut self.source {
+            Source::Host(epoch) => match epoch.poll(block) {
+                Some(Some(Ok(batch))) => Some(Ok(Ok(batch))),
+                Some(Some(Err(error))) => Some(Err(error)),
+                Some(None) | None => None,
+            },
+            Source::Gather {
+                indices,
+                batches,
+                next,
+            } => batches.pop_front().map(|range| {
+                let index = *next;
+                *next += 1;
+                Ok(Err((indices[range].to_vec(), index)))
+            }),
+        };
+        let Some(next) = next else {
+            return false;
+        };
+        let batch = match next {
+            Ok(Ok(host)) => self.upload(host),
+            Ok(Err((indices, index))) => {
+                let batch = self.gather(&indices, index);
+                if batch.is_ok() {
+                    let counters = &self.shared.counters;
+                    counters.batches.fetch_add(1, Ordering::Relaxed);
+                    counters
+                        .samples
+                        .fetch_add(indices.len() as u64, Ordering::Relaxed);
+                }
+                batch
+            }
+            Err(error) => Err(error),
+        };
+        self.ready.push_back(batch);
+        true
+    }
+}
+
+impl<D: Dataset> Iterator for DeviceEpoch<'_, D> {
+    type Item = Result<DeviceBatch<D::Fields>, LoaderError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        // Keep `depth` uploads queued ahead, waiting only when none is.
+        if self.ready.is_empty() {
+            self.queue_one(true);
+        }
+        while self.ready.len() <= self.depth && self.queue_one(false) {}
+        self.ready.pop_front()
+    }
+}
+
+/// A batch in device memory. Its fields are reached through [`ready_on`](Self::ready_on),
+/// which makes a stream wait for the upload on the device; when the batch drops, its memory
+/// is reused only after every such stream has passed the work queued on it so far.
+pub struct DeviceBatch<F: Fields> {
+    slot: Option<DeviceSlot>,
+    ready: Arc<Event>,
+    len: usize,
+    index: usize,
+    fields: F,
+    sample_bytes: Arc<[usize]>,
+    streams: Vec<Stream>,
+    home: DeviceSlots,
+}
+
+impl<F: Fields> DeviceBatch<F> {
+    /// Samples in the batch.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the batch has no samples.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The batch's number in its epoch.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// The event that completes when the batch is on the device.
+    pub fn ready_event(&self) -> &Event {
+        &self.ready
+    }
+
+    /// Makes `stream` wait (on the device, the host does not block) until the batch is
+    /// there, and returns its fields for work queued on `stream`. Use them on no other
+    /// stream unless it too was passed here.
+    ///
+    /// # Errors
+    ///
+    /// The CUDA error.
+    pub fn ready_on(&mut self, stream: &Stream) -> Result<F::Device<'_>, LoaderError> {
+        stream.wait_event(&self.ready)?;
+        if !self.streams.contains(stream) {
+            self.streams.push(stream.clone());
+        }
+        let slot = self.slot.as_ref().expect("a delivered batch has its slot");
+        let mut regions = slot
+            .buffers
+            .iter()
+            .zip(self.sample_bytes.iter())
+            .map(|(buffer, &bytes)| buffer.slice(..self.len * bytes));
+        Ok(self.fields.device(&mut regions))
+    }
+}
+
+impl<F: Fields> Drop for DeviceBatch<F> {
+    fn drop(&mut self) {
+        let Some(mut slot) = self.slot.take() else {
+            return;
+        };
+        for stream in &self.streams {
+            match stream.record_event() {
+                Ok(event) => slot.released.push(event),
+                Err(_) if stream.synchronize().is_ok() => {}
+                Err(_) => {
+                    // Nobody can tell when the stream is done with the memory: keep it out
+                    // of use for good.
+                    std::mem::forget(slot);
+                    return;
+                }
+            }
+        }
+        self.home
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(slot);
+    }
+}
+
+impl<F: Fields> std::fmt::Debug for DeviceBatch<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceBatch")
+            .field("index", &self.index)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}

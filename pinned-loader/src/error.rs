@@ -1,0 +1,99 @@
+//! What can go wrong while loading.
+
+use std::fmt;
+
+/// A dataset's own error, boxed.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Everything a loader can report. A failed batch is reported once and skipped; the loader
+/// stays usable (the next batch follows) unless the error says otherwise.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum LoaderError {
+    /// The dataset failed to produce or write a sample.
+    Sample {
+        /// The batch's number in its epoch.
+        batch: usize,
+        /// The sample's index in the dataset.
+        sample: usize,
+        /// What the dataset said.
+        source: BoxError,
+    },
+    /// The dataset panicked while producing or writing a sample (caught in the worker).
+    Panicked {
+        /// The batch's number in its epoch.
+        batch: usize,
+        /// The sample's index in the dataset.
+        sample: usize,
+        /// The panic's message.
+        message: String,
+    },
+    /// A setting that cannot work (a batch size of 0, a shard outside the world).
+    Config(String),
+    /// The pinned working set would pass the budget: pinned pages cannot be swapped, so a
+    /// budget near the machine's memory starves everything else.
+    PinnedBudget {
+        /// Bytes the loader would pin.
+        requested: u64,
+        /// The budget: the stated fraction of the machine's memory.
+        budget: u64,
+        /// The machine's memory.
+        total: u64,
+    },
+    /// Pinned memory or a CUDA call failed (the pool's limit among the causes).
+    Cuda(cuda_pinned::Error),
+    /// The dataset cannot be gathered on the device: its samples are not in pinned memory.
+    NotPinned,
+}
+
+impl fmt::Display for LoaderError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Sample {
+                batch,
+                sample,
+                source,
+            } => write!(f, "batch {batch}, sample {sample}: {source}"),
+            Self::Panicked {
+                batch,
+                sample,
+                message,
+            } => write!(
+                f,
+                "batch {batch}, sample {sample}: the dataset panicked: {message}"
+            ),
+            Self::Config(what) => write!(f, "loader configuration: {what}"),
+            Self::PinnedBudget {
+                requested,
+                budget,
+                total,
+            } => write!(
+                f,
+                "the loader would pin {requested} bytes, past its budget of {budget} bytes \
+                 (a fraction of the machine's {total}); lower workers, prefetch or batch size, \
+                 or raise `max_pinned_fraction`"
+            ),
+            Self::Cuda(e) => e.fmt(f),
+            Self::NotPinned => f.write_str(
+                "device gather needs a dataset whose samples sit in pinned memory \
+                 (`PinnedSamples`)",
+            ),
+        }
+    }
+}
+
+impl std::error::Error for LoaderError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Sample { source, .. } => Some(&**source),
+            Self::Cuda(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<cuda_pinned::Error> for LoaderError {
+    fn from(e: cuda_pinned::Error) -> Self {
+        Self::Cuda(e)
+    }
+}

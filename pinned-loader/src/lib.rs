@@ -1,0 +1,99 @@
+//! Feeding a GPU from host memory: PyTorch's `DataLoader(pin_memory=True)` with
+//! `non_blocking=True` uploads, done for Rust.
+//!
+//! Workers write samples straight into pinned batches (no copy through pageable memory);
+//! a copy stream of the loader's own uploads each batch while the consumer's GPU works on
+//! the previous one; the consumer's stream waits for each batch on the device, never the
+//! host. The pinned working set is reserved before the first batch, so nothing is pinned on
+//! the hot path.
+//!
+//! ```
+//! use pinned_loader::{BoxError, Dataset, Field, Loader, LoaderConfig};
+//!
+//! /// 64 "images" of 3×8×8 bytes with a label each, in memory.
+//! struct Images { pixels: Vec<u8>, labels: Vec<i64> }
+//! const IMAGE: usize = 3 * 8 * 8;
+//!
+//! impl Dataset for Images {
+//!     type Fields = (Field<u8>, Field<i64>);
+//!     fn len(&self) -> usize { self.labels.len() }
+//!     fn fields(&self) -> Self::Fields { (Field::new(IMAGE), Field::new(1)) }
+//!     // Writes sample `i` straight into its place in a pinned batch.
+//!     fn write(&self, i: usize, (image, label): (&mut [u8], &mut [i64])) -> Result<(), BoxError> {
+//!         image.copy_from_slice(&self.pixels[i * IMAGE..(i + 1) * IMAGE]);
+//!         label[0] = self.labels[i];
+//!         Ok(())
+//!     }
+//! }
+//!
+//! let data = Images { pixels: vec![1; 64 * IMAGE], labels: (0..64).collect() };
+//! let config = LoaderConfig::new(16).workers(4).prefetch(2).shuffle(42).drop_last(true);
+//! let mut loader = Loader::new(data, config)?;
+//! for epoch in 0..3 {
+//!     for batch in loader.epoch(epoch) {
+//!         let batch = batch?;                     // an error names the batch and the sample
+//!         let (images, labels) = batch.fields();  // pinned memory: upload it at link speed
+//!         assert_eq!(images.len(), 16 * IMAGE);
+//!         assert_eq!(labels.len(), 16);
+//!     }
+//! }
+//! println!("{:?}", loader.stats());
+//! # Ok::<(), pinned_loader::LoaderError>(())
+//! ```
+//!
+//! On a GPU, [`DeviceLoader`] turns the same loader into batches on the device:
+//! `for batch in device.epoch(e) { let (images, labels) = batch?.ready_on(&stream)?; … }`.
+//!
+//! | PyTorch | pinned-loader |
+//! |---|---|
+//! | `Dataset.__getitem__` + `collate_fn` | [`SampleDataset::get`] (the loader collates), or [`Dataset::write`] (the dataset writes into the batch itself) |
+//! | `DataLoader(batch_size, num_workers, prefetch_factor, shuffle, drop_last, persistent_workers, in_order)` | [`LoaderConfig`] |
+//! | `DistributedSampler(rank, num_replicas)` | [`LoaderConfig::shard`] |
+//! | `pin_memory=True` | always |
+//! | `.to(device, non_blocking=True)` | [`DeviceLoader`], [`DeviceBatch::ready_on`] |
+//!
+//! # Design note
+//!
+//! *Slots.* A batch is made in a slot: one pinned region per field, each with room for a full
+//! batch. `new` pins `workers × prefetch + 2` slots (from a [`pinned_pool::Pool`], the
+//! loader's own or one passed in) and checks them against a fraction of the machine's memory
+//! (pinned pages cannot be swapped out); batches give their slots back when dropped. If the
+//! consumer keeps batches until none is free, a worker pins another slot
+//! ([`LoaderStats::late_slots`]) rather than wait: never a deadlock.
+//!
+//! *Order and prefetch.* The consumer hands each worker up to `prefetch` batches ahead; a
+//! batch goes to whichever worker is free, and an in-order loader delivers them by number.
+//! Dropping an epoch mid-way drops its queued work; workers stop at the next sample.
+//!
+//! *Errors.* A dataset error or panic in a worker is caught and delivered as that batch's
+//! error, naming batch and sample; the worker and the loader go on.
+//!
+//! *Uploads.* [`Assembly::HostCollate`] uploads each field of a host batch with a tracked
+//! async copy into device memory the loader recycles; the host slot goes back to the
+//! workers at once, holding its uploads, and a worker waits for them before refilling it.
+//! [`Assembly::DeviceGather`] skips the host copy: for a dataset already in pinned memory
+//! ([`PinnedSamples`]) the DMA engine copies every sample into place with one
+//! `cudaMemcpyBatchAsync`. Either way the batch's readiness is an event the consumer's
+//! stream waits on, and its device memory is reused only after the consumer's streams have
+//! passed their work on it.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod batch;
+mod config;
+mod dataset;
+mod device;
+mod error;
+mod fields;
+mod loader;
+mod sampler;
+mod stats;
+
+pub use batch::HostBatch;
+pub use config::LoaderConfig;
+pub use dataset::{Dataset, PinnedSamples, PinnedStorage, SampleDataset};
+pub use device::{Assembly, DeviceBatch, DeviceEpoch, DeviceLoader};
+pub use error::{BoxError, LoaderError};
+pub use fields::{Collate, Field, Fields};
+pub use loader::{Epoch, Loader};
+pub use stats::LoaderStats;

@@ -1,0 +1,551 @@
+//! `Loader`: workers fill batches straight into pinned slots reserved before the first batch.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use pinned_pool::Pool;
+
+use crate::batch::{HostBatch, Slot, SlotPool};
+use crate::config::LoaderConfig;
+use crate::dataset::Dataset;
+use crate::error::LoaderError;
+use crate::fields::Fields;
+use crate::sampler::Sampler;
+use crate::stats::{Counters, LoaderStats};
+
+/// Batches of a [`Dataset`] in pinned memory: PyTorch's `DataLoader(pin_memory=True)`.
+///
+/// ```
+/// use pinned_loader::{BoxError, Field, Loader, LoaderConfig, SampleDataset};
+///
+/// struct Numbers;
+/// impl SampleDataset for Numbers {
+///     type Sample = ([f32; 4], i64);
+///     type Fields = (Field<f32>, Field<i64>);
+///     fn len(&self) -> usize { 1000 }
+///     fn fields(&self) -> Self::Fields { (Field::new(4), Field::new(1)) }
+///     fn get(&self, i: usize) -> Result<Self::Sample, BoxError> { Ok(([i as f32; 4], i as i64)) }
+/// }
+///
+/// let mut loader = Loader::new(Numbers, LoaderConfig::new(64).workers(2).shuffle(7))?;
+/// for epoch in 0..2 {
+///     for batch in loader.epoch(epoch) {
+///         let batch = batch?;
+///         let (features, labels) = batch.fields();
+///         assert_eq!(features.len(), 4 * labels.len());
+///     }
+/// }
+/// assert_eq!(loader.stats().batches, 32);
+/// # Ok::<(), pinned_loader::LoaderError>(())
+/// ```
+pub struct Loader<D: Dataset> {
+    pub(crate) shared: Arc<Shared<D>>,
+    pub(crate) config: LoaderConfig,
+    pub(crate) sampler: Sampler,
+    /// Workers that outlive epochs (`persistent_workers`).
+    workers: Vec<JoinHandle<()>>,
+}
+
+/// What the loader, its workers and its batches share.
+pub(crate) struct Shared<D: Dataset> {
+    pub(crate) dataset: D,
+    pub(crate) fields: D::Fields,
+    pub(crate) sample_bytes: Arc<[usize]>,
+    /// Bytes of each region of a slot: a full batch of the field.
+    pub(crate) region_bytes: Vec<usize>,
+    pub(crate) pool: Arc<Pool>,
+    pub(crate) slots: Arc<SlotPool>,
+    state: Mutex<State>,
+    /// Work was queued, or the workers should stop.
+    work: Condvar,
+    /// A batch was finished.
+    done: Condvar,
+    pub(crate) counters: Counters,
+}
+
+struct State {
+    /// Raised when an epoch ends: tasks and results of older epochs are dropped.
+    generation: u64,
+    tasks: VecDeque<Task>,
+    finished: Vec<Finished>,
+    shutdown: bool,
+}
+
+struct Task {
+    generation: u64,
+    batch: usize,
+    indices: Arc<Vec<usize>>,
+    range: Range<usize>,
+}
+
+struct Finished {
+    generation: u64,
+    batch: usize,
+    result: Result<(Slot, usize), LoaderError>,
+}
+
+/// How a fill ended early.
+enum Stop {
+    Failed(LoaderError),
+    /// The epoch ended meanwhile.
+    Cancelled,
+}
+
+impl<D: Dataset> Shared<D> {
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn generation(&self) -> u64 {
+        self.state().generation
+    }
+
+    /// A free slot, or a new one (pinned on the hot path: counted) when the consumer holds
+    /// them all.
+    fn take_slot(&self) -> Result<Slot, LoaderError> {
+        if let Some(slot) = self.slots.take() {
+            return Ok(slot);
+        }
+        self.counters.late_slots.fetch_add(1, Ordering::Relaxed);
+        Ok(Slot::new(&self.pool, &self.region_bytes)?)
+    }
+
+    /// Fills a slot with the samples of `task`.
+    fn fill(&self, task: &Task) -> Result<(Slot, usize), Stop> {
+        let start = Instant::now();
+        let mut slot = self.take_slot().map_err(Stop::Failed)?;
+        let result = self.fill_slot(&mut slot, task);
+        match result {
+            Ok(len) => {
+                self.counters
+                    .fill_ns
+                    .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                let bytes: usize = self.sample_bytes.iter().map(|b| b * len).sum();
+                self.counters
+                    .filled_bytes
+                    .fetch_add(bytes as u64, Ordering::Relaxed);
+                Ok((slot, len))
+            }
+            Err(stop) => {
+                self.slots.give(slot);
+                Err(stop)
+            }
+        }
+    }
+
+    fn fill_slot(&self, slot: &mut Slot, task: &Task) -> Result<usize, Stop> {
+        let indices = &task.indices[task.range.clone()];
+        let mut regions = slot
+            .ready(&self.pool, &self.region_bytes)
+            .map_err(|e| Stop::Failed(e.into()))?;
+        let pinned = self.dataset.pinned_storage();
+        for (position, &index) in indices.iter().enumerate() {
+            if task.generation != self.generation() {
+                return Err(Stop::Cancelled);
+            }
+            let mut places = regions
+                .iter_mut()
+                .zip(self.sample_bytes.iter())
+                .map(|(region, &bytes)| &mut region[position * bytes..(position + 1) * bytes]);
+            let failure = |source| {
+                Stop::Failed(LoaderError::Sample {
+                    batch: task.batch,
+                    sample: index,
+                    source,
+                })
+            };
+            if let Some(storage) = pinned {
+                for (field, place) in places.enumerate() {
+                    place.copy_from_slice(storage.sample(index, field));
+                }
+                continue;
+            }
+            let sample = self.fields.sample(&mut places);
+            match catch_unwind(AssertUnwindSafe(|| self.dataset.write(index, sample))) {
+                Ok(Ok(())) => {}
+                Ok(Err(source)) => return Err(failure(source)),
+                Err(panic) => {
+                    let message = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "a non-string panic payload".into());
+                    return Err(Stop::Failed(LoaderError::Panicked {
+                        batch: task.batch,
+                        sample: index,
+                        message,
+                    }));
+                }
+            }
+        }
+        Ok(indices.len())
+    }
+
+    /// A worker: takes tasks until told to stop.
+    fn work(&self) {
+        loop {
+            let task = {
+                let mut state = self.state();
+                loop {
+                    if state.shutdown {
+                        return;
+                    }
+                    if let Some(task) = state.tasks.pop_front() {
+                        break task;
+                    }
+                    state = self
+                        .work
+                        .wait(state)
+                        .unwrap_or_else(PoisonError::into_inner);
+                }
+            };
+            let result = match self.fill(&task) {
+                Ok(done) => Ok(done),
+                Err(Stop::Failed(error)) => Err(error),
+                Err(Stop::Cancelled) => continue,
+            };
+            let mut state = self.state();
+            if task.generation == state.generation {
+                state.finished.push(Finished {
+                    generation: task.generation,
+                    batch: task.batch,
+                    result,
+                });
+                self.done.notify_all();
+            } else if let Ok((slot, _)) = result {
+                self.slots.give(slot);
+            }
+        }
+    }
+
+    fn spawn_workers(self: &Arc<Self>, count: usize) -> Vec<JoinHandle<()>> {
+        (0..count)
+            .filter_map(|i| {
+                let shared = self.clone();
+                std::thread::Builder::new()
+                    .name(format!("pinned-loader-{i}"))
+                    .spawn(move || shared.work())
+                    .ok()
+            })
+            .collect()
+    }
+
+    fn stop_workers(&self, workers: Vec<JoinHandle<()>>) {
+        self.state().shutdown = true;
+        self.work.notify_all();
+        for worker in workers {
+            let _ = worker.join();
+        }
+        self.state().shutdown = false;
+    }
+}
+
+/// The machine's memory in bytes.
+fn physical_memory() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    (pages.max(0) as u64).saturating_mul(page.max(0) as u64)
+}
+
+impl<D: Dataset> Loader<D> {
+    /// A loader over `dataset`. Pins its working set before returning: a slot (a full batch
+    /// of every field) for each batch the workers may have in the making (`workers ×
+    /// prefetch`, at least `prefetch`) and two for the consumer, so that no batch waits for
+    /// memory to be pinned.
+    ///
+    /// # Errors
+    ///
+    /// [`LoaderError::Config`] for settings that cannot work,
+    /// [`LoaderError::PinnedBudget`] when the working set passes the stated fraction of the
+    /// machine's memory, and the pool's error when pinning fails (its limit among them).
+    pub fn new(dataset: D, config: LoaderConfig) -> Result<Self, LoaderError> {
+        let start = Instant::now();
+        let sampler = config.sampler(dataset.len())?;
+        let fields = dataset.fields();
+        let sample_bytes: Arc<[usize]> = fields.sample_bytes().into();
+        let region_bytes: Vec<usize> = sample_bytes
+            .iter()
+            .map(|b| b.checked_mul(config.batch_size))
+            .collect::<Option<_>>()
+            .ok_or(cuda_pinned::Error::CapacityOverflow)?;
+        let slot_bytes: u64 = region_bytes.iter().map(|&b| b as u64).sum();
+        let slots = config.workers.max(1) * config.prefetch + 2;
+        let requested = slot_bytes.saturating_mul(slots as u64);
+        let total = physical_memory();
+        let budget = (total as f64 * config.max_pinned_fraction) as u64;
+        if total > 0 && requested > budget {
+            return Err(LoaderError::PinnedBudget {
+                requested,
+                budget,
+                total,
+            });
+        }
+        let pool = config.pool.clone().unwrap_or_else(|| Arc::new(Pool::new()));
+        let free = Arc::new(SlotPool::default());
+        for _ in 0..slots {
+            free.give(Slot::new(&pool, &region_bytes)?);
+        }
+        let shared = Arc::new(Shared {
+            dataset,
+            fields,
+            sample_bytes,
+            region_bytes,
+            pool,
+            slots: free,
+            state: Mutex::new(State {
+                generation: 0,
+                tasks: VecDeque::new(),
+                finished: Vec::new(),
+                shutdown: false,
+            }),
+            work: Condvar::new(),
+            done: Condvar::new(),
+            counters: Counters::default(),
+        });
+        shared
+            .counters
+            .reserved_bytes
+            .store(requested, Ordering::Relaxed);
+        shared
+            .counters
+            .reserved_slots
+            .store(slots as u64, Ordering::Relaxed);
+        let workers = if config.persistent_workers {
+            shared.spawn_workers(config.workers)
+        } else {
+            Vec::new()
+        };
+        shared
+            .counters
+            .construction_ns
+            .store(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(Self {
+            shared,
+            config,
+            sampler,
+            workers,
+        })
+    }
+
+    /// The dataset.
+    pub fn dataset(&self) -> &D {
+        &self.shared.dataset
+    }
+
+    /// The pool the batches' memory comes from.
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.shared.pool
+    }
+
+    /// Batches in an epoch, for this rank.
+    pub fn batches_per_epoch(&self) -> usize {
+        self.sampler.batches(self.sampler.indices(0).len()).len()
+    }
+
+    /// The batches of epoch `epoch` (its number seeds the shuffle), as an iterator of
+    /// `Result<HostBatch, LoaderError>`. Dropping it mid-way stops the workers' work on it.
+    pub fn epoch(&mut self, epoch: u64) -> Epoch<'_, D> {
+        let indices = Arc::new(self.sampler.indices(epoch));
+        let batches = self.sampler.batches(indices.len());
+        let generation = self.shared.generation();
+        let own_workers = if self.config.persistent_workers {
+            Vec::new()
+        } else {
+            self.shared.spawn_workers(self.config.workers)
+        };
+        Epoch {
+            loader: self,
+            indices,
+            batches,
+            dispatched: 0,
+            delivered: 0,
+            generation,
+            own_workers,
+        }
+    }
+
+    /// What the loader has done so far.
+    pub fn stats(&self) -> LoaderStats {
+        self.shared.counters.read()
+    }
+}
+
+impl<D: Dataset> Drop for Loader<D> {
+    fn drop(&mut self) {
+        let workers = std::mem::take(&mut self.workers);
+        self.shared.stop_workers(workers);
+        // The batches still out return their slots when they drop; the free ones go now.
+        self.shared.slots.clear();
+    }
+}
+
+/// One epoch's batches: an iterator of `Result<HostBatch, LoaderError>`, in order unless the
+/// loader was told otherwise. A batch whose sample failed comes out as an error naming both;
+/// the next batch follows.
+pub struct Epoch<'l, D: Dataset> {
+    loader: &'l mut Loader<D>,
+    indices: Arc<Vec<usize>>,
+    batches: Vec<Range<usize>>,
+    dispatched: usize,
+    delivered: usize,
+    generation: u64,
+    own_workers: Vec<JoinHandle<()>>,
+}
+
+impl<D: Dataset> Epoch<'_, D> {
+    /// Batches in this epoch.
+    pub fn batches(&self) -> usize {
+        self.batches.len()
+    }
+
+    fn shared(&self) -> &Arc<Shared<D>> {
+        &self.loader.shared
+    }
+
+    /// Workers running for this epoch (fewer than asked for if threads could not start;
+    /// none: the consumer fills each batch itself).
+    fn workers(&self) -> usize {
+        if self.loader.config.persistent_workers {
+            self.loader.workers.len()
+        } else {
+            self.own_workers.len()
+        }
+    }
+
+    fn task(&self, batch: usize) -> Task {
+        Task {
+            generation: self.generation,
+            batch,
+            indices: self.indices.clone(),
+            range: self.batches[batch].clone(),
+        }
+    }
+
+    /// Queues batches until each worker has `prefetch` in the making.
+    fn dispatch(&mut self) {
+        let limit = self.workers() * self.loader.config.prefetch;
+        let mut queued = false;
+        while self.dispatched < self.batches.len() && self.dispatched - self.delivered < limit {
+            let task = self.task(self.dispatched);
+            self.shared().state().tasks.push_back(task);
+            self.dispatched += 1;
+            queued = true;
+        }
+        if queued {
+            self.shared().work.notify_all();
+        }
+    }
+
+    /// The next batch: waiting for it when `block`, `None` (outer) when it is not ready.
+    pub(crate) fn poll(
+        &mut self,
+        block: bool,
+    ) -> Option<Option<Result<HostBatch<D::Fields>, LoaderError>>> {
+        if self.delivered == self.batches.len() {
+            return Some(None);
+        }
+        let shared = self.shared().clone();
+        let result = if self.workers() == 0 {
+            // No workers: the consumer fills the batch itself.
+            let task = self.task(self.delivered);
+            match shared.fill(&task) {
+                Ok(done) => Ok(done),
+                Err(Stop::Failed(error)) => Err(error),
+                Err(Stop::Cancelled) => unreachable!("the consumer holds its own epoch"),
+            }
+            .map(|(slot, len)| (self.delivered, slot, len))
+        } else {
+            self.dispatch();
+            let in_order = self.loader.config.in_order;
+            let next = self.delivered;
+            let waited = Instant::now();
+            let mut state = shared.state();
+            let found = loop {
+                let position = state.finished.iter().position(|f| {
+                    f.generation == self.generation && (!in_order || f.batch == next)
+                });
+                if let Some(position) = position {
+                    break state.finished.swap_remove(position);
+                }
+                if !block {
+                    return None;
+                }
+                state = shared
+                    .done
+                    .wait(state)
+                    .unwrap_or_else(PoisonError::into_inner);
+            };
+            drop(state);
+            shared
+                .counters
+                .wait_ns
+                .fetch_add(waited.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            found.result.map(|(slot, len)| (found.batch, slot, len))
+        };
+        self.delivered += 1;
+        Some(Some(result.map(|(index, slot, len)| {
+            shared.counters.batches.fetch_add(1, Ordering::Relaxed);
+            shared
+                .counters
+                .samples
+                .fetch_add(len as u64, Ordering::Relaxed);
+            HostBatch {
+                slot: Some(slot),
+                len,
+                index,
+                fields: shared.fields.clone(),
+                sample_bytes: shared.sample_bytes.clone(),
+                home: shared.slots.clone(),
+            }
+        })))
+    }
+}
+
+impl<D: Dataset> Iterator for Epoch<'_, D> {
+    type Item = Result<HostBatch<D::Fields>, LoaderError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        self.poll(true).flatten()
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let left = self.batches.len() - self.delivered;
+        (left, Some(left))
+    }
+}
+
+impl<D: Dataset> Drop for Epoch<'_, D> {
+    fn drop(&mut self) {
+        let shared = self.loader.shared.clone();
+        let unclaimed = {
+            let mut state = shared.state();
+            state.generation += 1;
+            state.tasks.clear();
+            std::mem::take(&mut state.finished)
+        };
+        for finished in unclaimed {
+            if let Ok((slot, _)) = finished.result {
+                shared.slots.give(slot);
+            }
+        }
+        let workers = std::mem::take(&mut self.own_workers);
+        if !workers.is_empty() {
+            shared.stop_workers(workers);
+        }
+    }
+}
+
+/// Nanoseconds as a `Duration`.
+pub(crate) fn nanos(counter: &AtomicU64) -> Duration {
+    Duration::from_nanos(counter.load(Ordering::Relaxed))
+}

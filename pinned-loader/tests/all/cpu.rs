@@ -1,0 +1,328 @@
+//! Loaders on the CPU: every sample once, order, determinism, sharding, errors and panics,
+//! dropping mid-epoch.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use pinned_loader::{
+    BoxError, Dataset, Field, Loader, LoaderConfig, LoaderError, PinnedSamples, SampleDataset,
+};
+use pinned_pool::Pool;
+use proptest::prelude::*;
+
+/// Sample `i` is `[i, i, i]` as u32 plus `i` as i64; fails or panics at chosen samples.
+#[derive(Default)]
+struct Indexed {
+    len: usize,
+    fail_at: Option<usize>,
+    panic_at: Option<usize>,
+    writes: AtomicUsize,
+}
+
+impl Indexed {
+    fn new(len: usize) -> Self {
+        Self {
+            len,
+            ..Self::default()
+        }
+    }
+}
+
+impl Dataset for Indexed {
+    type Fields = (Field<u32>, Field<i64>);
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn fields(&self) -> Self::Fields {
+        (Field::new(3), Field::new(1))
+    }
+    fn write(&self, i: usize, (a, b): (&mut [u32], &mut [i64])) -> Result<(), BoxError> {
+        self.writes.fetch_add(1, Ordering::Relaxed);
+        if self.fail_at == Some(i) {
+            return Err(format!("sample {i} is unreadable").into());
+        }
+        assert_ne!(self.panic_at, Some(i), "sample {i} panicked (on purpose)");
+        a.fill(i as u32);
+        b[0] = i as i64;
+        Ok(())
+    }
+}
+
+/// Every batch's labels, in delivery order, checking each batch's fields agree.
+fn run_epoch<D: Dataset<Fields = (Field<u32>, Field<i64>)>>(
+    loader: &mut Loader<D>,
+    epoch: u64,
+) -> Vec<Vec<i64>> {
+    loader
+        .epoch(epoch)
+        .map(|batch| {
+            let batch = batch.unwrap();
+            let (a, b) = batch.fields();
+            assert_eq!(a.len(), 3 * b.len());
+            assert_eq!(b.len(), batch.len());
+            for (sample, label) in a.chunks(3).zip(b) {
+                assert!(sample.iter().all(|&x| i64::from(x) == *label));
+            }
+            b.to_vec()
+        })
+        .collect()
+}
+
+fn config(batch: usize, workers: usize) -> LoaderConfig {
+    LoaderConfig::new(batch).workers(workers)
+}
+
+#[test]
+fn every_sample_once_per_epoch_with_and_without_shuffle() {
+    for (workers, shuffle) in [(0, None), (3, None), (3, Some(9)), (1, Some(9))] {
+        let mut cfg = config(7, workers);
+        if let Some(seed) = shuffle {
+            cfg = cfg.shuffle(seed);
+        }
+        let mut loader = Loader::new(Indexed::new(50), cfg).unwrap();
+        for epoch in 0..2 {
+            let batches = run_epoch(&mut loader, epoch);
+            assert_eq!(batches.len(), 8);
+            assert_eq!(batches.last().unwrap().len(), 1);
+            let mut all: Vec<i64> = batches.concat();
+            if shuffle.is_none() {
+                assert_eq!(all, (0..50).collect::<Vec<_>>(), "in order without shuffle");
+            }
+            all.sort_unstable();
+            assert_eq!(all, (0..50).collect::<Vec<_>>());
+        }
+    }
+}
+
+#[test]
+fn drop_last_drops_the_short_batch() {
+    let mut loader = Loader::new(Indexed::new(50), config(7, 2).drop_last(true)).unwrap();
+    let batches = run_epoch(&mut loader, 0);
+    assert_eq!(batches.len(), 7);
+    assert!(batches.iter().all(|b| b.len() == 7));
+    assert_eq!(loader.batches_per_epoch(), 7);
+}
+
+#[test]
+fn a_seed_gives_the_same_order_and_epochs_differ() {
+    let order = |seed| {
+        let mut loader = Loader::new(Indexed::new(40), config(8, 3).shuffle(seed)).unwrap();
+        (run_epoch(&mut loader, 0), run_epoch(&mut loader, 1))
+    };
+    let (first, second) = order(5);
+    assert_eq!(order(5), (first.clone(), second.clone()));
+    assert_ne!(first, second);
+    assert_ne!(order(6).0, first);
+}
+
+#[test]
+fn shards_split_an_epoch_between_ranks() {
+    let world = 3;
+    let mut seen = Vec::new();
+    for rank in 0..world {
+        let cfg = config(4, 2).shuffle(1).shard(rank, world);
+        let mut loader = Loader::new(Indexed::new(30), cfg).unwrap();
+        let mine: Vec<i64> = run_epoch(&mut loader, 0).concat();
+        assert_eq!(mine.len(), 10);
+        seen.extend(mine);
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, (0..30).collect::<Vec<_>>());
+    assert!(matches!(
+        Loader::new(Indexed::new(30), config(4, 0).shard(3, 3)),
+        Err(LoaderError::Config(_))
+    ));
+}
+
+#[test]
+fn unordered_delivery_still_delivers_everything() {
+    let mut loader = Loader::new(Indexed::new(64), config(4, 4).in_order(false)).unwrap();
+    let mut all: Vec<i64> = run_epoch(&mut loader, 0).concat();
+    all.sort_unstable();
+    assert_eq!(all, (0..64).collect::<Vec<_>>());
+}
+
+#[test]
+fn errors_and_panics_name_batch_and_sample_and_the_loader_goes_on() {
+    for workers in [0, 2] {
+        let dataset = Indexed {
+            len: 20,
+            fail_at: Some(5),
+            panic_at: Some(13),
+            ..Indexed::default()
+        };
+        let mut loader = Loader::new(dataset, config(4, workers)).unwrap();
+        let results: Vec<_> = loader.epoch(0).collect();
+        assert_eq!(results.len(), 5);
+        match &results[1] {
+            Err(LoaderError::Sample {
+                batch,
+                sample,
+                source,
+            }) => {
+                assert_eq!((*batch, *sample), (1, 5));
+                assert!(source.to_string().contains("unreadable"));
+            }
+            other => panic!("{other:?}"),
+        }
+        match &results[3] {
+            Err(LoaderError::Panicked {
+                batch,
+                sample,
+                message,
+            }) => {
+                assert_eq!((*batch, *sample), (3, 13));
+                assert!(message.contains("on purpose"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            results[1]
+                .as_ref()
+                .unwrap_err()
+                .to_string()
+                .contains("batch 1, sample 5")
+        );
+        let good = [0, 2, 4];
+        assert!(good.iter().all(|&b| results[b].is_ok()));
+        drop(results);
+        // The next epoch runs as usual.
+        assert_eq!(loader.epoch(1).filter(Result::is_ok).count(), 3);
+    }
+}
+
+#[test]
+fn dropping_mid_epoch_stops_the_workers_and_gives_every_block_back() {
+    let pool = Arc::new(Pool::new());
+    for persistent in [false, true] {
+        let cfg = config(8, 4)
+            .prefetch(3)
+            .pool(pool.clone())
+            .persistent_workers(persistent);
+        let mut loader = Loader::new(Indexed::new(1000), cfg).unwrap();
+        let reserved = loader.stats().reserved_slots;
+        assert_eq!(reserved, 4 * 3 + 2);
+        {
+            let mut epoch = loader.epoch(0);
+            let held = epoch.next().unwrap().unwrap();
+            let _second = epoch.next().unwrap().unwrap();
+            drop(epoch);
+            assert_eq!(held.len(), 8, "a batch outlives its epoch");
+        }
+        let writes = loader.dataset().writes.load(Ordering::Relaxed);
+        assert!(
+            writes < 1000,
+            "the workers stopped early ({writes} samples written)"
+        );
+        drop(loader);
+        assert_eq!(
+            pool.stats().active_requests.current,
+            0,
+            "persistent={persistent}"
+        );
+    }
+}
+
+#[test]
+fn a_consumer_holding_every_batch_gets_more_slots_not_a_hang() {
+    let mut loader = Loader::new(Indexed::new(100), config(5, 2).prefetch(1)).unwrap();
+    let held: Vec<_> = loader.epoch(0).map(Result::unwrap).collect();
+    assert_eq!(held.len(), 20);
+    assert!(loader.stats().late_slots > 0);
+    assert_eq!(loader.stats().batches, 20);
+}
+
+#[test]
+fn a_working_set_past_the_budget_is_a_clear_error() {
+    struct Huge;
+    impl Dataset for Huge {
+        type Fields = Field<u8>;
+        fn len(&self) -> usize {
+            10
+        }
+        fn fields(&self) -> Field<u8> {
+            Field::new(1 << 40)
+        }
+        fn write(&self, _: usize, _: &mut [u8]) -> Result<(), BoxError> {
+            Ok(())
+        }
+    }
+    let error = Loader::new(Huge, config(4, 2)).err().unwrap();
+    assert!(matches!(error, LoaderError::PinnedBudget { .. }), "{error}");
+    assert!(error.to_string().contains("max_pinned_fraction"), "{error}");
+}
+
+#[test]
+fn sample_datasets_are_collated_and_pinned_samples_copied() {
+    struct Pairs;
+    impl SampleDataset for Pairs {
+        type Sample = (Vec<u32>, i64);
+        type Fields = (Field<u32>, Field<i64>);
+        fn len(&self) -> usize {
+            12
+        }
+        fn fields(&self) -> Self::Fields {
+            (Field::new(3), Field::new(1))
+        }
+        fn get(&self, i: usize) -> Result<Self::Sample, BoxError> {
+            Ok((vec![i as u32; 3], i as i64))
+        }
+    }
+    let mut loader = Loader::new(Pairs, config(5, 2)).unwrap();
+    assert_eq!(
+        run_epoch(&mut loader, 0).concat(),
+        (0..12).collect::<Vec<_>>()
+    );
+
+    let pinned = PinnedSamples::from_dataset(&Pairs).unwrap();
+    assert_eq!(pinned.pinned_bytes(), 12 * 20);
+    let mut loader = Loader::new(pinned, config(5, 2).shuffle(3)).unwrap();
+    let mut all = run_epoch(&mut loader, 0).concat();
+    all.sort_unstable();
+    assert_eq!(all, (0..12).collect::<Vec<_>>());
+
+    struct Wrong;
+    impl SampleDataset for Wrong {
+        type Sample = Vec<u8>;
+        type Fields = Field<u8>;
+        fn len(&self) -> usize {
+            1
+        }
+        fn fields(&self) -> Field<u8> {
+            Field::new(4)
+        }
+        fn get(&self, _: usize) -> Result<Vec<u8>, BoxError> {
+            Ok(vec![0; 3])
+        }
+    }
+    let mut loader = Loader::new(Wrong, config(1, 0)).unwrap();
+    let error = loader.epoch(0).next().unwrap().unwrap_err();
+    assert!(error.to_string().contains("3 elements"), "{error}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    #[test]
+    fn any_shape_delivers_each_sample_once(
+        len in 0usize..60,
+        batch in 1usize..9,
+        workers in 0usize..4,
+        prefetch in 1usize..3,
+        shuffle in proptest::option::of(any::<u64>()),
+        drop_last in any::<bool>(),
+        in_order in any::<bool>(),
+    ) {
+        let mut cfg = config(batch, workers).prefetch(prefetch).drop_last(drop_last).in_order(in_order);
+        if let Some(seed) = shuffle {
+            cfg = cfg.shuffle(seed);
+        }
+        let mut loader = Loader::new(Indexed::new(len), cfg).unwrap();
+        let batches = run_epoch(&mut loader, 0);
+        let expected = if drop_last { len / batch } else { len.div_ceil(batch) };
+        prop_assert_eq!(batches.len(), expected);
+        let mut all: Vec<i64> = batches.concat();
+        all.sort_unstable();
+        all.dedup();
+        prop_assert_eq!(all.len(), if drop_last { expected * batch } else { len });
+    }
+}

@@ -1,0 +1,1 @@
+//! GPU tests: written in the next step.

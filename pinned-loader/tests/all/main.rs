@@ -1,0 +1,4 @@
+//! The loader's integration tests, one binary. GPU tests are ignored without a device.
+
+mod cpu;
+mod gpu;
