@@ -6,6 +6,7 @@ mod alloc;
 mod bandwidth;
 mod host;
 mod info;
+mod loader;
 mod memcpy;
 mod plot;
 mod pool;
@@ -26,6 +27,7 @@ subcommands:
   bandwidth  H2D, D2H and both at once, 4 KiB to 1 GiB, per kind of memory, against raw CUDA
   alloc      cost of getting pinned memory per kind and size; another thread's stall
   pool       the caching pool: warm latency, threads, memory waste
+  loader     the data loader: batches/s to the GPU by workers, device gather
   help       this message
 
 options:
@@ -62,7 +64,17 @@ fn parse(args: &[String]) -> Result<Options, String> {
                 if command.is_some() {
                     return Err(format!("unexpected argument {name}"));
                 }
-                if !["all", "info", "bandwidth", "alloc", "pool", "help"].contains(&name) {
+                if ![
+                    "all",
+                    "info",
+                    "bandwidth",
+                    "alloc",
+                    "pool",
+                    "loader",
+                    "help",
+                ]
+                .contains(&name)
+                {
                     return Err(format!("unknown subcommand {name}"));
                 }
                 command = Some(name.to_owned());
@@ -142,6 +154,9 @@ fn run(options: &Options) -> Report {
     if all && !cuda {
         steps += memcpy::steps();
     }
+    if all || command == "loader" {
+        steps += loader::steps(cuda);
+    }
     let mut progress = Progress::new(steps);
     if !cuda && (all || command == "bandwidth" || command == "alloc") {
         let why = match cuda_pinned::device_count() {
@@ -176,6 +191,11 @@ fn run(options: &Options) -> Report {
         report
             .sections
             .extend(pool::run(options.quick, &mut progress));
+    }
+    if all || command == "loader" {
+        report
+            .sections
+            .extend(loader::run(options.quick, &mut progress));
     }
     progress.finish();
     report

@@ -209,13 +209,16 @@ fn measure_cross_thread(pool: &Pool, rounds: u64, section: &mut Section, progres
     section.row(row);
 }
 
+/// A way of reading a pool's statistics.
+type Reader = fn(&Pool);
+
 /// Other threads' allocation rate while this one reads the statistics every 100 µs (or not at
 /// all), and what each read costs.
 fn measure_stats_cost(pool: &Pool, section: &mut Section, progress: &mut Progress) {
     progress.step("pool statistics cost");
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let workers = cores.saturating_sub(1).clamp(1, 4);
-    let readers: [(&str, Option<fn(&Pool)>); 3] = [
+    let readers: [(&str, Option<Reader>); 3] = [
         ("nobody (reference)", None),
         (
             "approximate_stats()",

@@ -400,7 +400,8 @@ impl<'a, T> DeviceSlice<'a, T> {
         let fits = if size_of::<U>() == 0 {
             bytes == 0
         } else {
-            bytes % size_of::<U>() == 0 && self.range.address.is_multiple_of(align_of::<U>() as u64)
+            bytes.is_multiple_of(size_of::<U>())
+                && self.range.address.is_multiple_of(align_of::<U>() as u64)
         };
         fits.then(|| DeviceSlice {
             range: DeviceRange {

@@ -139,6 +139,11 @@ pub trait SampleDataset: Send + Sync + 'static {
     /// Number of samples.
     fn len(&self) -> usize;
 
+    /// Whether there are no samples.
+    fn is_empty(&self) -> bool {
+        SampleDataset::len(self) == 0
+    }
+
     /// The fields, with their sizes.
     fn fields(&self) -> Self::Fields;
 

@@ -48,7 +48,7 @@ impl Sampler {
         let mut batches: Vec<_> = (0..full)
             .map(|b| b * self.batch_size..(b + 1) * self.batch_size)
             .collect();
-        if !self.drop_last && count % self.batch_size != 0 {
+        if !self.drop_last && !count.is_multiple_of(self.batch_size) {
             batches.push(full * self.batch_size..count);
         }
         batches

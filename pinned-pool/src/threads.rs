@@ -188,11 +188,14 @@ impl<T: Send + Sync> PerThread<T> {
         // SAFETY: the bucket holds `1 << bucket` entries; only the thread holding `index`
         // writes its entry, and the entry has no value yet (the caller found none), so no
         // reader looks at it until `present` is set.
+        // The reference returned is derived from the cell's raw pointer, as `lookup`'s are,
+        // not from the `&mut` the write goes through: other threads write the value's atomics
+        // (a pause), which would invalidate a reference derived from a unique one.
         unsafe {
             let entry = &*entries.add(offset);
-            let value = (*entry.value.get()).write(value);
+            (*entry.value.get()).write(value);
             entry.present.store(true, Ordering::Release);
-            value
+            (*entry.value.get()).assume_init_ref()
         }
     }
 

@@ -7,6 +7,7 @@ mod api2;
 mod boxed;
 mod errors;
 mod gpu;
+mod gpu_views;
 mod pin;
 mod unwind;
 mod vec_model;

@@ -137,3 +137,33 @@ fn pool_buffers_round_trip_and_hit_the_cache() {
     assert_eq!(stats.cache_misses, 2);
     assert_eq!(stats.cache_hits, 18);
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn an_arc_pool_feeds_copies_from_worker_threads_and_gets_every_block_back() {
+    let pool = std::sync::Arc::new(Pool::new());
+    let stream = Stream::new().unwrap();
+    let data = pattern(1 << 20);
+    let workers: Vec<_> = (0..4)
+        .map(|_| {
+            let (pool, stream, data) = (pool.clone(), stream.clone(), data.clone());
+            std::thread::spawn(move || {
+                let mut device = DeviceBuffer::<u8>::zeroed(data.len()).unwrap();
+                for _ in 0..20 {
+                    let batch = PinnedVec::from_slice_in(&data, pool.clone()).unwrap();
+                    // The transfer drops at once: the pool defers the block on its event.
+                    drop(stream.copy_to_device(batch, &mut device).unwrap());
+                }
+                stream.synchronize().unwrap();
+                device.to_vec().unwrap()
+            })
+        })
+        .collect();
+    for worker in workers {
+        assert!(worker.join().unwrap() == data);
+    }
+    pool.process_events();
+    let stats = pool.stats();
+    assert_eq!(stats.active_requests.current, 0);
+    assert_eq!(stats.pending_requests, 0);
+}

@@ -1,0 +1,367 @@
+//! `loader`: batches of 64 images of 3×224×224 bytes and 64 `i64` labels, gathered at random
+//! from 1,024 images in memory, fed to the GPU with a little device work each step, as
+//! PyTorch's loader benchmarks do; host collate by worker count, device gather, and the
+//! host's `memcpy` bandwidth in the same run (host collate cannot beat it).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use cuda_pinned::{DeviceBuffer, Stream};
+use pinned_loader::{
+    Assembly, BoxError, Dataset, DeviceLoader, Field, Loader, LoaderConfig, LoaderError,
+    PinnedSamples,
+};
+
+use crate::progress::Progress;
+use crate::report::{Section, Spread, Value};
+
+const IMAGE: usize = 3 * 224 * 224;
+const IMAGES: usize = 1024;
+const BATCH: usize = 64;
+const BATCH_BYTES: f64 = (BATCH * (IMAGE + 8)) as f64;
+/// Batches before steady state is timed.
+const WARM: usize = 30;
+
+/// 1,024 images and labels in ordinary memory.
+struct Images {
+    pixels: Vec<u8>,
+    labels: Vec<i64>,
+}
+
+impl Images {
+    fn new() -> Self {
+        Self {
+            pixels: (0..IMAGES * IMAGE).map(|i| (i % 251) as u8).collect(),
+            labels: (0..IMAGES as i64).collect(),
+        }
+    }
+}
+
+impl Dataset for Images {
+    type Fields = (Field<u8>, Field<i64>);
+    fn len(&self) -> usize {
+        self.labels.len()
+    }
+    fn fields(&self) -> Self::Fields {
+        (Field::new(IMAGE), Field::new(1))
+    }
+    fn write(&self, i: usize, (image, label): (&mut [u8], &mut [i64])) -> Result<(), BoxError> {
+        image.copy_from_slice(&self.pixels[i * IMAGE..(i + 1) * IMAGE]);
+        label[0] = self.labels[i];
+        Ok(())
+    }
+}
+
+fn worker_counts() -> Vec<usize> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    [1, 4, 8, 16]
+        .into_iter()
+        .filter(|&w| w <= cores.max(2))
+        .collect()
+}
+
+/// Work items, for the progress bar.
+pub fn steps(cuda: bool) -> usize {
+    worker_counts().len() + 1 + usize::from(cuda) * 2
+}
+
+/// One run's figures: batches/s once warm, and over the whole run from construction on.
+struct Run {
+    steady: f64,
+    whole: f64,
+    construction_ms: f64,
+    late_slots: u64,
+}
+
+/// Runs the section.
+pub fn run(quick: bool, progress: &mut Progress) -> Vec<Section> {
+    let cuda = cuda_pinned::is_available();
+    let batches = if quick { 120 } else { 330 };
+    let reps = if quick { 3 } else { 5 };
+    let mut section = Section::new(
+        "loader",
+        &format!(
+            "Loader: {BATCH} x 3x224x224 u8 + {BATCH} i64 per batch, random from {IMAGES} \
+             images, {}",
+            if cuda {
+                "to the GPU with a little device work each step"
+            } else {
+                "host batches (no CUDA here)"
+            }
+        ),
+        &[
+            "mode",
+            "steady b/s min",
+            "median",
+            "max",
+            "whole run b/s median",
+            "GB/s (steady median)",
+            "build ms (median)",
+            "late slots",
+        ],
+    );
+    let images = Arc::new(Images::new());
+    let row = |name: String, runs: Vec<Result<Run, LoaderError>>, section: &mut Section| {
+        let runs: Vec<Run> = match runs.into_iter().collect() {
+            Ok(runs) => runs,
+            Err(e) => {
+                section.notes.push(format!("{name}: {e}"));
+                return;
+            }
+        };
+        let steady = Spread::of(runs.iter().map(|r| r.steady).collect());
+        let mut cells = vec![Value::Text(name)];
+        cells.extend(steady.cells(0));
+        cells.push(Value::Num(
+            Spread::of(runs.iter().map(|r| r.whole).collect()).median,
+            0,
+        ));
+        cells.push(Value::Num(steady.median * BATCH_BYTES / 1e9, 1));
+        cells.push(Value::Num(
+            Spread::of(runs.iter().map(|r| r.construction_ms).collect()).median,
+            1,
+        ));
+        cells.push(Value::Int(
+            runs.iter().map(|r| r.late_slots).max().unwrap_or(0),
+        ));
+        section.row(cells);
+    };
+    for workers in worker_counts() {
+        progress.step(&format!("loader, {workers} workers"));
+        let runs = (0..reps)
+            .map(|rep| collate_run(images.clone(), workers, batches, rep as u64, cuda))
+            .collect();
+        row(
+            format!("host collate, {workers} workers"),
+            runs,
+            &mut section,
+        );
+    }
+    if cuda {
+        progress.step("loader, device gather");
+        match PinnedSamples::from_dataset(&*images) {
+            Ok(pinned) => {
+                let pinned = Arc::new(pinned);
+                let runs = (0..reps)
+                    .map(|rep| gather_run(pinned.clone(), batches, rep as u64))
+                    .collect();
+                row("device gather".into(), runs, &mut section);
+            }
+            Err(e) => section.notes.push(format!("device gather: {e}")),
+        }
+        progress.step("loader, contiguous copy");
+        match contiguous_copies(batches, reps) {
+            Ok(spread) => {
+                let mut cells = vec![Value::Text(
+                    "one contiguous copy per batch (reference)".into(),
+                )];
+                cells.extend(spread.cells(0));
+                cells.extend([
+                    Value::Missing,
+                    Value::Num(spread.median * BATCH_BYTES / 1e9, 1),
+                    Value::Missing,
+                    Value::Missing,
+                ]);
+                section.row(cells);
+            }
+            Err(e) => section.notes.push(format!("contiguous copy: {e}")),
+        }
+    }
+    progress.step("loader, host memcpy");
+    let memcpy = host_memcpy(reps);
+    section.notes.push(format!(
+        "host memcpy into pinned memory, 8 threads, this run: {:.1} GB/s median = {:.0} batches/s \
+         (host collate cannot beat it)",
+        memcpy.median,
+        memcpy.median * 1e9 / BATCH_BYTES
+    ));
+    section.notes.push(format!(
+        "{reps} runs of {batches} batches; steady = after the first {WARM}; whole run = from \
+         Loader::new (pinning its working set) to the last batch; prefetch 2 per worker"
+    ));
+    section.notes.push(
+        "anchors (H100): PyTorch DataLoader 184-672 b/s; hand-tuned PyTorch 2,967; a loader \
+         hand-written on this API 3,928 steady, 1,207 over its first 300; the link ~5,700"
+            .into(),
+    );
+    vec![section]
+}
+
+/// Device work for each step: the consumer's stream rewrites a scratch buffer.
+struct Consumer {
+    stream: Stream,
+    scratch: DeviceBuffer<u8>,
+}
+
+impl Consumer {
+    fn new() -> Result<Self, LoaderError> {
+        Ok(Self {
+            stream: Stream::new()?,
+            scratch: DeviceBuffer::zeroed(1 << 20)?,
+        })
+    }
+
+    /// Queues a 1 MiB device-to-device copy from the batch's images.
+    fn work(&mut self, images: cuda_pinned::DeviceSlice<'_, u8>) -> Result<(), LoaderError> {
+        let copy = cuda_pinned::RawCopy {
+            dst: self.scratch.as_raw(),
+            src: images.as_raw(),
+            bytes: (1 << 20).min(images.len()),
+        };
+        // SAFETY: both ranges are device memory of that length, the source ready on this
+        // stream (it waited for the batch), the scratch buffer used by this stream alone.
+        unsafe { self.stream.copy_batch_raw(&[copy])? };
+        Ok(())
+    }
+}
+
+fn collate_run(
+    images: Arc<Images>,
+    workers: usize,
+    batches: usize,
+    seed: u64,
+    cuda: bool,
+) -> Result<Run, LoaderError> {
+    let start = Instant::now();
+    let config = LoaderConfig::new(BATCH).workers(workers).shuffle(seed);
+    let loader = Loader::new(images, config)?;
+    let construction_ms = start.elapsed().as_secs_f64() * 1e3;
+    let mut warm_at = None;
+    if cuda {
+        let mut consumer = Consumer::new()?;
+        let mut device = DeviceLoader::new(loader, Assembly::HostCollate)?;
+        let mut done = 0;
+        'epochs: for epoch in 0.. {
+            for batch in device.epoch(epoch) {
+                let mut batch = batch?;
+                let (images, _labels) = batch.ready_on(&consumer.stream)?;
+                consumer.work(images)?;
+                done += 1;
+                if done == WARM {
+                    consumer.stream.synchronize()?;
+                    warm_at = Some(Instant::now());
+                }
+                if done == batches {
+                    break 'epochs;
+                }
+            }
+        }
+        consumer.stream.synchronize()?;
+        let late_slots = device.stats().late_slots;
+        Ok(finish(start, warm_at, batches, construction_ms, late_slots))
+    } else {
+        let mut loader = loader;
+        let mut done = 0;
+        'host: for epoch in 0.. {
+            for batch in loader.epoch(epoch) {
+                std::hint::black_box(batch?.fields());
+                done += 1;
+                if done == WARM {
+                    warm_at = Some(Instant::now());
+                }
+                if done == batches {
+                    break 'host;
+                }
+            }
+        }
+        let late_slots = loader.stats().late_slots;
+        Ok(finish(start, warm_at, batches, construction_ms, late_slots))
+    }
+}
+
+fn gather_run<D: Dataset<Fields = (Field<u8>, Field<i64>)>>(
+    dataset: D,
+    batches: usize,
+    seed: u64,
+) -> Result<Run, LoaderError> {
+    let start = Instant::now();
+    let loader = Loader::new(dataset, LoaderConfig::new(BATCH).shuffle(seed))?;
+    let mut device = DeviceLoader::new(loader, Assembly::DeviceGather)?;
+    let construction_ms = start.elapsed().as_secs_f64() * 1e3;
+    let mut consumer = Consumer::new()?;
+    let mut warm_at = None;
+    let mut done = 0;
+    'epochs: for epoch in 0.. {
+        for batch in device.epoch(epoch) {
+            let mut batch = batch?;
+            let (images, _labels) = batch.ready_on(&consumer.stream)?;
+            consumer.work(images)?;
+            done += 1;
+            if done == WARM {
+                consumer.stream.synchronize()?;
+                warm_at = Some(Instant::now());
+            }
+            if done == batches {
+                break 'epochs;
+            }
+        }
+    }
+    consumer.stream.synchronize()?;
+    Ok(finish(start, warm_at, batches, construction_ms, 0))
+}
+
+fn finish(
+    start: Instant,
+    warm_at: Option<Instant>,
+    batches: usize,
+    construction_ms: f64,
+    late_slots: u64,
+) -> Run {
+    let warm_at = warm_at.unwrap_or(start);
+    Run {
+        steady: (batches - WARM) as f64 / warm_at.elapsed().as_secs_f64(),
+        whole: batches as f64 / start.elapsed().as_secs_f64(),
+        construction_ms,
+        late_slots,
+    }
+}
+
+/// Batches/s of one contiguous pinned upload of a batch's bytes, with the same device work:
+/// the link's limit for this batch, measured in the same run.
+fn contiguous_copies(batches: usize, reps: usize) -> Result<Spread, LoaderError> {
+    let bytes = BATCH * (IMAGE + 8);
+    let mut consumer = Consumer::new()?;
+    let copy = Stream::new()?;
+    let mut source = Some(cuda_pinned::PinnedVec::<u8>::zeroed(bytes)?);
+    let mut device = DeviceBuffer::<u8>::zeroed(bytes)?;
+    let mut rates = Vec::new();
+    for _ in 0..reps {
+        let start = Instant::now();
+        for _ in 0..batches {
+            let upload = copy.copy_to_device(source.take().expect("returned"), &mut device)?;
+            consumer.stream.wait_event(upload.event())?;
+            consumer.work(device.slice(..))?;
+            source = Some(upload.wait()?);
+        }
+        consumer.stream.synchronize()?;
+        rates.push(batches as f64 / start.elapsed().as_secs_f64());
+    }
+    Ok(Spread::of(rates))
+}
+
+/// GB/s of 8 threads copying 8 MiB each from ordinary into pinned memory (ordinary memory
+/// where none can be pinned).
+fn host_memcpy(reps: usize) -> Spread {
+    const PER_THREAD: usize = 8 << 20;
+    const THREADS: usize = 8;
+    let total = PER_THREAD * THREADS;
+    let source = vec![7u8; total];
+    let mut pinned = cuda_pinned::PinnedVec::<u8>::zeroed(total).ok();
+    let mut plain = vec![0u8; if pinned.is_some() { 0 } else { total }];
+    let target: &mut [u8] = match pinned.as_mut() {
+        Some(pinned) => pinned,
+        None => &mut plain,
+    };
+    let rates = (0..reps)
+        .map(|_| {
+            let start = Instant::now();
+            std::thread::scope(|scope| {
+                for (from, into) in source.chunks(PER_THREAD).zip(target.chunks_mut(PER_THREAD)) {
+                    scope.spawn(move || into.copy_from_slice(from));
+                }
+            });
+            total as f64 / start.elapsed().as_secs_f64() / 1e9
+        })
+        .collect();
+    Spread::of(rates)
+}
