@@ -170,8 +170,8 @@ pub fn run(quick: bool, progress: &mut Progress) -> Vec<Section> {
     progress.step("loader, host memcpy");
     let memcpy = host_memcpy(reps);
     section.notes.push(format!(
-        "host memcpy into pinned memory, 8 threads, this run: {:.1} GB/s median = {:.0} batches/s \
-         (host collate cannot beat it)",
+        "host memcpy into pinned memory, 8 threads, this run: {:.1} GB/s median = {:.0} \
+         batches/s (host collate cannot beat it)",
         memcpy.median,
         memcpy.median * 1e9 / BATCH_BYTES
     ));

@@ -523,6 +523,27 @@ impl<'a, T> DeviceSliceMut<'a, T> {
         (view(head), view(tail))
     }
 
+    /// Queues setting every byte of the view to `value` on `stream` (`cudaMemsetAsync`),
+    /// ordered after this buffer's copies on other streams; later copies on other streams are
+    /// ordered after it, and the buffer is freed only after it.
+    ///
+    /// # Errors
+    ///
+    /// The CUDA error.
+    pub fn set_bytes_async(&mut self, value: u8, stream: &Stream) -> Result<()> {
+        let bytes = self.range.len * size_of::<T>();
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.range.pending.order_before(stream)?;
+        // SAFETY: the view is `bytes` bytes of a live device allocation, borrowed uniquely;
+        // the buffer keeps the memory until the event recorded below has completed.
+        unsafe { ffi::memset_async(self.range.address, value, bytes, stream.as_raw())? };
+        let event = Arc::new(stream.record_event_untimed()?);
+        self.range.pending.track(stream, event);
+        Ok(())
+    }
+
     /// Copies `src` (any host memory) into the view and waits for it.
     ///
     /// # Errors

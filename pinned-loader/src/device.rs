@@ -31,8 +31,8 @@ pub enum Assembly {
 struct DeviceSlot {
     buffers: Vec<DeviceBuffer<u8>>,
     released: Vec<Event>,
-    /// Events around the last upload into it, for the upload time.
-    timing: Option<(Event, Event)>,
+    /// Events around the last upload into it and its bytes, for the upload time.
+    timing: Option<(Event, Event, usize)>,
 }
 
 impl Drop for DeviceSlot {
@@ -219,13 +219,16 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
         for event in slot.released.drain(..) {
             self.stream.wait_event(&event)?;
         }
-        if let Some((start, end)) = slot.timing.take()
+        if let Some((start, end, bytes)) = slot.timing.take()
             && let Ok(ms) = end.elapsed_ms_since(&start)
         {
-            self.shared
-                .counters
+            let counters = &self.shared.counters;
+            counters
                 .upload_ns
                 .fetch_add((f64::from(ms) * 1e6) as u64, Ordering::Relaxed);
+            counters
+                .timed_bytes
+                .fetch_add(bytes as u64, Ordering::Relaxed);
         }
         Ok(slot)
     }
@@ -317,7 +320,7 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
     ) -> Result<DeviceBatch<D::Fields>, LoaderError> {
         let end = self.stream.record_event()?;
         let ready = Arc::new(self.stream.record_event()?);
-        device.timing = Some((start, end));
+        device.timing = Some((start, end, bytes));
         let counters = &self.shared.counters;
         counters.uploads.fetch_add(1, Ordering::Relaxed);
         counters

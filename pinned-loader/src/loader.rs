@@ -292,8 +292,38 @@ impl<D: Dataset> Loader<D> {
         }
         let pool = config.pool.clone().unwrap_or_else(|| Arc::new(Pool::new()));
         let free = Arc::new(SlotPool::default());
-        for _ in 0..slots {
-            free.give(Slot::new(&pool, &region_bytes)?);
+        // Pinned by several threads: the pre-faulting and zeroing of each slot run in
+        // parallel (the driver serialises only the registrations).
+        let makers = slots.min(8);
+        let made: Vec<cuda_pinned::Result<Vec<Slot>>> = std::thread::scope(|scope| {
+            let makers: Vec<_> = (0..makers)
+                .map(|m| {
+                    let (pool, region_bytes) = (&pool, &region_bytes);
+                    let count = (m..slots).step_by(makers).count();
+                    std::thread::Builder::new()
+                        .spawn_scoped(scope, move || {
+                            (0..count).map(|_| Slot::new(pool, region_bytes)).collect()
+                        })
+                        .map_err(|_| count)
+                })
+                .collect();
+            makers
+                .into_iter()
+                .map(|maker| match maker {
+                    Ok(handle) => handle
+                        .join()
+                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+                    // No thread: this one makes them.
+                    Err(count) => (0..count)
+                        .map(|_| Slot::new(&pool, &region_bytes))
+                        .collect(),
+                })
+                .collect()
+        });
+        for slots in made {
+            for slot in slots? {
+                free.give(slot);
+            }
         }
         let shared = Arc::new(Shared {
             dataset,

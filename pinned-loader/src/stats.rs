@@ -20,6 +20,8 @@ pub(crate) struct Counters {
     pub(crate) uploads: AtomicU64,
     pub(crate) uploaded_bytes: AtomicU64,
     pub(crate) upload_ns: AtomicU64,
+    /// Bytes of the uploads `upload_ns` timed.
+    pub(crate) timed_bytes: AtomicU64,
 }
 
 impl Counters {
@@ -38,6 +40,7 @@ impl Counters {
             uploads: get(&self.uploads),
             uploaded_bytes: get(&self.uploaded_bytes),
             upload_time: nanos(&self.upload_ns),
+            timed_bytes: get(&self.timed_bytes),
         }
     }
 }
@@ -69,8 +72,11 @@ pub struct LoaderStats {
     pub uploads: u64,
     /// Bytes uploaded.
     pub uploaded_bytes: u64,
-    /// Device time of the uploads, measured with events (those finished so far).
+    /// Device time of the uploads whose timing has been read so far (measured with events,
+    /// read when their device memory is reused).
     pub upload_time: Duration,
+    /// Bytes of those uploads.
+    pub timed_bytes: u64,
 }
 
 impl LoaderStats {
@@ -80,7 +86,7 @@ impl LoaderStats {
         if seconds == 0.0 {
             0.0
         } else {
-            self.uploaded_bytes as f64 / seconds
+            self.timed_bytes as f64 / seconds
         }
     }
 }
