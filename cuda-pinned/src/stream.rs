@@ -62,7 +62,13 @@ impl Stream {
     }
 
     /// The raw `cudaStream_t`, for passing to other CUDA libraries (cudarc's and cust's
-    /// stream handles are the same object).
+    /// stream handles are the same object). Its type comes from [`cuda_pinned::sys`](crate::sys):
+    ///
+    /// ```no_run
+    /// let stream = cuda_pinned::Stream::new()?;
+    /// let raw: cuda_pinned::sys::cudaStream_t = stream.as_raw();
+    /// # Ok::<(), cuda_pinned::Error>(())
+    /// ```
     pub fn as_raw(&self) -> cudaStream_t {
         self.handle.0
     }

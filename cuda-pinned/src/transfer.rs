@@ -168,6 +168,19 @@ impl Stream {
     /// of part of one: `&mut device`, `device.slice_mut(..n)`) on this stream. `src` travels
     /// with the returned [`Transfer`] until the copy has finished.
     ///
+    /// The error is this crate's [`Error`], so `?` converts it into `Box<dyn Error>` or any
+    /// error type that takes a `std::error::Error`, whatever allocator the buffer has:
+    ///
+    /// ```no_run
+    /// # use cuda_pinned::{DeviceBuffer, PinnedVec, Stream};
+    /// fn upload(stream: &Stream, data: &[f32]) -> Result<(), Box<dyn std::error::Error>> {
+    ///     let mut device = DeviceBuffer::<f32>::zeroed(data.len())?;
+    ///     let host = PinnedVec::from_slice(data)?;
+    ///     stream.copy_to_device(host, &mut device)?.wait()?;
+    ///     Ok(())
+    /// }
+    /// ```
+    ///
     /// # Errors
     ///
     /// [`Error::LengthMismatch`] when the lengths differ, or the CUDA error. `src` is then

@@ -173,6 +173,16 @@ impl Pool {
 impl<B: PinnedAllocator> Pool<B> {
     /// A pool pinning new memory from `backend` ([`CudaHost`](cuda_pinned::CudaHost) with
     /// chosen flags, [`Registered`](cuda_pinned::Registered), …).
+    ///
+    /// ```
+    /// use cuda_pinned::HostLocked;
+    /// use pinned_pool::{Pool, PoolConfig};
+    ///
+    /// let pool = Pool::with_backend(HostLocked, PoolConfig::new().max_cached_bytes(64 << 20));
+    /// let buffer = pool.zeroed(4096)?;
+    /// assert_eq!(buffer.len(), 4096);
+    /// # Ok::<(), cuda_pinned::Error>(())
+    /// ```
     pub fn with_backend(backend: B, config: PoolConfig) -> Self {
         Self::with_completion(backend, config)
     }
