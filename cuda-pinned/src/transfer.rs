@@ -25,8 +25,9 @@ use crate::vec::PinnedVec;
 /// Implementors promise that:
 /// - [`host_parts`](Self::host_parts) returns the address and length (in elements) of memory
 ///   the buffer owns, valid for reads and writes of that many `Elem`s, that stays valid and
-///   in place, and that nothing but the buffer reaches, for as long as the buffer lives and is
-///   not used (a [`Transfer`] holds it untouched);
+///   in place — also when the buffer value itself is moved (the memory is on the heap or
+///   elsewhere outside the value, never inline) — and that nothing but the buffer reaches, for
+///   as long as the buffer lives and is not used (a [`Transfer`] holds it untouched);
 /// - [`release_after`](Self::release_after) keeps that memory valid until every event of
 ///   `pending` has completed: it waits for them, hands them to an allocator that defers reuse
 ///   on them, or leaks the memory (when waiting fails).

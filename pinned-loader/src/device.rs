@@ -62,7 +62,8 @@ type DeviceSlots = Arc<Mutex<Vec<DeviceSlot>>>;
 /// # Ok(()) }
 /// ```
 pub struct DeviceLoader<D: Dataset> {
-    loader: Loader<D>,
+    /// Dropped only once the stream has finished (its gathers read the dataset's memory).
+    loader: std::mem::ManuallyDrop<Loader<D>>,
     stream: Stream,
     assembly: Assembly,
     /// Batches uploaded ahead of the consumer.
@@ -79,8 +80,8 @@ impl<D: Dataset> DeviceLoader<D> {
     /// [`LoaderError::NotPinned`] for [`Assembly::DeviceGather`] over a dataset not in pinned
     /// memory; the CUDA error (no device, out of device memory).
     pub fn new(loader: Loader<D>, assembly: Assembly) -> Result<Self, LoaderError> {
-        if assembly == Assembly::DeviceGather && loader.dataset().pinned_storage().is_none() {
-            return Err(LoaderError::NotPinned);
+        if assembly == Assembly::DeviceGather {
+            gathered_storage(&loader.shared)?;
         }
         let stream = Stream::new()?;
         let ahead = 2;
@@ -93,7 +94,7 @@ impl<D: Dataset> DeviceLoader<D> {
                 .push(slot);
         }
         Ok(Self {
-            loader,
+            loader: std::mem::ManuallyDrop::new(loader),
             stream,
             assembly,
             ahead,
@@ -151,9 +152,34 @@ impl<D: Dataset> DeviceLoader<D> {
 
 impl<D: Dataset> Drop for DeviceLoader<D> {
     fn drop(&mut self) {
-        // Gathers read the dataset's pinned memory: they end before it can go.
-        let _ = self.stream.synchronize();
+        // Gathers read the dataset's pinned memory: they end before it can go, and when that
+        // cannot be known the loader and its dataset are leaked.
+        if self.stream.synchronize().is_ok() {
+            // SAFETY: dropped once, here; `self.loader` is not used afterwards.
+            unsafe { std::mem::ManuallyDrop::drop(&mut self.loader) };
+        }
     }
+}
+
+/// The dataset's pinned storage, if its samples have the sizes the loader's device memory is
+/// made for (a storage of other sizes would have the DMA write past the buffers).
+fn gathered_storage<D: Dataset>(
+    shared: &crate::loader::Shared<D>,
+) -> Result<&crate::dataset::PinnedStorage, LoaderError> {
+    let storage = shared
+        .dataset
+        .pinned_storage()
+        .ok_or(LoaderError::NotPinned)?;
+    if storage.sample_bytes() != &shared.sample_bytes[..] || storage.len() < shared.dataset.len() {
+        return Err(LoaderError::Config(format!(
+            "the pinned storage holds {} samples of {:?} bytes, the dataset {} of {:?}",
+            storage.len(),
+            storage.sample_bytes(),
+            shared.dataset.len(),
+            &shared.sample_bytes[..]
+        )));
+    }
+    Ok(storage)
 }
 
 fn new_slot<D: Dataset>(loader: &Loader<D>) -> Result<DeviceSlot, LoaderError> {
@@ -216,9 +242,17 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
                 }
             }
         };
-        for event in slot.released.drain(..) {
-            self.stream.wait_event(&event)?;
+        for event in &slot.released {
+            if let Err(error) = self.stream.wait_event(event) {
+                // Not in use yet: back with its events, for the next try.
+                self.slots
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(slot);
+                return Err(error.into());
+            }
         }
+        slot.released.clear();
         if let Some((start, end, bytes)) = slot.timing.take()
             && let Ok(ms) = end.elapsed_ms_since(&start)
         {
@@ -241,7 +275,13 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
     ) -> Result<DeviceBatch<D::Fields>, LoaderError> {
         let (len, index) = (batch.len(), batch.index());
         let mut device = self.take_slot()?;
-        let start = self.stream.record_event()?;
+        let start = match self.stream.record_event() {
+            Ok(start) => start,
+            Err(error) => {
+                self.abandon(device);
+                return Err(error.into());
+            }
+        };
         let mut host = batch.into_slot();
         let mut bytes_moved = 0;
         let mut result = Ok(());
@@ -271,7 +311,10 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
             bytes_moved += bytes;
         }
         self.shared.slots.give(host);
-        result?;
+        if let Err(error) = result {
+            self.abandon(device);
+            return Err(error.into());
+        }
         self.finish(device, start, len, index, bytes_moved)
     }
 
@@ -281,13 +324,16 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
         indices: &[usize],
         index: usize,
     ) -> Result<DeviceBatch<D::Fields>, LoaderError> {
-        let device = self.take_slot()?;
         let shared = self.shared.clone();
-        let storage = shared
-            .dataset
-            .pinned_storage()
-            .ok_or(LoaderError::NotPinned)?;
-        let start = self.stream.record_event()?;
+        let storage = gathered_storage(&shared)?;
+        let device = self.take_slot()?;
+        let start = match self.stream.record_event() {
+            Ok(start) => start,
+            Err(error) => {
+                self.abandon(device);
+                return Err(error.into());
+            }
+        };
         let mut copies = Vec::with_capacity(indices.len() * device.buffers.len());
         let mut bytes_moved = 0;
         for (field, buffer) in device.buffers.iter().enumerate() {
@@ -304,10 +350,25 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
         // SAFETY: each source is a sample in the dataset's page-locked storage, which is
         // never written and outlives the copies (the device loader owns the dataset and
         // waits for its stream before dropping it); each destination lies inside a buffer of
-        // this slot (position < batch size), which nothing else uses until the batch is
-        // delivered, and the consumer's earlier uses were waited for in `take_slot`.
-        unsafe { self.stream.copy_batch_raw(&copies)? };
-        self.finish(device, start, indices.len(), index, bytes_moved)
+        // this slot (position < batch size; the storage's sample sizes are the buffers',
+        // checked above), which nothing else uses until the batch is delivered, and the
+        // consumer's earlier uses were waited for in `take_slot`.
+        let queued = unsafe { self.stream.copy_batch_raw(&copies) };
+        match queued {
+            Ok(()) => self.finish(device, start, indices.len(), index, bytes_moved),
+            Err(error) => {
+                self.abandon(device);
+                Err(error.into())
+            }
+        }
+    }
+
+    /// Gives up on a slot whose copies may be queued: freed once the stream has finished,
+    /// leaked when that cannot be known.
+    fn abandon(&self, device: DeviceSlot) {
+        if self.stream.synchronize().is_err() {
+            std::mem::forget(device);
+        }
     }
 
     fn finish(
@@ -318,8 +379,17 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
         index: usize,
         bytes: usize,
     ) -> Result<DeviceBatch<D::Fields>, LoaderError> {
-        let end = self.stream.record_event()?;
-        let ready = Arc::new(self.stream.record_event()?);
+        let events = self
+            .stream
+            .record_event()
+            .and_then(|end| Ok((end, Arc::new(self.stream.record_event()?))));
+        let (end, ready) = match events {
+            Ok(events) => events,
+            Err(error) => {
+                self.abandon(device);
+                return Err(error.into());
+            }
+        };
         device.timing = Some((start, end, bytes));
         let counters = &self.shared.counters;
         counters.uploads.fetch_add(1, Ordering::Relaxed);

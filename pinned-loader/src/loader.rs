@@ -115,6 +115,18 @@ impl<D: Dataset> Shared<D> {
         Ok(Slot::new(&self.pool, &self.region_bytes)?)
     }
 
+    /// [`fill`](Self::fill), with a panic anywhere in it (a dataset's `Fields` or storage
+    /// among the causes) turned into the batch's error, so that no batch is ever missing.
+    fn fill_caught(&self, task: &Task) -> Result<(Slot, usize), Stop> {
+        catch_unwind(AssertUnwindSafe(|| self.fill(task))).unwrap_or_else(|panic| {
+            Err(Stop::Failed(LoaderError::Panicked {
+                batch: task.batch,
+                sample: task.indices.get(task.range.start).copied().unwrap_or(0),
+                message: panic_message(panic.as_ref()),
+            }))
+        })
+    }
+
     /// Fills a slot with the samples of `task`.
     fn fill(&self, task: &Task) -> Result<(Slot, usize), Stop> {
         let start = Instant::now();
@@ -170,15 +182,10 @@ impl<D: Dataset> Shared<D> {
                 Ok(Ok(())) => {}
                 Ok(Err(source)) => return Err(failure(source)),
                 Err(panic) => {
-                    let message = panic
-                        .downcast_ref::<&str>()
-                        .map(|s| (*s).to_owned())
-                        .or_else(|| panic.downcast_ref::<String>().cloned())
-                        .unwrap_or_else(|| "a non-string panic payload".into());
                     return Err(Stop::Failed(LoaderError::Panicked {
                         batch: task.batch,
                         sample: index,
-                        message,
+                        message: panic_message(panic.as_ref()),
                     }));
                 }
             }
@@ -204,7 +211,7 @@ impl<D: Dataset> Shared<D> {
                         .unwrap_or_else(PoisonError::into_inner);
                 }
             };
-            let result = match self.fill(&task) {
+            let result = match self.fill_caught(&task) {
                 Ok(done) => Ok(done),
                 Err(Stop::Failed(error)) => Err(error),
                 Err(Stop::Cancelled) => continue,
@@ -243,6 +250,15 @@ impl<D: Dataset> Shared<D> {
         }
         self.state().shutdown = false;
     }
+}
+
+/// The text of a panic's payload.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-string panic payload".into())
 }
 
 /// The machine's memory in bytes.
@@ -387,7 +403,18 @@ impl<D: Dataset> Loader<D> {
     pub fn epoch(&mut self, epoch: u64) -> Epoch<'_, D> {
         let indices = Arc::new(self.sampler.indices(epoch));
         let batches = self.sampler.batches(indices.len());
-        let generation = self.shared.generation();
+        // A generation of its own, even if an earlier epoch was leaked without its drop.
+        let (generation, stale) = {
+            let mut state = self.shared.state();
+            state.generation += 1;
+            state.tasks.clear();
+            (state.generation, std::mem::take(&mut state.finished))
+        };
+        for finished in stale {
+            if let Ok((slot, _)) = finished.result {
+                self.shared.slots.give(slot);
+            }
+        }
         let own_workers = if self.config.persistent_workers {
             Vec::new()
         } else {
@@ -488,7 +515,7 @@ impl<D: Dataset> Epoch<'_, D> {
         let result = if self.workers() == 0 {
             // No workers: the consumer fills the batch itself.
             let task = self.task(self.delivered);
-            match shared.fill(&task) {
+            match shared.fill_caught(&task) {
                 Ok(done) => Ok(done),
                 Err(Stop::Failed(error)) => Err(error),
                 Err(Stop::Cancelled) => unreachable!("the consumer holds its own epoch"),

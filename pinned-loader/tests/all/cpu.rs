@@ -326,3 +326,67 @@ proptest! {
         prop_assert_eq!(all.len(), if drop_last { expected * batch } else { len });
     }
 }
+
+/// A dataset whose pinned storage has other sample sizes than its fields declare.
+struct Mismatched {
+    storage: PinnedSamples<Field<u8>>,
+}
+
+impl Dataset for Mismatched {
+    type Fields = Field<u8>;
+    fn len(&self) -> usize {
+        4
+    }
+    fn fields(&self) -> Field<u8> {
+        Field::new(8)
+    }
+    fn write(&self, _: usize, sample: &mut [u8]) -> Result<(), BoxError> {
+        sample.fill(1);
+        Ok(())
+    }
+    fn pinned_storage(&self) -> Option<&pinned_loader::PinnedStorage> {
+        self.storage.pinned_storage()
+    }
+}
+
+struct Big;
+impl Dataset for Big {
+    type Fields = Field<u8>;
+    fn len(&self) -> usize {
+        4
+    }
+    fn fields(&self) -> Field<u8> {
+        Field::new(4096)
+    }
+    fn write(&self, _: usize, _: &mut [u8]) -> Result<(), BoxError> {
+        Ok(())
+    }
+}
+
+#[test]
+fn storage_of_other_sizes_is_refused_for_gathering_and_fails_batches_not_the_loader() {
+    let make = || Mismatched {
+        storage: PinnedSamples::from_dataset(&Big).unwrap(),
+    };
+    // Gathering would have the DMA write past the device buffers: refused before any CUDA.
+    let error = pinned_loader::DeviceLoader::new(
+        Loader::new(make(), config(2, 0)).unwrap(),
+        pinned_loader::Assembly::DeviceGather,
+    )
+    .err()
+    .unwrap();
+    assert!(matches!(error, LoaderError::Config(_)), "{error}");
+    // On the host the copy of a wrong-sized sample panics inside a worker: each batch comes
+    // out as an error (no hang), and the loader goes on.
+    for workers in [0, 2] {
+        let mut loader = Loader::new(make(), config(2, workers)).unwrap();
+        let results: Vec<_> = loader.epoch(0).collect();
+        assert_eq!(results.len(), 2);
+        assert!(
+            results
+                .iter()
+                .all(|r| matches!(r, Err(LoaderError::Panicked { .. }))),
+            "{results:?}"
+        );
+    }
+}
