@@ -228,25 +228,8 @@ fn collate_run(
     let construction_ms = start.elapsed().as_secs_f64() * 1e3;
     let mut warm_at = None;
     if cuda {
-        let mut consumer = Consumer::new()?;
         let mut device = DeviceLoader::new(loader, Assembly::HostCollate)?;
-        let mut done = 0;
-        'epochs: for epoch in 0.. {
-            for batch in device.epoch(epoch) {
-                let mut batch = batch?;
-                let (images, _labels) = batch.ready_on(&consumer.stream)?;
-                consumer.work(images)?;
-                done += 1;
-                if done == WARM {
-                    consumer.stream.synchronize()?;
-                    warm_at = Some(Instant::now());
-                }
-                if done == batches {
-                    break 'epochs;
-                }
-            }
-        }
-        consumer.stream.synchronize()?;
+        let warm_at = drive(&mut device, batches)?;
         let late_slots = device.stats().late_slots;
         Ok(finish(start, warm_at, batches, construction_ms, late_slots))
     } else {
@@ -278,6 +261,16 @@ fn gather_run<D: Dataset<Fields = (Field<u8>, Field<i64>)>>(
     let loader = Loader::new(dataset, LoaderConfig::new(BATCH).shuffle(seed))?;
     let mut device = DeviceLoader::new(loader, Assembly::DeviceGather)?;
     let construction_ms = start.elapsed().as_secs_f64() * 1e3;
+    let warm_at = drive(&mut device, batches)?;
+    Ok(finish(start, warm_at, batches, construction_ms, 0))
+}
+
+/// Takes `batches` device batches (over as many epochs as needed), each used by a consumer
+/// stream's work; returns when steady state began (after `WARM` batches).
+fn drive<D: Dataset<Fields = (Field<u8>, Field<i64>)>>(
+    device: &mut DeviceLoader<D>,
+    batches: usize,
+) -> Result<Option<Instant>, LoaderError> {
     let mut consumer = Consumer::new()?;
     let mut warm_at = None;
     let mut done = 0;
@@ -297,7 +290,7 @@ fn gather_run<D: Dataset<Fields = (Field<u8>, Field<i64>)>>(
         }
     }
     consumer.stream.synchronize()?;
-    Ok(finish(start, warm_at, batches, construction_ms, 0))
+    Ok(warm_at)
 }
 
 fn finish(
