@@ -134,6 +134,9 @@ pub enum Error {
         /// The cap.
         limit: usize,
     },
+    /// A cudarc driver call failed (with the `cudarc` feature).
+    #[cfg(feature = "cudarc")]
+    Cudarc(cudarc::driver::DriverError),
     /// A copy between buffers of different lengths (in elements).
     LengthMismatch {
         /// Elements on the host side.
@@ -175,6 +178,8 @@ impl fmt::Display for Error {
                 "pinning {requested} more bytes would pass the limit of {limit} bytes \
                  ({pinned} already pinned)"
             ),
+            #[cfg(feature = "cudarc")]
+            Self::Cudarc(e) => write!(f, "cudarc: {e}"),
             Self::LengthMismatch { host, device } => write!(
                 f,
                 "copy between {host} host elements and {device} device elements: lengths differ"
@@ -189,8 +194,17 @@ impl std::error::Error for Error {
             Self::Unavailable(e) => Some(e),
             Self::Cuda(e) => Some(e),
             Self::Os { source, .. } => Some(source),
+            #[cfg(feature = "cudarc")]
+            Self::Cudarc(e) => Some(e),
             _ => None,
         }
+    }
+}
+
+#[cfg(feature = "cudarc")]
+impl From<cudarc::driver::DriverError> for Error {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        Self::Cudarc(e)
     }
 }
 

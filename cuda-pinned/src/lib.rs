@@ -101,6 +101,25 @@
 //! share(&b); // error: `Cell<u8>` is not `Sync`
 //! ```
 //!
+//! # With cudarc (the `cudarc` feature)
+//!
+//! Both crates load CUDA at run time and use the device's primary context, so they share
+//! streams, events and device memory. One call needs care: cudarc's
+//! `stream.memcpy_htod(src, &mut device)` takes the host side by reference and, for `&[T]`,
+//! returns as soon as the copy is queued, assuming pageable memory (which the driver copies
+//! before returning). From page-locked memory the DMA is still reading when the borrow ends,
+//! and a host write made right after the call reaches the device. With the feature:
+//! - `stream.memcpy_htod(&pinned_vec, ..)` and `memcpy_dtoh(.., &mut pinned_vec)` are safe:
+//!   [`PinnedVec`], [`PinnedBox`], [`RegisteredVec`] and [`Registration`] implement cudarc's
+//!   `HostSlice` so that the call returns only after the copy (cudarc synchronises the
+//!   stream). Pass the buffer itself: `&pinned_vec[..]` is a plain `[T]` to cudarc, and races.
+//! - `CudarcCopies` (on `Arc<CudaStream>`) queues tracked copies between our buffers and
+//!   cudarc's `CudaSlice` / views that return at once: the buffer moves into a [`Transfer`],
+//!   as with [`Stream::copy_to_device`], and the device side joins cudarc's event tracking.
+//! - `Stream::from_cudarc` adopts a cudarc stream, so [`PinnedVec::record_stream`] can hold a
+//!   buffer back from reuse and free until cudarc's kernels on that stream are done;
+//!   [`Stream::from_raw`] adopts any raw stream handle (PyTorch's `ExternalStream`).
+//!
 //! # Errors
 //!
 //! Everything the world can do is an [`Error`] value: no CUDA ([`Error::Unavailable`] lists
@@ -115,6 +134,8 @@ mod alloc;
 mod api2;
 mod block;
 mod boxed;
+#[cfg(feature = "cudarc")]
+mod cudarc_interop;
 mod device;
 mod device_buffer;
 mod error;
@@ -135,6 +156,8 @@ pub use boxed::PinnedBox;
 /// [`Event::as_raw`], and the rest of the runtime API).
 pub use cuda_pinned_sys as sys;
 pub use cuda_pinned_sys::LoadError;
+#[cfg(feature = "cudarc")]
+pub use cudarc_interop::CudarcCopies;
 pub use device::{
     Device, Version, device_count, driver_version, is_available, runtime_path, runtime_version,
 };

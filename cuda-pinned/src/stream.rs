@@ -6,29 +6,49 @@ use std::sync::Arc;
 
 use cuda_pinned_sys::{self as sys, cudaEvent_t, cudaStream_t};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::ffi;
 
-struct StreamHandle(cudaStream_t);
+struct StreamHandle {
+    raw: cudaStream_t,
+    owner: Owner,
+}
+
+/// Who answers for a stream's life.
+pub(crate) enum Owner {
+    /// This crate created it and destroys it with the last handle.
+    Crate,
+    /// Someone else keeps it alive (the caller of [`Stream::from_raw`] promised so).
+    Borrowed,
+    /// Another library's handle, held until the last of ours goes (cudarc's `Arc<CudaStream>`).
+    #[allow(dead_code, reason = "never read: held for its drop")]
+    Kept(Box<dyn Send + Sync>),
+}
 
 // SAFETY: a CUDA stream handle may be used from any thread (the runtime API is thread-safe
-// for streams); the handle is only destroyed once, in Drop, when the last clone goes.
+// for streams); the handle is only destroyed once, in Drop, when the last clone goes, and the
+// kept owner is `Send + Sync` itself.
 unsafe impl Send for StreamHandle {}
 // SAFETY: as above; every operation through `&StreamHandle` is a thread-safe runtime call.
 unsafe impl Sync for StreamHandle {}
 
 impl Drop for StreamHandle {
     fn drop(&mut self) {
-        // SAFETY: the last reference is going; the runtime releases the stream's resources
-        // once its pending work is done, so destroying it with work queued is allowed.
-        let _ = unsafe { ffi::stream_destroy(self.0) };
+        if let Owner::Crate = self.owner {
+            // SAFETY: the last reference to a stream this crate created is going; the runtime
+            // releases its resources once its pending work is done, so destroying it with
+            // work queued is allowed.
+            let _ = unsafe { ffi::stream_destroy(self.raw) };
+        }
     }
 }
 
-/// A non-blocking CUDA stream (it does not synchronise with the legacy default stream).
+/// A CUDA stream: one this crate created ([`Stream::new`]) or one adopted from other code
+/// ([`Stream::from_raw`], `Stream::from_cudarc` with the `cudarc` feature).
 ///
-/// Cloning is cheap and gives another handle to the same stream; the stream is destroyed when
-/// the last handle goes, so buffers that recorded a use on it can still record events there.
+/// Cloning is cheap and gives another handle to the same stream; a stream this crate created
+/// is destroyed when the last handle goes, so buffers that recorded a use on it can still
+/// record events there. Two handles are equal when they name the same CUDA stream.
 #[derive(Clone)]
 pub struct Stream {
     handle: Arc<StreamHandle>,
@@ -36,13 +56,13 @@ pub struct Stream {
 
 impl fmt::Debug for Stream {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("Stream").field(&self.handle.0).finish()
+        f.debug_tuple("Stream").field(&self.handle.raw).finish()
     }
 }
 
 impl PartialEq for Stream {
     fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.handle, &other.handle)
+        self.handle.raw == other.handle.raw
     }
 }
 
@@ -57,7 +77,53 @@ impl Stream {
     pub fn new() -> Result<Self> {
         let raw = ffi::stream_create(sys::cudaStreamNonBlocking)?;
         Ok(Self {
-            handle: Arc::new(StreamHandle(raw)),
+            handle: Arc::new(StreamHandle {
+                raw,
+                owner: Owner::Crate,
+            }),
+        })
+    }
+
+    /// Adopts a stream created by other code (a `cudaStream_t` or a driver API `CUstream`:
+    /// they are the same handle), like PyTorch's `torch.cuda.ExternalStream`: copies can be
+    /// queued on it and buffers can record their use on it ([`PinnedVec::record_stream`]),
+    /// so work this crate did not queue still holds them back from reuse and free. The
+    /// stream is never destroyed through the returned handle.
+    ///
+    /// The null handle names the legacy default stream.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unsupported`] for `cudaStreamPerThread`: it names a different stream on every
+    /// thread, so a use recorded on one thread could not be found from another.
+    ///
+    /// # Safety
+    ///
+    /// - `raw` is a live stream of the device's primary context (the one the runtime API and
+    ///   cudarc's `CudaContext::new` use), or null;
+    /// - it stays live as long as the returned handle, or any clone of it, lives. Buffers and
+    ///   device buffers that were used on it keep clones until they drop.
+    ///
+    /// [`PinnedVec::record_stream`]: crate::PinnedVec::record_stream
+    /// [`Error::Unsupported`]: crate::Error::Unsupported
+    pub unsafe fn from_raw(raw: cudaStream_t) -> Result<Self> {
+        // SAFETY: forwarded from the caller.
+        unsafe { Self::adopt(raw, Owner::Borrowed) }
+    }
+
+    /// # Safety
+    ///
+    /// As [`from_raw`](Self::from_raw), with `owner` keeping `raw` live when it is `Kept`.
+    pub(crate) unsafe fn adopt(raw: cudaStream_t, owner: Owner) -> Result<Self> {
+        // `cudaStreamPerThread` is a macro in the headers: the handle value 2.
+        if raw as usize == 2 {
+            return Err(Error::Unsupported(
+                "the per-thread default stream is a different stream on every thread; \
+                 adopt a stream created for the purpose",
+            ));
+        }
+        Ok(Self {
+            handle: Arc::new(StreamHandle { raw, owner }),
         })
     }
 
@@ -70,7 +136,7 @@ impl Stream {
     /// # Ok::<(), cuda_pinned::Error>(())
     /// ```
     pub fn as_raw(&self) -> cudaStream_t {
-        self.handle.0
+        self.handle.raw
     }
 
     /// Blocks until all work queued on the stream has finished.

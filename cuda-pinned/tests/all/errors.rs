@@ -101,3 +101,17 @@ fn memlock_limit_gives_the_clear_error() {
     );
     assert!(stdout.contains("1 passed"), "child ran no test:\n{stdout}");
 }
+
+#[test]
+fn the_per_thread_stream_cannot_be_adopted() {
+    // `cudaStreamPerThread`: a different stream on every thread.
+    let per_thread = 2 as cuda_pinned::sys::cudaStream_t;
+    // SAFETY: adoption is refused before the handle is used.
+    let adopted = unsafe { cuda_pinned::Stream::from_raw(per_thread) };
+    match adopted {
+        Err(error @ Error::Unsupported(_)) => {
+            assert!(error.to_string().contains("per-thread"), "{error}")
+        }
+        other => panic!("expected Unsupported, got {other:?}"),
+    }
+}

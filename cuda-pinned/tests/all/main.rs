@@ -11,3 +11,5 @@ mod gpu_views;
 mod pin;
 mod unwind;
 mod vec_model;
+#[cfg(feature = "cudarc")]
+mod with_cudarc;

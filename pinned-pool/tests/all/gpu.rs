@@ -167,3 +167,46 @@ fn an_arc_pool_feeds_copies_from_worker_threads_and_gets_every_block_back() {
     assert_eq!(stats.active_requests.current, 0);
     assert_eq!(stats.pending_requests, 0);
 }
+
+/// A block that work queued through cudarc still reads (declared with `record_stream` on the
+/// adopted stream, or a tracked copy on cudarc's stream) is not handed out again until that
+/// work has finished.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_block_recorded_on_a_cudarc_stream_waits_for_it() {
+    use cuda_pinned::CudarcCopies;
+    let pool = Pool::new();
+    let cudarc_stream = cudarc::driver::CudaContext::new(0)
+        .unwrap()
+        .new_stream()
+        .unwrap();
+    let adopted = Stream::from_cudarc(&cudarc_stream).unwrap();
+    let data = pattern(LEN);
+    let mut device = cudarc_stream.alloc_zeros::<u8>(LEN).unwrap();
+
+    for tracked_copy in [false, true] {
+        let mut block = pool.with_capacity(LEN).unwrap();
+        block.extend_from_slice(&data);
+        let address = block.as_ptr();
+        block_stream(&adopted, 300);
+        if tracked_copy {
+            drop(cudarc_stream.copy_to_device(block, &mut device).unwrap());
+        } else {
+            // As if a cudarc kernel read the block through its mapped address.
+            block.record_stream(&adopted);
+            drop(block);
+        }
+        let mut other = pool.with_capacity(LEN).unwrap();
+        if other.as_ptr() == address {
+            assert!(
+                adopted.query().unwrap(),
+                "reused a block whose cudarc work is pending (tracked copy: {tracked_copy})"
+            );
+        }
+        other.resize(LEN, 0xEE);
+        cudarc_stream.synchronize().unwrap();
+        drop(other);
+    }
+    assert_eq!(cudarc_stream.clone_dtoh(&device).unwrap(), data);
+    assert_eq!(pool.stats().active_bytes.current, 0);
+}

@@ -1,0 +1,198 @@
+//! cudarc's streams and device memory with this crate's buffers (the `cudarc` feature).
+//! GPU tests are ignored without a device.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cuda_pinned::{CudarcCopies, Error, PinnedBox, PinnedVec, RegisteredVec, Stream};
+use cudarc::driver::{CudaContext, CudaStream};
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed))
+        .collect()
+}
+
+fn cudarc_stream() -> Arc<CudaStream> {
+    CudaContext::new(0).unwrap().new_stream().unwrap()
+}
+
+/// Holds `stream` back for `ms` milliseconds (a host function that sleeps), so work queued
+/// behind it is still pending when the test looks.
+fn block(stream: &Arc<CudaStream>, ms: u64) {
+    Stream::from_cudarc(stream)
+        .unwrap()
+        .launch_host_fn(move || std::thread::sleep(Duration::from_millis(ms)))
+        .unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn tracked_copies_round_trip_through_cudarc_memory() {
+    let stream = cudarc_stream();
+    for len in [0, 1, 4097, 64 << 20] {
+        let data = pattern(len, 5);
+        let mut first = stream.alloc_zeros::<u8>(len).unwrap();
+        let upload = stream
+            .copy_to_device(PinnedVec::from_slice(&data).unwrap(), &mut first)
+            .unwrap();
+        // A device-side copy by cudarc, ordered after the upload by cudarc's own events.
+        let mut second = stream.alloc_zeros::<u8>(len).unwrap();
+        stream.memcpy_dtod(&first, &mut second).unwrap();
+        let download = stream
+            .copy_from_device(&second, PinnedVec::zeroed(len).unwrap())
+            .unwrap();
+        let back = download.wait().unwrap();
+        assert!(back.as_slice() == data.as_slice(), "{len} bytes differ");
+        drop(upload.wait().unwrap());
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_tracked_copy_returns_before_the_dma_and_keeps_the_buffer() {
+    let stream = cudarc_stream();
+    let data = pattern(8 << 20, 9);
+    let mut device = stream.alloc_zeros::<u8>(data.len()).unwrap();
+    let blocked = Instant::now();
+    block(&stream, 300);
+    let upload = stream
+        .copy_to_device(PinnedVec::from_slice(&data).unwrap(), &mut device)
+        .unwrap();
+    // The copy queues behind the host function: done only if this thread was held up as long.
+    if upload.is_done().unwrap() {
+        assert!(blocked.elapsed() >= Duration::from_millis(300));
+    }
+    let buffer = upload.wait().unwrap();
+    assert_eq!(stream.clone_dtoh(&device).unwrap(), data);
+    assert!(buffer.as_slice() == data.as_slice());
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn tracked_copies_refuse_lengths_that_differ() {
+    let stream = cudarc_stream();
+    let mut device = stream.alloc_zeros::<u32>(10).unwrap();
+    let error = stream
+        .copy_to_device(PinnedVec::from_slice(&[1u32; 9]).unwrap(), &mut device)
+        .unwrap_err();
+    assert!(matches!(
+        error,
+        Error::LengthMismatch {
+            host: 9,
+            device: 10
+        }
+    ));
+    let error = stream
+        .copy_from_device(&device.slice(..4), PinnedVec::<u32>::zeroed(5).unwrap())
+        .unwrap_err();
+    assert!(matches!(
+        error,
+        Error::LengthMismatch { host: 5, device: 4 }
+    ));
+}
+
+/// cudarc's `memcpy_htod(&pinned, ..)` must not return while the DMA still reads the buffer: a
+/// host write right after the call would reach the device. The same call on `&pinned[..]`
+/// (cudarc's impl for `[T]`, which assumes pageable memory) shows that the test can see it.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn host_slice_copies_end_before_the_call_returns() {
+    let stream = cudarc_stream();
+    let data = pattern(8 << 20, 1);
+    let mut device = stream.alloc_zeros::<u8>(data.len()).unwrap();
+
+    let mut pinned = PinnedVec::from_slice(&data).unwrap();
+    let blocked = Instant::now();
+    block(&stream, 200);
+    stream.memcpy_htod(&pinned, &mut device).unwrap();
+    assert!(
+        blocked.elapsed() >= Duration::from_millis(200),
+        "returned before the copy"
+    );
+    pinned.fill(0xFF); // after the call: must not reach the device
+    assert_eq!(stream.clone_dtoh(&device).unwrap(), data);
+
+    // The hazard these impls close: through `[T]` the call returns with the DMA pending, so
+    // a write finished before the host function ends reaches the device.
+    let mut racing = PinnedVec::from_slice(&data).unwrap();
+    let blocked = Instant::now();
+    block(&stream, 200);
+    stream.memcpy_htod(&racing[..], &mut device).unwrap();
+    racing.fill(0xFF);
+    let written_before_the_copy = blocked.elapsed() < Duration::from_millis(200);
+    let arrived = stream.clone_dtoh(&device).unwrap();
+    eprintln!(
+        "through `[T]`: written before the copy: {written_before_the_copy}, reached the \
+         device: {}",
+        arrived != data
+    );
+    if written_before_the_copy {
+        assert!(
+            arrived.iter().all(|&byte| byte == 0xFF),
+            "through `[T]` the write after the call was expected to reach the device"
+        );
+    }
+
+    // Into pinned memory: the data is there when the call returns.
+    let source = stream.clone_htod(&data).unwrap();
+    let mut back = PinnedVec::<u8>::zeroed(data.len()).unwrap();
+    block(&stream, 200);
+    stream.memcpy_dtoh(&source, &mut back).unwrap();
+    assert!(back.as_slice() == data.as_slice());
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn boxes_and_registered_vectors_are_host_slices_too() {
+    let stream = cudarc_stream();
+    let boxed = PinnedBox::new(0x1234_5678u32).unwrap();
+    let device = stream.clone_htod(&boxed).unwrap();
+    assert_eq!(stream.clone_dtoh(&device).unwrap(), [0x1234_5678]);
+    let registered = RegisteredVec::new(vec![7u64; 1 << 20]).unwrap();
+    let device = stream.clone_htod(&registered).unwrap();
+    let mut back = PinnedBox::new(0u64).unwrap();
+    stream.memcpy_dtoh(&device.slice(..1), &mut back).unwrap();
+    assert_eq!(*back, 7);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn adopted_streams_order_work_and_record_uses() {
+    let cudarc_stream = cudarc_stream();
+    // Ours, adopted from cudarc: work queued on either side runs in one order.
+    let ours = Stream::from_cudarc(&cudarc_stream).unwrap();
+    assert_eq!(ours.as_raw(), cudarc_stream.cu_stream().cast());
+    // SAFETY: the raw handle is the cudarc stream's, alive for this test.
+    let borrowed = unsafe { Stream::from_raw(cudarc_stream.cu_stream().cast()) }.unwrap();
+    assert_eq!(borrowed, ours);
+
+    let data = pattern(1 << 20, 4);
+    let mut device = cuda_pinned::DeviceBuffer::<u8>::zeroed(data.len()).unwrap();
+    let blocked = Instant::now();
+    block(&cudarc_stream, 200);
+    let upload = ours
+        .copy_to_device(PinnedVec::from_slice(&data).unwrap(), &mut device)
+        .unwrap();
+    if upload.is_done().unwrap() {
+        assert!(
+            blocked.elapsed() >= Duration::from_millis(200),
+            "ran before cudarc's work"
+        );
+    }
+    upload.wait().unwrap();
+    assert_eq!(device.to_vec().unwrap(), data);
+
+    // The legacy default stream (cudarc's `default_stream`) can be adopted too.
+    let default = CudaContext::new(0).unwrap().default_stream();
+    let adopted = Stream::from_cudarc(&default).unwrap();
+    let mut vec = PinnedVec::from_slice(&data).unwrap();
+    vec.record_stream(&adopted);
+    drop(vec);
+    // cudarc's per-thread stream names a different stream on each thread.
+    let per_thread = CudaContext::new(0).unwrap().per_thread_stream();
+    assert!(matches!(
+        Stream::from_cudarc(&per_thread),
+        Err(Error::Unsupported(_))
+    ));
+}
