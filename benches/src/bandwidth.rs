@@ -16,13 +16,13 @@ use crate::progress::Progress;
 use crate::report::{Section, Value, size_label};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Direction {
+pub(crate) enum Direction {
     HostToDevice,
     DeviceToHost,
 }
 
 impl Direction {
-    fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Self::HostToDevice => "H2D",
             Self::DeviceToHost => "D2H",
@@ -126,7 +126,7 @@ fn time_one(
 ///
 /// - `host` and `device` are valid for `bytes` in the direction's sense until the stream
 ///   is synchronised, which `time_one` does before returning.
-unsafe fn raw_copy(
+pub(crate) unsafe fn raw_copy(
     stream: &Stream,
     host: *mut u8,
     device: u64,

@@ -12,6 +12,7 @@ mod plot;
 mod pool;
 mod progress;
 mod report;
+mod staged;
 
 use std::process::ExitCode;
 
@@ -24,7 +25,10 @@ usage: pinned-bench [SUBCOMMAND] [--quick] [--json] [--plot FILE.svg]
 subcommands:
   all        everything this machine supports (the default)
   info       the CUDA runtime, driver and devices found, and the host's memory facts
-  bandwidth  H2D, D2H and both at once, 4 KiB to 1 GiB, per kind of memory, against raw CUDA
+  bandwidth  H2D, D2H and both at once, 4 KiB to 1 GiB, per kind of memory, against raw CUDA;
+             then the staged rows
+  staged     copies from ordinary memory through the staging ring, against the driver's path
+             and page-locked memory; a sweep of chunk sizes and thread counts
   alloc      cost of getting pinned memory per kind and size; another thread's stall
   pool       the caching pool: warm latency, threads, memory waste
   loader     the data loader: batches/s to the GPU by workers, device gather
@@ -68,6 +72,7 @@ fn parse(args: &[String]) -> Result<Options, String> {
                     "all",
                     "info",
                     "bandwidth",
+                    "staged",
                     "alloc",
                     "pool",
                     "loader",
@@ -145,6 +150,10 @@ fn run(options: &Options) -> Report {
     if (all || command == "bandwidth") && cuda {
         steps += bandwidth::steps(options.quick);
     }
+    let staged = all || command == "bandwidth" || command == "staged";
+    if staged && cuda {
+        steps += staged::steps(options.quick);
+    }
     if all || command == "alloc" {
         steps += alloc::steps(options.quick, cuda);
     }
@@ -158,7 +167,7 @@ fn run(options: &Options) -> Report {
         steps += loader::steps(cuda);
     }
     let mut progress = Progress::new(steps);
-    if !cuda && (all || command == "bandwidth" || command == "alloc") {
+    if !cuda && (staged || command == "alloc") {
         let why = match cuda_pinned::device_count() {
             Ok(_) => "the CUDA runtime found no device".to_owned(),
             Err(cuda_pinned::Error::Unavailable(cuda_pinned::LoadError::NotFound { attempts })) => {
@@ -175,6 +184,12 @@ fn run(options: &Options) -> Report {
         match bandwidth::run(options.quick, &mut progress) {
             Ok(section) => report.sections.push(section),
             Err(e) => report.skipped.push(format!("bandwidth failed: {e}")),
+        }
+    }
+    if staged && cuda {
+        match staged::run(options.quick, &mut progress) {
+            Ok(section) => report.sections.push(section),
+            Err(e) => report.skipped.push(format!("staged copies failed: {e}")),
         }
     }
     if all || command == "alloc" {

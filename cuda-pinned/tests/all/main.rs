@@ -9,6 +9,7 @@ mod errors;
 mod gpu;
 mod gpu_views;
 mod pin;
+mod staging;
 mod unwind;
 mod vec_model;
 #[cfg(feature = "cudarc")]

@@ -1,0 +1,276 @@
+//! `staged`: copies from and into ordinary (pageable) memory through `Stager`'s ring, against
+//! the driver's own path from the same memory and against page-locked memory, in one run.
+//! Every copy is timed on the host, from the call until the data has arrived (the device
+//! holds it, or the host buffer is filled), as a program sees it.
+
+use std::time::Instant;
+
+use cuda_pinned::{
+    DefaultPinned, DeviceBuffer, PinnedVec, Registered, Result, Stager, StagingConfig, Stream,
+};
+
+use crate::bandwidth::{Direction, raw_copy};
+use crate::progress::Progress;
+use crate::report::{Section, Spread, Value, size_label};
+
+fn sizes(quick: bool) -> Vec<usize> {
+    if quick {
+        vec![64 << 10, 1 << 20, 16 << 20, 256 << 20]
+    } else {
+        vec![
+            4 << 10,
+            64 << 10,
+            256 << 10,
+            1 << 20,
+            4 << 20,
+            16 << 20,
+            64 << 20,
+            256 << 20,
+            1 << 30,
+        ]
+    }
+}
+
+fn reps(bytes: usize, quick: bool) -> usize {
+    match (bytes >= 16 << 20, quick) {
+        (true, true) => 3,
+        (true, false) => 7,
+        (false, true) => 10,
+        (false, false) => 30,
+    }
+}
+
+/// Work items, for the progress bar.
+pub fn steps(quick: bool) -> usize {
+    sizes(quick).len() + if quick { 1 } else { 2 }
+}
+
+fn gbps(bytes: usize, seconds: f64) -> f64 {
+    bytes as f64 / seconds / 1e9
+}
+
+/// Seconds `copy` takes, on the host clock.
+fn timed(copy: impl FnOnce() -> Result<()>) -> Result<f64> {
+    let start = Instant::now();
+    copy()?;
+    Ok(start.elapsed().as_secs_f64())
+}
+
+/// One raw `cudaMemcpyAsync` between `host` and `device`, waited for.
+fn raw(
+    stream: &Stream,
+    host: *mut u8,
+    device: u64,
+    bytes: usize,
+    direction: Direction,
+) -> Result<()> {
+    // SAFETY: the callers pass buffers of `bytes` that outlive the copy, which is waited for
+    // before returning.
+    unsafe { raw_copy(stream, host, device, bytes, direction)? };
+    stream.synchronize()
+}
+
+/// The curve by size: driver path, page-locked memory and the stager, interleaved rep by rep.
+fn by_size(
+    stager: &Stager,
+    quick: bool,
+    section: &mut Section,
+    progress: &mut Progress,
+) -> Result<()> {
+    let stream = Stream::new()?;
+    for bytes in sizes(quick) {
+        progress.step(&format!("staged {}", size_label(bytes as u64)));
+        // Ordinary memory, touched (a program's data exists before it is copied).
+        let source = vec![0x5Au8; bytes];
+        let mut sink = vec![0xA5u8; bytes];
+        let mut pinned = PinnedVec::with_capacity_in(bytes, Registered::new())?;
+        pinned.resize(bytes, 0x5A);
+        let mut device = DeviceBuffer::<u8>::zeroed(bytes)?;
+        for direction in [Direction::HostToDevice, Direction::DeviceToHost] {
+            let (mut driver, mut locked, mut staged) = (Vec::new(), Vec::new(), Vec::new());
+            for rep in 0..=reps(bytes, quick) {
+                let host = match direction {
+                    Direction::HostToDevice => source.as_ptr().cast_mut(),
+                    Direction::DeviceToHost => sink.as_mut_ptr(),
+                };
+                let d = timed(|| raw(&stream, host, device.as_raw(), bytes, direction))?;
+                let l = timed(|| {
+                    raw(
+                        &stream,
+                        pinned.as_mut_ptr(),
+                        device.as_raw(),
+                        bytes,
+                        direction,
+                    )
+                })?;
+                let s = timed(|| match direction {
+                    Direction::HostToDevice => {
+                        stager.copy_to_device(&stream, &source, &mut device)?.wait()
+                    }
+                    Direction::DeviceToHost => stager.copy_from_device(&stream, &device, &mut sink),
+                })?;
+                if rep > 0 {
+                    driver.push(gbps(bytes, d));
+                    locked.push(gbps(bytes, l));
+                    staged.push(gbps(bytes, s));
+                }
+            }
+            let (driver, locked, staged) =
+                (Spread::of(driver), Spread::of(locked), Spread::of(staged));
+            let [min, median, max] = staged.cells(2);
+            section.row(vec![
+                Value::Text(direction.label().into()),
+                Value::Text(size_label(bytes as u64)),
+                Value::Num(driver.median, 2),
+                Value::Num(locked.median, 2),
+                min,
+                median,
+                max,
+                Value::Num(100.0 * staged.median / locked.median, 1),
+                Value::Num(staged.median / driver.median, 2),
+            ]);
+        }
+    }
+    Ok(())
+}
+
+/// 1 GiB each way at once, on two streams from two threads sharing `stager`, against the same
+/// from page-locked memory; GB/s counts both directions.
+fn both_ways(
+    stager: &Stager,
+    quick: bool,
+    section: &mut Section,
+    progress: &mut Progress,
+) -> Result<()> {
+    progress.step("staged both directions");
+    let bytes = if quick { 256 << 20 } else { 1 << 30 };
+    let reps = if quick { 3 } else { 5 };
+    let source = vec![1u8; bytes];
+    let mut sink = vec![2u8; bytes];
+    let mut pinned_source = PinnedVec::with_capacity_in(bytes, Registered::new())?;
+    pinned_source.resize(bytes, 1);
+    let mut pinned_sink = PinnedVec::zeroed_in(bytes, Registered::new())?;
+    let mut device_in = DeviceBuffer::<u8>::zeroed(bytes)?;
+    let device_out = DeviceBuffer::<u8>::zeroed(bytes)?;
+    let (up, down) = (Stream::new()?, Stream::new()?);
+    let (mut locked, mut staged) = (Vec::new(), Vec::new());
+    for rep in 0..=reps {
+        let l = timed(|| {
+            // Addresses cross to the upload thread as integers (raw pointers are not `Send`).
+            let source = pinned_source.as_mut_ptr() as usize;
+            let sink = pinned_sink.as_mut_ptr();
+            let (device_in, device_out) = (device_in.as_raw(), device_out.as_raw());
+            let up = &up;
+            std::thread::scope(|scope| {
+                let upload = scope.spawn(move || {
+                    raw(
+                        up,
+                        source as *mut u8,
+                        device_in,
+                        bytes,
+                        Direction::HostToDevice,
+                    )
+                });
+                let download = raw(&down, sink, device_out, bytes, Direction::DeviceToHost);
+                upload.join().expect("the upload thread")?;
+                download
+            })
+        })?;
+        let s = timed(|| {
+            std::thread::scope(|scope| {
+                let upload =
+                    scope.spawn(|| stager.copy_to_device(&up, &source, &mut device_in)?.wait());
+                let download = stager.copy_from_device(&down, &device_out, &mut sink);
+                upload.join().expect("the upload thread")?;
+                download
+            })
+        })?;
+        if rep > 0 {
+            locked.push(gbps(2 * bytes, l));
+            staged.push(gbps(2 * bytes, s));
+        }
+    }
+    let (locked, staged) = (Spread::of(locked), Spread::of(staged));
+    let [min, median, max] = staged.cells(2);
+    section.row(vec![
+        Value::Text("both".into()),
+        Value::Text(size_label(bytes as u64)),
+        Value::Missing,
+        Value::Num(locked.median, 2),
+        min,
+        median,
+        max,
+        Value::Num(100.0 * staged.median / locked.median, 1),
+        Value::Missing,
+    ]);
+    Ok(())
+}
+
+/// 1 GiB each way with other chunk sizes and thread counts: where the defaults come from.
+fn sweep(section: &mut Section, progress: &mut Progress) -> Result<()> {
+    progress.step("staged sweep");
+    let bytes = 1 << 30;
+    let source = vec![3u8; bytes];
+    let mut sink = vec![4u8; bytes];
+    let mut device = DeviceBuffer::<u8>::zeroed(bytes)?;
+    let stream = Stream::new()?;
+    let cores = std::thread::available_parallelism().map_or(16, |n| n.get());
+    for chunk in [1 << 20, 2 << 20, 4 << 20, 8 << 20] {
+        for threads in [4, 8, 12, 16].into_iter().filter(|&t| t <= cores) {
+            let config = StagingConfig {
+                chunk_bytes: chunk,
+                threads,
+                slots: 2 * threads,
+                ..StagingConfig::default()
+            };
+            let stager = Stager::with_config_in(config, DefaultPinned)?;
+            let mut rates = [Vec::new(), Vec::new()];
+            for rep in 0..=3 {
+                let up = timed(|| stager.copy_to_device(&stream, &source, &mut device)?.wait())?;
+                let down = timed(|| stager.copy_from_device(&stream, &device, &mut sink))?;
+                if rep > 0 {
+                    rates[0].push(gbps(bytes, up));
+                    rates[1].push(gbps(bytes, down));
+                }
+            }
+            let [up, down] = rates.map(|r| Spread::of(r).median);
+            section.notes.push(format!(
+                "sweep 1 GiB: chunk {:>5}, {threads:>2} threads: H2D {up:6.2} GB/s, D2H {down:6.2} GB/s",
+                size_label(chunk as u64)
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Runs the section.
+pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
+    let stager = Stager::new()?;
+    let mut section = Section::new(
+        "staged",
+        &format!(
+            "Copies from / into ordinary memory (host-timed, call to arrival; median GB/s): the \
+             driver's path, page-locked memory, and the staging ring ({} threads, {} chunks of {})",
+            stager.config().threads,
+            stager.config().slots,
+            size_label(stager.config().chunk_bytes as u64)
+        ),
+        &[
+            "direction",
+            "size",
+            "driver",
+            "pinned",
+            "staged min",
+            "staged median",
+            "staged max",
+            "% of pinned",
+            "× driver",
+        ],
+    );
+    by_size(&stager, quick, &mut section, progress)?;
+    both_ways(&stager, quick, &mut section, progress)?;
+    if !quick {
+        sweep(&mut section, progress)?;
+    }
+    Ok(section)
+}

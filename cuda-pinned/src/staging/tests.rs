@@ -1,0 +1,459 @@
+//! The staging engine against a fake device: one queue executed by a thread of its own, a
+//! little late (as a DMA engine behind other work), that checks each chunk still holds what
+//! it held when its copy was queued, and fails calls on demand.
+
+use std::alloc::Layout;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use proptest::prelude::*;
+
+use super::{Address, Dma, Engine, StagingConfig, lock, wait};
+use crate::alloc::{Allocation, PinnedAllocator};
+use crate::error::{Error, Result};
+use crate::ffi::Direction;
+use crate::locked::HostLocked;
+
+#[derive(Default)]
+struct FakeEvent {
+    /// (tickets recorded, tickets completed)
+    state: Mutex<(u64, u64)>,
+    done: Condvar,
+}
+
+enum Op {
+    Copy {
+        direction: Direction,
+        host: Address,
+        device: usize,
+        bytes: usize,
+        /// What the host side held when the copy was queued (host → device).
+        queued: Vec<u8>,
+    },
+    Signal(Arc<FakeEvent>, u64),
+    Stop,
+}
+
+/// Which call fails: the n-th `queue` or `wait` (counting from 1), and whether waiting for
+/// the whole stream fails too.
+#[derive(Default)]
+struct Faults {
+    queue_at: AtomicUsize,
+    wait_at: AtomicUsize,
+    stream_wait_fails: AtomicBool,
+    queues: AtomicUsize,
+    waits: AtomicUsize,
+}
+
+fn injected() -> Error {
+    Error::Unsupported("injected fault")
+}
+
+fn hit(count: &AtomicUsize, at: &AtomicUsize) -> bool {
+    count.fetch_add(1, Ordering::Relaxed) + 1 == at.load(Ordering::Relaxed)
+}
+
+struct Device {
+    memory: Mutex<Vec<u8>>,
+    ops: Mutex<VecDeque<Op>>,
+    posted: Condvar,
+    /// A chunk changed between queueing its copy and the copy: reused before its event.
+    overwritten: AtomicBool,
+    /// Device → host copies executed (to check a copy's chunk is read after it is filled).
+    faults: Faults,
+    executor: Mutex<Option<JoinHandle<()>>>,
+}
+
+#[derive(Clone)]
+struct Fake(Arc<Device>);
+
+impl Fake {
+    fn new(device_bytes: usize) -> Self {
+        let device = Arc::new(Device {
+            memory: Mutex::new(vec![0; device_bytes]),
+            ops: Mutex::new(VecDeque::new()),
+            posted: Condvar::new(),
+            overwritten: AtomicBool::new(false),
+            faults: Faults::default(),
+            executor: Mutex::new(None),
+        });
+        let executor = device.clone();
+        *lock(&device.executor) = Some(std::thread::spawn(move || executor.execute()));
+        Self(device)
+    }
+
+    fn push(&self, op: Op) {
+        lock(&self.0.ops).push_back(op);
+        self.0.posted.notify_one();
+    }
+
+    fn stop(&self) {
+        self.push(Op::Stop);
+        if let Some(executor) = lock(&self.0.executor).take() {
+            executor.join().unwrap();
+        }
+    }
+
+    fn device_bytes(&self) -> Vec<u8> {
+        lock(&self.0.memory).clone()
+    }
+}
+
+impl Device {
+    fn execute(&self) {
+        loop {
+            let op = {
+                let mut ops = lock(&self.ops);
+                loop {
+                    if let Some(op) = ops.pop_front() {
+                        break op;
+                    }
+                    ops = wait(&self.posted, ops);
+                }
+            };
+            match op {
+                Op::Stop => return,
+                Op::Signal(event, ticket) => {
+                    lock(&event.state).1 = ticket;
+                    event.done.notify_all();
+                }
+                Op::Copy {
+                    direction,
+                    host,
+                    device,
+                    bytes,
+                    queued,
+                } => {
+                    // Late, so that the host side runs ahead as it would behind real work.
+                    std::thread::sleep(Duration::from_micros(50));
+                    let mut memory = lock(&self.memory);
+                    let device = &mut memory[device..device + bytes];
+                    // SAFETY: the engine keeps the chunk allocated, and the host threads away
+                    // from it, until this copy's event has been signalled (what this fake
+                    // checks); it is `bytes` long.
+                    let chunk = unsafe { std::slice::from_raw_parts_mut(host.0, bytes) };
+                    match direction {
+                        Direction::HostToDevice => {
+                            if chunk != queued.as_slice() {
+                                self.overwritten.store(true, Ordering::Relaxed);
+                            }
+                            device.copy_from_slice(chunk);
+                        }
+                        Direction::DeviceToHost => chunk.copy_from_slice(device),
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Dma for Fake {
+    type Stream = ();
+    type Event = Arc<FakeEvent>;
+
+    fn event(&self) -> Result<Arc<FakeEvent>> {
+        Ok(Arc::default())
+    }
+
+    unsafe fn queue(
+        &self,
+        _stream: &(),
+        host: *mut u8,
+        device: u64,
+        bytes: usize,
+        direction: Direction,
+    ) -> Result<()> {
+        let faults = &self.0.faults;
+        if hit(&faults.queues, &faults.queue_at) {
+            return Err(injected());
+        }
+        let queued = match direction {
+            // SAFETY: the caller keeps the chunk readable for the copy.
+            Direction::HostToDevice => unsafe { std::slice::from_raw_parts(host, bytes) }.to_vec(),
+            Direction::DeviceToHost => Vec::new(),
+        };
+        self.push(Op::Copy {
+            direction,
+            host: Address(host),
+            device: device as usize,
+            bytes,
+            queued,
+        });
+        Ok(())
+    }
+
+    fn record(&self, event: &Arc<FakeEvent>, _stream: &()) -> Result<()> {
+        let mut state = lock(&event.state);
+        state.0 += 1;
+        self.push(Op::Signal(event.clone(), state.0));
+        Ok(())
+    }
+
+    fn wait(&self, event: &Arc<FakeEvent>) -> Result<()> {
+        let faults = &self.0.faults;
+        if hit(&faults.waits, &faults.wait_at) {
+            return Err(injected());
+        }
+        let mut state = lock(&event.state);
+        let target = state.0;
+        while state.1 < target {
+            state = wait(&event.done, state);
+        }
+        Ok(())
+    }
+
+    fn wait_stream(&self, _stream: &()) -> Result<()> {
+        if self.0.faults.stream_wait_fails.load(Ordering::Relaxed) {
+            return Err(injected());
+        }
+        let event = Arc::new(FakeEvent::default());
+        self.record(&event, &())?;
+        let mut state = lock(&event.state);
+        while state.1 < state.0 {
+            state = wait(&event.done, state);
+        }
+        Ok(())
+    }
+
+    fn current_device(&self) -> Result<i32> {
+        Ok(0)
+    }
+
+    fn set_device(&self, _device: i32) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Page-locked memory (under Miri, which cannot lock pages, the heap) that counts its live
+/// allocations.
+#[derive(Clone, Default)]
+struct Counted(Arc<AtomicUsize>);
+
+// SAFETY: forwards to `HostLocked`, or takes heap memory of the layout (page-aligned) and
+// gives it back with the same layout; counts both.
+unsafe impl PinnedAllocator for Counted {
+    fn allocate(&self, layout: Layout) -> Result<Allocation> {
+        let allocation = if cfg!(miri) {
+            let layout = layout.align_to(4096).map_err(|_| Error::CapacityOverflow)?;
+            // SAFETY: the size is non-zero (containers never ask for 0).
+            let ptr = std::ptr::NonNull::new(unsafe { std::alloc::alloc(layout) }).ok_or(
+                Error::OutOfMemory {
+                    requested: layout.size(),
+                },
+            )?;
+            Allocation::new(ptr, layout.size(), crate::MemoryKind::Locked, 0)
+        } else {
+            HostLocked.allocate(layout)?
+        };
+        self.0.fetch_add(1, Ordering::Relaxed);
+        Ok(allocation)
+    }
+
+    unsafe fn deallocate(&self, allocation: Allocation) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+        if cfg!(miri) {
+            let layout = Layout::from_size_align(allocation.bytes(), 4096).unwrap();
+            // SAFETY: allocated above with this layout; given back once.
+            unsafe { std::alloc::dealloc(allocation.ptr().as_ptr(), layout) };
+        } else {
+            // SAFETY: forwarded from the caller; the allocation came from `HostLocked`.
+            unsafe { HostLocked.deallocate(allocation) }
+        }
+    }
+}
+
+fn config(chunk_bytes: usize, threads: usize, slots: usize) -> StagingConfig {
+    StagingConfig {
+        chunk_bytes,
+        threads,
+        slots,
+        single_thread_bytes: chunk_bytes,
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed) ^ (i >> 8) as u8)
+        .collect()
+}
+
+/// Host → device → host through the engine: `(offset, data)` written at `offset`, read back.
+fn round_trip(engine: &Engine<Fake, Counted>, offset: usize, data: &[u8]) -> Result<Vec<u8>> {
+    // SAFETY: `data` is readable for its length and not written meanwhile; the fake's device
+    // memory covers the range (checked by its slicing).
+    unsafe {
+        engine.run(
+            Direction::HostToDevice,
+            data.as_ptr().cast_mut(),
+            offset as u64,
+            data.len(),
+            &(),
+        )?
+    };
+    let mut back = vec![0u8; data.len()];
+    // SAFETY: `back` is writable for its length and borrowed uniquely.
+    unsafe {
+        engine.run(
+            Direction::DeviceToHost,
+            back.as_mut_ptr(),
+            offset as u64,
+            back.len(),
+            &(),
+        )?
+    };
+    Ok(back)
+}
+
+const CASES: u32 = if cfg!(miri) { 3 } else { 48 };
+const MAX_LEN: usize = if cfg!(miri) { 3000 } else { 20_000 };
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: CASES,
+        // Miri isolates the program from the file system.
+        failure_persistence: if cfg!(miri) { None } else { ProptestConfig::default().failure_persistence },
+        ..ProptestConfig::default()
+    })]
+
+    /// Any size (zero, below, at and past a chunk, not a multiple of it), any chunk size,
+    /// thread and slot count: the bytes arrive in place, no chunk is touched before its
+    /// event, and the ring's memory is given back.
+    #[test]
+    fn copies_arrive_intact_whatever_the_cut(
+        len in 0usize..MAX_LEN,
+        offset in 0usize..64,
+        chunk in 64usize..3000,
+        threads in 1usize..5,
+        slots in 1usize..5,
+        single_thread in any::<bool>(),
+    ) {
+        let fake = Fake::new(MAX_LEN + 64);
+        let allocator = Counted::default();
+        let mut config = config(chunk, threads, slots);
+        if !single_thread {
+            config.single_thread_bytes = 0;
+        }
+        let engine = Engine::new(fake.clone(), config, allocator.clone()).unwrap();
+        let data = pattern(len, offset as u8);
+        let back = round_trip(&engine, offset, &data).unwrap();
+        prop_assert_eq!(&back, &data);
+        prop_assert_eq!(&fake.device_bytes()[offset..offset + len], data.as_slice());
+        prop_assert!(!fake.0.overwritten.load(Ordering::Relaxed));
+        drop(engine);
+        prop_assert_eq!(allocator.0.load(Ordering::Relaxed), 0);
+        fake.stop();
+    }
+}
+
+#[test]
+fn one_chunk_is_reused_only_after_each_copy() {
+    let fake = Fake::new(1 << 16);
+    let engine = Engine::new(fake.clone(), config(512, 3, 1), Counted::default()).unwrap();
+    let data = pattern(40_000, 7);
+    assert_eq!(round_trip(&engine, 100, &data).unwrap(), data);
+    assert!(!fake.0.overwritten.load(Ordering::Relaxed));
+    drop(engine);
+    fake.stop();
+}
+
+#[test]
+fn copies_from_several_threads_at_once_share_the_workers() {
+    let fake = Fake::new(1 << 16);
+    let engine = Engine::new(fake.clone(), config(1024, 4, 3), Counted::default()).unwrap();
+    std::thread::scope(|scope| {
+        for part in 0..4usize {
+            let engine = &engine;
+            scope.spawn(move || {
+                let data = pattern(8000 + part, part as u8);
+                assert_eq!(round_trip(engine, part * 16_000, &data).unwrap(), data);
+            });
+        }
+    });
+    assert!(!fake.0.overwritten.load(Ordering::Relaxed));
+    drop(engine);
+    fake.stop();
+}
+
+#[test]
+#[cfg_attr(miri, ignore = "leaks the ring on purpose, which Miri reports")]
+fn an_error_midway_is_reported_and_the_engine_stays_usable() {
+    for (queue_at, wait_at) in [(3, 0), (0, 4), (1, 0)] {
+        let fake = Fake::new(1 << 16);
+        fake.0.faults.queue_at.store(queue_at, Ordering::Relaxed);
+        fake.0.faults.wait_at.store(wait_at, Ordering::Relaxed);
+        let allocator = Counted::default();
+        let engine = Engine::new(fake.clone(), config(1000, 3, 4), allocator.clone()).unwrap();
+        let data = pattern(10_000, 1);
+        let error = round_trip(&engine, 0, &data).unwrap_err();
+        assert!(error.to_string().contains("injected"), "{error}");
+        // The ring is intact (or short of the chunk whose wait failed): copies go on.
+        assert_eq!(round_trip(&engine, 0, &data).unwrap(), data);
+        drop(engine);
+        let freed = allocator.0.load(Ordering::Relaxed) == 0;
+        // A chunk whose last copy could not be waited for is never reused, so the ring's
+        // memory is leaked rather than freed under a DMA that may still run.
+        assert_eq!(freed, wait_at == 0, "queue_at {queue_at} wait_at {wait_at}");
+        fake.stop();
+    }
+}
+
+#[test]
+#[cfg_attr(miri, ignore = "leaks the ring on purpose, which Miri reports")]
+fn a_ring_that_lost_every_chunk_says_so_instead_of_hanging() {
+    let fake = Fake::new(1 << 16);
+    let engine = Engine::new(fake.clone(), config(1000, 2, 1), Counted::default()).unwrap();
+    fake.0.faults.wait_at.store(1, Ordering::Relaxed);
+    assert!(round_trip(&engine, 0, &pattern(5000, 2)).is_err());
+    let error = round_trip(&engine, 0, &pattern(5000, 2)).unwrap_err();
+    assert!(error.to_string().contains("lost"), "{error}");
+    drop(engine);
+    fake.stop();
+}
+
+#[test]
+#[cfg_attr(miri, ignore = "leaks the ring on purpose, which Miri reports")]
+fn a_copy_queued_whose_event_is_unknown_waits_for_the_stream_or_loses_the_chunk() {
+    for stream_wait_fails in [false, true] {
+        let fake = Fake::new(1 << 16);
+        // The second wait is a device → host piece's own: its copy is queued.
+        let allocator = Counted::default();
+        let engine = Engine::new(fake.clone(), config(4096, 1, 2), allocator.clone()).unwrap();
+        let data = pattern(4096, 3);
+        round_trip(&engine, 0, &data).unwrap();
+        let waits = fake.0.faults.waits.load(Ordering::Relaxed);
+        fake.0.faults.wait_at.store(waits + 2, Ordering::Relaxed);
+        fake.0
+            .faults
+            .stream_wait_fails
+            .store(stream_wait_fails, Ordering::Relaxed);
+        let mut back = vec![0u8; 4096];
+        // SAFETY: `back` is writable for its length.
+        let result =
+            unsafe { engine.run(Direction::DeviceToHost, back.as_mut_ptr(), 0, 4096, &()) };
+        assert!(result.is_err());
+        drop(engine);
+        assert_eq!(allocator.0.load(Ordering::Relaxed) == 0, !stream_wait_fails);
+        fake.stop();
+    }
+}
+
+#[test]
+fn configurations_without_room_are_refused() {
+    for (chunk, threads, slots) in [(0, 1, 1), (1, 0, 1), (1, 1, 0)] {
+        let fake = Fake::new(0);
+        let result = Engine::new(
+            fake.clone(),
+            config(chunk, threads, slots),
+            Counted::default(),
+        );
+        assert!(matches!(result, Err(Error::Unsupported(_))));
+        fake.stop();
+    }
+    let fake = Fake::new(0);
+    let result = Engine::new(fake.clone(), config(usize::MAX, 1, 2), Counted::default());
+    assert!(matches!(result, Err(Error::CapacityOverflow)));
+    fake.stop();
+}
