@@ -21,6 +21,7 @@ fn sizes(quick: bool) -> Vec<usize> {
             4 << 10,
             64 << 10,
             256 << 10,
+            512 << 10,
             1 << 20,
             4 << 20,
             16 << 20,
@@ -206,41 +207,115 @@ fn both_ways(
     Ok(())
 }
 
-/// 1 GiB each way with other chunk sizes and thread counts: where the defaults come from.
+/// Where the defaults come from: 1 GiB each way with other chunk sizes, thread counts and
+/// ring depths; and small copies on the calling thread alone against spread over the workers.
 fn sweep(section: &mut Section, progress: &mut Progress) -> Result<()> {
     progress.step("staged sweep");
+    let stream = Stream::new()?;
+    let cores = std::thread::available_parallelism().map_or(16, |n| n.get());
     let bytes = 1 << 30;
     let source = vec![3u8; bytes];
     let mut sink = vec![4u8; bytes];
     let mut device = DeviceBuffer::<u8>::zeroed(bytes)?;
-    let stream = Stream::new()?;
-    let cores = std::thread::available_parallelism().map_or(16, |n| n.get());
-    for chunk in [1 << 20, 2 << 20, 4 << 20, 8 << 20] {
-        for threads in [4, 8, 12, 16].into_iter().filter(|&t| t <= cores) {
+    // (chunk, threads, smallest piece)
+    let configs = [
+        (4 << 20, 8, 1 << 20),
+        (4 << 20, 12, 1 << 20),
+        (4 << 20, 16, 1 << 20),
+        (2 << 20, 12, 1 << 20),
+        (2 << 20, 16, 1 << 20),
+        (8 << 20, 12, 1 << 20),
+        (4 << 20, 12, 256 << 10),
+        (512 << 10, 12, 512 << 10),
+        (512 << 10, 16, 512 << 10),
+    ];
+    for (chunk, threads, min_piece) in configs.into_iter().filter(|c| c.1 <= cores) {
+        let config = StagingConfig {
+            chunk_bytes: chunk,
+            threads,
+            slots: 2 * threads,
+            min_piece_bytes: min_piece,
+            ..StagingConfig::default()
+        };
+        let stager = Stager::with_config_in(config, DefaultPinned)?;
+        let [up, down] = round_trips(&stager, &stream, &source, &mut sink, &mut device, 3)?;
+        section.notes.push(format!(
+            "sweep 1 GiB: chunk {:>7}, {threads:>2} threads, pieces from {:>7}: \
+             H2D {up:6.2} GB/s, D2H {down:6.2} GB/s",
+            size_label(chunk as u64),
+            size_label(min_piece as u64)
+        ));
+    }
+    for bytes in [64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20] {
+        let source = vec![3u8; bytes];
+        let mut sink = vec![4u8; bytes];
+        let mut device = DeviceBuffer::<u8>::zeroed(bytes)?;
+        let mut line = format!("sweep {:>7}:", size_label(bytes as u64));
+        for (name, single_thread_bytes) in [("one thread", usize::MAX), ("spread", 0)] {
             let config = StagingConfig {
-                chunk_bytes: chunk,
-                threads,
-                slots: 2 * threads,
+                single_thread_bytes,
                 ..StagingConfig::default()
             };
             let stager = Stager::with_config_in(config, DefaultPinned)?;
-            let mut rates = [Vec::new(), Vec::new()];
-            for rep in 0..=3 {
-                let up = timed(|| stager.copy_to_device(&stream, &source, &mut device)?.wait())?;
-                let down = timed(|| stager.copy_from_device(&stream, &device, &mut sink))?;
-                if rep > 0 {
-                    rates[0].push(gbps(bytes, up));
-                    rates[1].push(gbps(bytes, down));
-                }
-            }
-            let [up, down] = rates.map(|r| Spread::of(r).median);
-            section.notes.push(format!(
-                "sweep 1 GiB: chunk {:>5}, {threads:>2} threads: H2D {up:6.2} GB/s, D2H {down:6.2} GB/s",
-                size_label(chunk as u64)
+            let [up, down] = round_trips(&stager, &stream, &source, &mut sink, &mut device, 30)?;
+            line += &format!(" {name} H2D {up:6.2} D2H {down:6.2};");
+        }
+        let mut rates = [Vec::new(), Vec::new()];
+        for _ in 0..30 {
+            let host = sink.as_mut_ptr();
+            rates[0].push(gbps(
+                bytes,
+                timed(|| {
+                    raw(
+                        &stream,
+                        source.as_ptr().cast_mut(),
+                        device.as_raw(),
+                        bytes,
+                        Direction::HostToDevice,
+                    )
+                })?,
+            ));
+            rates[1].push(gbps(
+                bytes,
+                timed(|| {
+                    raw(
+                        &stream,
+                        host,
+                        device.as_raw(),
+                        bytes,
+                        Direction::DeviceToHost,
+                    )
+                })?,
             ));
         }
+        let [up, down] = rates.map(|r| Spread::of(r).median);
+        section
+            .notes
+            .push(format!("{line} driver H2D {up:6.2} D2H {down:6.2} (GB/s)"));
     }
     Ok(())
+}
+
+/// Median GB/s of `reps` uploads and downloads of `source` / `sink` (after one warm-up).
+fn round_trips(
+    stager: &Stager,
+    stream: &Stream,
+    source: &[u8],
+    sink: &mut [u8],
+    device: &mut DeviceBuffer<u8>,
+    reps: usize,
+) -> Result<[f64; 2]> {
+    let bytes = source.len();
+    let mut rates = [Vec::new(), Vec::new()];
+    for rep in 0..=reps {
+        let up = timed(|| stager.copy_to_device(stream, source, &mut *device)?.wait())?;
+        let down = timed(|| stager.copy_from_device(stream, &*device, &mut *sink))?;
+        if rep > 0 {
+            rates[0].push(gbps(bytes, up));
+            rates[1].push(gbps(bytes, down));
+        }
+    }
+    Ok(rates.map(|r| Spread::of(r).median))
 }
 
 /// Runs the section.

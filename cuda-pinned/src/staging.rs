@@ -39,18 +39,22 @@ pub struct StagingConfig {
     /// Copies up to this size run on the calling thread alone, in pieces of one chunk: waking
     /// workers costs more than it saves.
     pub single_thread_bytes: usize,
+    /// The smallest piece a larger copy is cut into. Copies are cut into about two pieces
+    /// per thread, smaller at both ends: the DMA engine starts early and drains a short tail.
+    pub min_piece_bytes: usize,
 }
 
 impl Default for StagingConfig {
     fn default() -> Self {
         let threads = std::thread::available_parallelism()
             .map_or(4, |n| n.get())
-            .min(16);
+            .min(12);
         Self {
             chunk_bytes: 4 << 20,
             threads,
             slots: 2 * threads,
-            single_thread_bytes: 1 << 20,
+            single_thread_bytes: 256 << 10,
+            min_piece_bytes: 1 << 20,
         }
     }
 }
@@ -75,6 +79,9 @@ impl Default for StagingConfig {
 /// ```
 pub struct Stager<A: PinnedAllocator = DefaultPinned> {
     engine: Engine<Cuda, A>,
+    /// Events that ended uploads, reused once nobody holds them (creating one costs about as
+    /// much as a small copy).
+    events: Mutex<Vec<Arc<Event>>>,
 }
 
 impl Stager {
@@ -98,6 +105,7 @@ impl<A: PinnedAllocator> Stager<A> {
     pub fn with_config_in(config: StagingConfig, allocator: A) -> Result<Self> {
         Ok(Self {
             engine: Engine::new(Cuda, config, allocator)?,
+            events: Mutex::new(Vec::new()),
         })
     }
 
@@ -147,9 +155,36 @@ impl<A: PinnedAllocator> Stager<A> {
                 stream,
             )
         };
-        let event = track(stream, |event| range.pending.track(stream, event));
+        let event = self.end_event().and_then(|event| {
+            event.record(stream)?;
+            range.pending.track(stream, event.clone());
+            Ok(event)
+        });
+        let event = match event {
+            Ok(event) => event,
+            Err(error) => {
+                // Without an event the device range cannot know when its copies end.
+                stream.synchronize()?;
+                return Err(copied.err().unwrap_or(error));
+            }
+        };
         copied?;
-        Ok(StagedCopy { event: event? })
+        Ok(StagedCopy { event })
+    }
+
+    /// An event nobody else holds (a handle or a device buffer), or a new one.
+    fn end_event(&self) -> Result<Arc<Event>> {
+        const KEPT: usize = 64;
+        let mut events = lock(&self.events);
+        // Only this list can hand out a clone, under its lock: a count of one stays one.
+        if let Some(event) = events.iter().find(|event| Arc::strong_count(event) == 1) {
+            return Ok(event.clone());
+        }
+        let event = Arc::new(Event::untimed()?);
+        if events.len() < KEPT {
+            events.push(event.clone());
+        }
+        Ok(event)
     }
 
     /// Copies `src` (a [`DeviceBuffer`](crate::DeviceBuffer) or a view of one) into `dst` on
@@ -186,24 +221,19 @@ impl<A: PinnedAllocator> Stager<A> {
                 stream,
             )
         };
-        let tracked = track(stream, |event| range.pending.track(stream, event));
-        copied.and(tracked.map(drop))
-    }
-}
-
-/// Records the end of a staged copy's device work on `stream` for `keep`; when no event can
-/// be recorded, waits for the stream instead, so the device range is never freed early.
-fn track(stream: &Stream, keep: impl FnOnce(Arc<Event>)) -> Result<Arc<Event>> {
-    match stream.record_event_untimed() {
-        Ok(event) => {
-            let event = Arc::new(event);
-            keep(event.clone());
-            Ok(event)
+        if copied.is_err() {
+            // Pieces still in flight may read the device range: it must know when they end.
+            let ended = self.end_event().and_then(|event| {
+                event.record(stream)?;
+                range.pending.track(stream, event);
+                Ok(())
+            });
+            if ended.is_err() {
+                stream.synchronize()?;
+            }
         }
-        Err(error) => {
-            stream.synchronize()?;
-            Err(error)
-        }
+        // On success every piece's copy was waited for: nothing is left to track.
+        copied
     }
 }
 
@@ -250,6 +280,42 @@ impl StagedCopy {
 
 #[cfg(test)]
 mod tests;
+
+/// Cuts `bytes` into pieces (offset, length), in order, each at most a chunk. On one thread:
+/// whole chunks, the fewest calls. Spread: about two pieces per thread, the first and last
+/// `threads` of them a quarter of that (but at least `min_piece_bytes`), so that the DMA
+/// engine starts on the first piece early and the last wave leaves a short tail.
+fn cut(bytes: usize, config: &StagingConfig, spread: bool) -> Vec<(usize, usize)> {
+    let chunk = config.chunk_bytes;
+    let smallest = config.min_piece_bytes.clamp(1, chunk);
+    let (edge, middle) = if spread {
+        let middle = (bytes / (2 * config.threads)).clamp(smallest, chunk);
+        ((middle / 4).max(smallest), middle)
+    } else {
+        (chunk, chunk)
+    };
+    let edges = if spread { config.threads } else { 0 };
+    let mut cuts = Vec::with_capacity(bytes / middle + 2 * edges + 1);
+    let mut offset = 0;
+    // The tail's small pieces are cut from the end, so they come out whole.
+    let tail = (edges * edge).min(bytes / 2);
+    while offset < bytes {
+        let left = bytes - offset;
+        let size = if cuts.len() < edges || left <= tail {
+            edge
+        } else {
+            middle.min(left - tail)
+        };
+        let size = size.min(left);
+        cuts.push((offset, size));
+        offset += size;
+    }
+    cuts
+}
+
+/// How long an idle worker watches for the next job before it sleeps: waking a sleeping
+/// thread takes tens of microseconds on a virtual machine, a piece of a copy about as long.
+const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// What the engine needs from a device: CUDA, or a fake in the tests.
 pub(crate) trait Dma: Send + Sync + 'static {
@@ -333,6 +399,9 @@ impl Dma for Cuda {
 struct Slot<D: Dma> {
     offset: usize,
     event: D::Event,
+    /// The event is known to have completed (the last piece waited for it): the next piece
+    /// skips the wait.
+    settled: bool,
 }
 
 /// The free chunks, and how many exist: a chunk whose DMA could not be accounted for after a
@@ -357,6 +426,9 @@ struct Shared<D: Dma> {
     slot_freed: Condvar,
     queue: Mutex<Queue<D>>,
     job_posted: Condvar,
+    /// Jobs posted so far: a worker that just finished watches it for a moment before
+    /// sleeping, so a program copying in a loop finds its workers awake.
+    posts: AtomicUsize,
 }
 
 /// The staging engine over a device `D`: the ring, the workers, the job queue.
@@ -374,8 +446,10 @@ struct Job<D: Dma> {
     /// piece finish.
     host: Address,
     device: u64,
-    bytes: usize,
-    piece: usize,
+    /// Each piece's offset and length, in order.
+    cuts: Vec<(usize, usize)>,
+    /// Spread over the workers (else the caller's alone).
+    helped: bool,
     pieces: usize,
     stream: D::Stream,
     device_ordinal: i32,
@@ -460,6 +534,7 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
                 Ok(Slot {
                     offset: i * config.chunk_bytes,
                     event: dma.event()?,
+                    settled: true,
                 })
             })
             .collect::<Result<VecDeque<_>>>()?;
@@ -479,6 +554,7 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
                 shutdown: false,
             }),
             job_posted: Condvar::new(),
+            posts: AtomicUsize::new(0),
         });
         // Workers that cannot start leave more work to the others and the callers.
         let workers = (1..shared.config.threads)
@@ -517,23 +593,20 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
             return Ok(());
         }
         let config = &self.shared.config;
-        let (piece, helpers) = if bytes <= config.single_thread_bytes || self.workers.is_empty() {
-            (config.chunk_bytes, 0)
+        let spread = bytes > config.single_thread_bytes && !self.workers.is_empty();
+        let cuts = cut(bytes, config, spread);
+        let pieces = cuts.len();
+        let helpers = if spread {
+            self.workers.len().min(pieces - 1)
         } else {
-            // Enough pieces for every thread, none larger than a chunk.
-            let piece = bytes
-                .div_ceil(config.threads)
-                .max(64 << 10)
-                .min(config.chunk_bytes);
-            (piece, self.workers.len())
+            0
         };
-        let pieces = bytes.div_ceil(piece);
         let job = Arc::new(Job {
             direction,
             host: Address(host),
             device,
-            bytes,
-            piece,
+            cuts,
+            helped: helpers > 0,
             pieces,
             stream: stream.clone(),
             device_ordinal: if helpers > 0 {
@@ -547,9 +620,13 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
             failed: AtomicBool::new(false),
             error: Mutex::new(None),
         });
-        let helpers = helpers.min(pieces - 1);
         if helpers > 0 {
-            lock(&self.shared.queue).jobs.push_back(job.clone());
+            {
+                // Counted under the lock: a worker checks the count under it before sleeping.
+                let mut queue = lock(&self.shared.queue);
+                queue.jobs.push_back(job.clone());
+                self.shared.posts.fetch_add(1, Ordering::Release);
+            }
             for _ in 0..helpers {
                 self.shared.job_posted.notify_one();
             }
@@ -576,18 +653,18 @@ impl<D: Dma> Shared<D> {
     fn work(&self, index: usize) {
         let mut device = None;
         loop {
-            let job = {
+            let seen = self.posts.load(Ordering::Acquire);
+            let queued = {
                 let mut queue = lock(&self.queue);
-                loop {
-                    if queue.shutdown {
-                        return;
-                    }
-                    queue.jobs.retain(|job| !job.exhausted());
-                    if !queue.jobs.is_empty() {
-                        break queue.jobs[index % queue.jobs.len()].clone();
-                    }
-                    queue = wait(&self.job_posted, queue);
+                if queue.shutdown {
+                    return;
                 }
+                queue.jobs.retain(|job| !job.exhausted());
+                (!queue.jobs.is_empty()).then(|| queue.jobs[index % queue.jobs.len()].clone())
+            };
+            let Some(job) = queued else {
+                self.idle(seen);
+                continue;
             };
             if device != Some(job.device_ordinal) {
                 if let Err(error) = self.dma.set_device(job.device_ordinal) {
@@ -602,24 +679,41 @@ impl<D: Dma> Shared<D> {
         }
     }
 
+    /// Waits for a job posted after `seen` (or shutdown): watching for a moment, then asleep.
+    fn idle(&self, seen: usize) {
+        let watch = std::time::Instant::now();
+        while watch.elapsed() < SPIN {
+            if self.posts.load(Ordering::Acquire) != seen {
+                return;
+            }
+            std::hint::spin_loop();
+        }
+        let queue = lock(&self.queue);
+        if self.posts.load(Ordering::Acquire) == seen && !queue.shutdown {
+            drop(wait(&self.job_posted, queue));
+        }
+    }
+
     /// Copies piece `index` of `job` through a chunk of the ring.
     fn copy_piece(&self, job: &Job<D>, index: usize) {
         let _finished = PieceGuard(job);
         if job.failed.load(Ordering::Relaxed) {
             return;
         }
-        let slot = match self.take_slot() {
+        let mut slot = match self.take_slot(job.helped) {
             Ok(slot) => slot,
             Err(error) => return job.fail(error),
         };
         // The chunk's previous DMA must be over before it is written or refilled; if that
         // cannot be known, the chunk is never used again.
-        if let Err(error) = self.dma.wait(&slot.event) {
+        if !slot.settled
+            && let Err(error) = self.dma.wait(&slot.event)
+        {
             self.lose(slot);
             return job.fail(error);
         }
-        let offset = index * job.piece;
-        let bytes = job.piece.min(job.bytes - offset);
+        slot.settled = job.direction == Direction::DeviceToHost;
+        let (offset, bytes) = job.cuts[index];
         let host = job.host.0.wrapping_add(offset);
         let chunk = self.base.0.wrapping_add(slot.offset);
         let device = job.device + offset as u64;
@@ -666,12 +760,18 @@ impl<D: Dma> Shared<D> {
         }
     }
 
-    /// The oldest free chunk (the likeliest to have finished its DMA); waits while all are
-    /// taken.
-    fn take_slot(&self) -> Result<Slot<D>> {
+    /// A free chunk, waiting while all are taken: for a copy spread over threads the oldest
+    /// (the likeliest to have finished its DMA), for one on a single thread the newest (still
+    /// in the CPU's caches; its DMA is usually over, since small copies are waited for).
+    fn take_slot(&self, spread: bool) -> Result<Slot<D>> {
         let mut ring = lock(&self.ring);
         loop {
-            if let Some(slot) = ring.free.pop_front() {
+            let slot = if spread {
+                ring.free.pop_front()
+            } else {
+                ring.free.pop_back()
+            };
+            if let Some(slot) = slot {
                 return Ok(slot);
             }
             if ring.live == 0 {

@@ -45,6 +45,7 @@ fn typed_elements_and_odd_configurations() {
         threads: 3,
         slots: 2,
         single_thread_bytes: 0,
+        min_piece_bytes: 1000,
     };
     let stager = Stager::with_config_in(config, cuda_pinned::CudaHost::new()).unwrap();
     let data: Vec<f64> = (0..100_003).map(|i| i as f64 * 0.5).collect();
