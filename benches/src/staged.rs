@@ -43,7 +43,7 @@ fn reps(bytes: usize, quick: bool) -> usize {
 
 /// Work items, for the progress bar.
 pub fn steps(quick: bool) -> usize {
-    sizes(quick).len() + if quick { 1 } else { 2 }
+    sizes(quick).len() + if quick { 2 } else { 3 }
 }
 
 fn gbps(bytes: usize, seconds: f64) -> f64 {
@@ -132,6 +132,57 @@ fn by_size(
             ]);
         }
     }
+    Ok(())
+}
+
+/// The host's own ceiling for the staged path: the stager's threads copying 1 GiB between
+/// ordinary memory and ring-sized page-locked chunks (each thread its own two chunks, in
+/// chunk-sized pieces), with no DMA at all. Median GB/s of `reps`, into and out of the chunks.
+fn memcpy_ceiling(
+    stager: &Stager,
+    quick: bool,
+    section: &mut Section,
+    progress: &mut Progress,
+) -> Result<()> {
+    progress.step("staged memcpy ceiling");
+    let bytes = if quick { 256 << 20 } else { 1 << 30 };
+    let (threads, chunk) = (stager.config().threads, stager.config().chunk_bytes);
+    let mut ordinary = vec![7u8; bytes];
+    let mut ring = PinnedVec::with_capacity_in(2 * threads * chunk, Registered::new())?;
+    ring.resize(2 * threads * chunk, 0);
+    let share = bytes.div_ceil(threads);
+    let mut rates = [Vec::new(), Vec::new()];
+    for rep in 0..=5 {
+        for (d, into_ring) in [true, false].into_iter().enumerate() {
+            let seconds = timed(|| {
+                std::thread::scope(|scope| {
+                    for (part, chunks) in ordinary.chunks_mut(share).zip(ring.chunks_mut(2 * chunk))
+                    {
+                        scope.spawn(move || {
+                            for (i, piece) in part.chunks_mut(chunk).enumerate() {
+                                let slot = &mut chunks[(i % 2) * chunk..][..piece.len()];
+                                if into_ring {
+                                    slot.copy_from_slice(piece);
+                                } else {
+                                    piece.copy_from_slice(slot);
+                                }
+                            }
+                        });
+                    }
+                });
+                Ok(())
+            })?;
+            if rep > 0 {
+                rates[d].push(gbps(bytes, seconds));
+            }
+        }
+    }
+    let [into, out] = rates.map(|r| Spread::of(r).median);
+    section.notes.push(format!(
+        "host memcpy ceiling, {threads} threads, {}, no DMA: ordinary → chunks {into:.2} GB/s, \
+         chunks → ordinary {out:.2} GB/s",
+        size_label(bytes as u64)
+    ));
     Ok(())
 }
 
@@ -344,6 +395,7 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
     );
     by_size(&stager, quick, &mut section, progress)?;
     both_ways(&stager, quick, &mut section, progress)?;
+    memcpy_ceiling(&stager, quick, &mut section, progress)?;
     if !quick {
         sweep(&mut section, progress)?;
     }

@@ -36,8 +36,9 @@ impl Stream {
     ///
     /// # Errors
     ///
-    /// [`Error::Unsupported`] for cudarc's `per_thread_stream()`, a different stream on every
-    /// thread (see [`from_raw`](Self::from_raw)).
+    /// [`Error::Unsupported`] for cudarc's `default_stream()` and `per_thread_stream()`, which
+    /// name a different stream on every device or thread (see [`from_raw`](Self::from_raw)).
+    /// [`CudarcCopies`] works on them.
     pub fn from_cudarc(stream: &Arc<CudaStream>) -> Result<Self> {
         // SAFETY: the handle belongs to `stream`, kept alive by the returned stream; cudarc
         // streams live in a context of the device, and work recorded there by this crate
@@ -74,8 +75,7 @@ pub trait CudarcCopies {
     /// # Errors
     ///
     /// [`Error::LengthMismatch`] when the lengths differ, [`Error::Cudarc`] when the stream's
-    /// context cannot be made current, [`Error::Unsupported`] on cudarc's per-thread stream
-    /// ([`Stream::from_cudarc`]), or the CUDA error. `src` is then dropped: given back
+    /// context cannot be made current, or the CUDA error. `src` is then dropped: given back
     /// to its allocator once nothing can still use it.
     fn copy_to_device<B, D>(&self, src: B, dst: &mut D) -> Result<Transfer<B>>
     where
@@ -128,13 +128,21 @@ impl CudarcCopies for Arc<CudaStream> {
 }
 
 /// Checks the lengths, binds the stream's context to the thread (as cudarc does before each
-/// call) and adopts the stream.
+/// call) and wraps the stream for this call (its default streams included: the copy and its
+/// event are queued now, from this thread, on the bound device).
 fn prepare(stream: &Arc<CudaStream>, host: usize, device: usize) -> Result<Stream> {
     if host != device {
         return Err(Error::LengthMismatch { host, device });
     }
     stream.context().bind_to_thread()?;
-    Stream::from_cudarc(stream)
+    // SAFETY: the handle is kept alive by the clone held; the wrapper lives for this call
+    // only (copies record their event at once and keep the event, not the stream).
+    Ok(unsafe {
+        Stream::borrow(
+            stream.cu_stream().cast(),
+            Owner::Kept(Box::new(stream.clone())),
+        )
+    })
 }
 
 // `stream.memcpy_htod(&pinned, &mut slice)` and `stream.memcpy_dtoh(&slice, &mut pinned)`:

@@ -62,7 +62,8 @@ impl Default for StagingConfig {
 /// Copies between `&[T]` / `&mut [T]` in ordinary memory and device memory at page-locked
 /// speed, through a ring of pinned chunks (from allocator `A`, a pool for instance)
 /// and persistent copy threads. Share one stager between threads: calls from several threads
-/// (both directions at once, on two streams) split the threads between them.
+/// (both directions at once, on two streams) split the threads between them. A stager copies
+/// on the device that was current when it was made; make one per device.
 ///
 /// ```no_run
 /// use cuda_pinned::{DeviceBuffer, Stager, Stream};
@@ -125,14 +126,16 @@ impl<A: PinnedAllocator> Stager<A> {
     ///
     /// # Errors
     ///
-    /// [`Error::LengthMismatch`] when the lengths differ, or the CUDA error. After an error
-    /// part of `dst` may have been written.
+    /// [`Error::LengthMismatch`] when the lengths differ, [`Error::Unsupported`] when another
+    /// device is current, or the CUDA error. After an error part of `dst` may have been
+    /// written.
     pub fn copy_to_device<'d, T: NoUninit + 'd>(
         &self,
         stream: &Stream,
         src: &[T],
         dst: impl Into<DeviceSliceMut<'d, T>>,
     ) -> Result<StagedCopy> {
+        self.on_its_device()?;
         let dst = dst.into();
         let range = dst.range;
         if range.len != src.len() {
@@ -163,13 +166,26 @@ impl<A: PinnedAllocator> Stager<A> {
         let event = match event {
             Ok(event) => event,
             Err(error) => {
-                // Without an event the device range cannot know when its copies end.
-                stream.synchronize()?;
+                // Without an event the device range cannot know when its copies end: wait for
+                // them here (if even that fails, the device is in an error state).
+                let _ = stream.synchronize();
                 return Err(copied.err().unwrap_or(error));
             }
         };
         copied?;
         Ok(StagedCopy { event })
+    }
+
+    /// Its events belong to the device current when it was made; so must the stream.
+    fn on_its_device(&self) -> Result<()> {
+        if ffi::current_device()? == self.engine.device {
+            Ok(())
+        } else {
+            Err(Error::Unsupported(
+                "a stager copies on the device that was current when it was made; \
+                 make one per device",
+            ))
+        }
     }
 
     /// An event nobody else holds (a handle or a device buffer), or a new one.
@@ -192,14 +208,14 @@ impl<A: PinnedAllocator> Stager<A> {
     ///
     /// # Errors
     ///
-    /// [`Error::LengthMismatch`] when the lengths differ, or the CUDA error. After an error
-    /// part of `dst` may have been written.
+    /// As [`copy_to_device`](Self::copy_to_device).
     pub fn copy_from_device<'d, T: AnyBitPattern + 'd>(
         &self,
         stream: &Stream,
         src: impl Into<DeviceSlice<'d, T>>,
         dst: &mut [T],
     ) -> Result<()> {
+        self.on_its_device()?;
         let range = src.into().range;
         if range.len != dst.len() {
             return Err(Error::LengthMismatch {
@@ -229,7 +245,9 @@ impl<A: PinnedAllocator> Stager<A> {
                 Ok(())
             });
             if ended.is_err() {
-                stream.synchronize()?;
+                // Wait for them here instead (if even that fails, the device is in an error
+                // state).
+                let _ = stream.synchronize();
             }
         }
         // On success every piece's copy was waited for: nothing is left to track.
@@ -435,6 +453,8 @@ struct Shared<D: Dma> {
 pub(crate) struct Engine<D: Dma, A: PinnedAllocator> {
     shared: Arc<Shared<D>>,
     workers: Vec<JoinHandle<()>>,
+    /// The device current at construction: the ring's events and the workers' device.
+    device: i32,
     /// Dropped (or leaked) after the workers have stopped and every chunk's DMA has ended.
     memory: ManuallyDrop<PinnedVec<u8, A>>,
 }
@@ -448,11 +468,11 @@ struct Job<D: Dma> {
     device: u64,
     /// Each piece's offset and length, in order.
     cuts: Vec<(usize, usize)>,
-    /// Spread over the workers (else the caller's alone).
-    helped: bool,
+    /// Takes the newest free chunk (a copy of one piece on the calling thread: the chunk is
+    /// still in the CPU's caches) rather than the oldest.
+    newest_chunk: bool,
     pieces: usize,
     stream: D::Stream,
-    device_ordinal: i32,
     next: AtomicUsize,
     finished: Mutex<usize>,
     all_finished: Condvar,
@@ -509,12 +529,52 @@ impl<D: Dma> Job<D> {
     }
 }
 
-/// Counts a taken piece as finished when dropped, whatever path the piece took.
+/// Counts a taken piece as finished when dropped, whatever path the piece took; a piece left
+/// by a panic fails its job.
 struct PieceGuard<'a, D: Dma>(&'a Job<D>);
 
 impl<D: Dma> Drop for PieceGuard<'_, D> {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0
+                .fail(Error::Unsupported("a staging copy thread panicked"));
+        }
         self.0.finish_piece();
+    }
+}
+
+/// A chunk out of the ring: given back, or else lost when dropped (an error or a panic left
+/// its DMA unknown).
+struct Taken<'a, D: Dma> {
+    shared: &'a Shared<D>,
+    slot: Option<Slot<D>>,
+}
+
+impl<D: Dma> Taken<'_, D> {
+    fn give_back(mut self) {
+        if let Some(slot) = self.slot.take() {
+            self.shared.give_back(slot);
+        }
+    }
+}
+
+impl<D: Dma> Drop for Taken<'_, D> {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            self.shared.lose(slot);
+        }
+    }
+}
+
+/// Aborts the process if dropped while unwinding: the caller of a copy must not return, by a
+/// panic either, while other threads may still touch its buffer.
+struct AbortOnUnwind;
+
+impl Drop for AbortOnUnwind {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            std::process::abort();
+        }
     }
 }
 
@@ -539,6 +599,7 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
             })
             .collect::<Result<VecDeque<_>>>()?;
         let mut memory = PinnedVec::with_capacity_in(bytes, allocator)?;
+        let device = dma.current_device()?;
         let shared = Arc::new(Shared {
             dma,
             base: Address(memory.as_mut_ptr()),
@@ -556,19 +617,25 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
             job_posted: Condvar::new(),
             posts: AtomicUsize::new(0),
         });
-        // Workers that cannot start leave more work to the others and the callers.
+        // Workers that cannot start (or cannot use the device) leave more work to the others
+        // and the callers.
         let workers = (1..shared.config.threads)
             .map_while(|index| {
                 let shared = shared.clone();
                 std::thread::Builder::new()
                     .name(format!("pinned-staging-{index}"))
-                    .spawn(move || shared.work(index))
+                    .spawn(move || {
+                        if shared.dma.set_device(device).is_ok() {
+                            shared.work(index);
+                        }
+                    })
                     .ok()
             })
             .collect();
         Ok(Self {
             shared,
             workers,
+            device,
             memory: ManuallyDrop::new(memory),
         })
     }
@@ -606,14 +673,9 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
             host: Address(host),
             device,
             cuts,
-            helped: helpers > 0,
+            newest_chunk: helpers == 0 && pieces == 1,
             pieces,
             stream: stream.clone(),
-            device_ordinal: if helpers > 0 {
-                self.shared.dma.current_device()?
-            } else {
-                0
-            },
             next: AtomicUsize::new(0),
             finished: Mutex::new(0),
             all_finished: Condvar::new(),
@@ -631,10 +693,12 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
                 self.shared.job_posted.notify_one();
             }
         }
+        let unwinding = AbortOnUnwind;
         while let Some(index) = job.take() {
             self.shared.copy_piece(&job, index);
         }
         job.wait_finished();
+        drop(unwinding);
         if helpers > 0 {
             lock(&self.shared.queue)
                 .jobs
@@ -648,10 +712,9 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
 }
 
 impl<D: Dma> Shared<D> {
-    /// A worker: takes pieces of the queued jobs (worker `index` starts on job
+    /// A worker on `device` (the engine's): takes pieces of the queued jobs (worker `index` starts on job
     /// `index % jobs`, so concurrent copies share the workers) until shutdown.
     fn work(&self, index: usize) {
-        let mut device = None;
         loop {
             let seen = self.posts.load(Ordering::Acquire);
             let queued = {
@@ -666,13 +729,6 @@ impl<D: Dma> Shared<D> {
                 self.idle(seen);
                 continue;
             };
-            if device != Some(job.device_ordinal) {
-                if let Err(error) = self.dma.set_device(job.device_ordinal) {
-                    job.fail(error);
-                    continue;
-                }
-                device = Some(job.device_ordinal);
-            }
             while let Some(piece) = job.take() {
                 self.copy_piece(&job, piece);
             }
@@ -700,16 +756,19 @@ impl<D: Dma> Shared<D> {
         if job.failed.load(Ordering::Relaxed) {
             return;
         }
-        let mut slot = match self.take_slot(job.helped) {
-            Ok(slot) => slot,
+        let mut taken = match self.take_slot(job.newest_chunk) {
+            Ok(slot) => Taken {
+                shared: self,
+                slot: Some(slot),
+            },
             Err(error) => return job.fail(error),
         };
+        let slot = taken.slot.as_mut().expect("taken");
         // The chunk's previous DMA must be over before it is written or refilled; if that
-        // cannot be known, the chunk is never used again.
+        // cannot be known, the chunk is never used again (`taken` loses it when dropped).
         if !slot.settled
             && let Err(error) = self.dma.wait(&slot.event)
         {
-            self.lose(slot);
             return job.fail(error);
         }
         slot.settled = job.direction == Direction::DeviceToHost;
@@ -747,29 +806,27 @@ impl<D: Dma> Shared<D> {
             }
         };
         match moved {
-            Ok(()) => self.give_back(slot),
+            Ok(()) => taken.give_back(),
             Err(error) => {
                 // A copy may be queued that the chunk's event does not cover.
                 if self.dma.wait_stream(&job.stream).is_ok() {
-                    self.give_back(slot);
-                } else {
-                    self.lose(slot);
+                    taken.give_back();
                 }
                 job.fail(error);
             }
         }
     }
 
-    /// A free chunk, waiting while all are taken: for a copy spread over threads the oldest
-    /// (the likeliest to have finished its DMA), for one on a single thread the newest (still
-    /// in the CPU's caches; its DMA is usually over, since small copies are waited for).
-    fn take_slot(&self, spread: bool) -> Result<Slot<D>> {
+    /// A free chunk, waiting while all are taken: the oldest (the likeliest to have finished
+    /// its DMA), or the newest (still in the CPU's caches; for a small copy on one thread,
+    /// whose DMA is usually over since small copies are waited for).
+    fn take_slot(&self, newest: bool) -> Result<Slot<D>> {
         let mut ring = lock(&self.ring);
         loop {
-            let slot = if spread {
-                ring.free.pop_front()
-            } else {
+            let slot = if newest {
                 ring.free.pop_back()
+            } else {
+                ring.free.pop_front()
             };
             if let Some(slot) = slot {
                 return Ok(slot);

@@ -90,17 +90,16 @@ impl Stream {
     /// so work this crate did not queue still holds them back from reuse and free. The
     /// stream is never destroyed through the returned handle.
     ///
-    /// The null handle names the legacy default stream.
-    ///
     /// # Errors
     ///
-    /// [`Error::Unsupported`] for `cudaStreamPerThread`: it names a different stream on every
-    /// thread, so a use recorded on one thread could not be found from another.
+    /// [`Error::Unsupported`] for the default streams (null, `cudaStreamLegacy`,
+    /// `cudaStreamPerThread`): they name a different stream on every device or thread, so a
+    /// use recorded from one thread could be looked for on another stream later.
     ///
     /// # Safety
     ///
     /// - `raw` is a live stream of the device's primary context (the one the runtime API and
-    ///   cudarc's `CudaContext::new` use), or null;
+    ///   cudarc's `CudaContext::new` use);
     /// - it stays live as long as the returned handle, or any clone of it, lives. Buffers and
     ///   device buffers that were used on it keep clones until they drop.
     ///
@@ -115,16 +114,36 @@ impl Stream {
     ///
     /// As [`from_raw`](Self::from_raw), with `owner` keeping `raw` live when it is `Kept`.
     pub(crate) unsafe fn adopt(raw: cudaStream_t, owner: Owner) -> Result<Self> {
-        // `cudaStreamPerThread` is a macro in the headers: the handle value 2.
-        if raw as usize == 2 {
-            return Err(Error::Unsupported(
+        // The default streams are macros in the headers: null and `cudaStreamLegacy` (1) name
+        // the legacy stream of whichever device is current, `cudaStreamPerThread` (2) the
+        // calling thread's. A use recorded on one would be looked for later on another device
+        // or thread, and miss the work it was meant to cover.
+        match raw as usize {
+            0 | 1 => Err(Error::Unsupported(
+                "the legacy default stream is a different stream on every device; \
+                 adopt a stream created for the purpose",
+            )),
+            2 => Err(Error::Unsupported(
                 "the per-thread default stream is a different stream on every thread; \
                  adopt a stream created for the purpose",
-            ));
+            )),
+            // SAFETY: forwarded from the caller.
+            _ => Ok(unsafe { Self::borrow(raw, owner) }),
         }
-        Ok(Self {
+    }
+
+    /// Wraps `raw` without the checks of [`adopt`](Self::adopt): for work queued and recorded
+    /// within one call, on the calling thread and its current device, where the default
+    /// streams name the right stream.
+    ///
+    /// # Safety
+    ///
+    /// `raw` is live (or a default stream) while the returned stream lives, and the stream is
+    /// not kept beyond the call (no buffer records a use on it).
+    pub(crate) unsafe fn borrow(raw: cudaStream_t, owner: Owner) -> Self {
+        Self {
             handle: Arc::new(StreamHandle { raw, owner }),
-        })
+        }
     }
 
     /// The raw `cudaStream_t`, for passing to other CUDA libraries (cudarc's and cust's

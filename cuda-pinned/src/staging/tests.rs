@@ -41,6 +41,8 @@ enum Op {
 /// the whole stream fails too.
 #[derive(Default)]
 struct Faults {
+    /// A worker thread (never the caller) panics in its next `queue`.
+    worker_panics: AtomicBool,
     queue_at: AtomicUsize,
     wait_at: AtomicUsize,
     stream_wait_fails: AtomicBool,
@@ -62,7 +64,8 @@ struct Device {
     posted: Condvar,
     /// A chunk changed between queueing its copy and the copy: reused before its event.
     overwritten: AtomicBool,
-    /// Device → host copies executed (to check a copy's chunk is read after it is filled).
+    /// Host addresses copies were queued from or into (the chunks used).
+    chunks: Mutex<std::collections::HashSet<usize>>,
     faults: Faults,
     executor: Mutex<Option<JoinHandle<()>>>,
 }
@@ -77,6 +80,7 @@ impl Fake {
             ops: Mutex::new(VecDeque::new()),
             posted: Condvar::new(),
             overwritten: AtomicBool::new(false),
+            chunks: Mutex::default(),
             faults: Faults::default(),
             executor: Mutex::new(None),
         });
@@ -170,6 +174,13 @@ impl Dma for Fake {
         if hit(&faults.queues, &faults.queue_at) {
             return Err(injected());
         }
+        let worker = std::thread::current()
+            .name()
+            .is_some_and(|name| name.starts_with("pinned-staging"));
+        if worker && faults.worker_panics.swap(false, Ordering::Relaxed) {
+            panic!("injected panic in a copy thread");
+        }
+        lock(&self.0.chunks).insert(host as usize);
         let queued = match direction {
             // SAFETY: the caller keeps the chunk readable for the copy.
             Direction::HostToDevice => unsafe { std::slice::from_raw_parts(host, bytes) }.to_vec(),
@@ -388,6 +399,49 @@ fn one_chunk_is_reused_only_after_each_copy() {
     let data = pattern(40_000, 7);
     assert_eq!(round_trip(&engine, 100, &data).unwrap(), data);
     assert!(!fake.0.overwritten.load(Ordering::Relaxed));
+    drop(engine);
+    fake.stop();
+}
+
+#[test]
+fn a_copy_on_one_thread_cycles_through_the_chunks() {
+    let fake = Fake::new(1 << 16);
+    let config = StagingConfig {
+        single_thread_bytes: usize::MAX,
+        ..config(256, 1, 4)
+    };
+    let engine = Engine::new(fake.clone(), config, Counted::default()).unwrap();
+    let data = pattern(4096, 5);
+    assert_eq!(round_trip(&engine, 0, &data).unwrap(), data);
+    // 16 pieces each way: every chunk takes part, so one piece's DMA overlaps the next copy.
+    assert_eq!(lock(&fake.0.chunks).len(), 4);
+    drop(engine);
+    fake.stop();
+}
+
+#[test]
+#[cfg_attr(miri, ignore = "leaks the ring on purpose, which Miri reports")]
+fn a_panicking_copy_thread_fails_the_copy_without_a_hang() {
+    let fake = Fake::new(1 << 16);
+    let allocator = Counted::default();
+    let config = StagingConfig {
+        single_thread_bytes: 0,
+        ..config(256, 4, 4)
+    };
+    let engine = Engine::new(fake.clone(), config, allocator.clone()).unwrap();
+    let data = pattern(40_000, 6);
+    fake.0.faults.worker_panics.store(true, Ordering::Relaxed);
+    let result = round_trip(&engine, 0, &data);
+    // The caller may finish every piece before a worker wakes: then nothing panicked.
+    if fake.0.faults.worker_panics.load(Ordering::Relaxed) {
+        assert_eq!(result.unwrap(), data);
+    } else {
+        let error = result.unwrap_err();
+        assert!(error.to_string().contains("panicked"), "{error}");
+    }
+    // The engine goes on with the threads and chunks it has left.
+    fake.0.faults.worker_panics.store(false, Ordering::Relaxed);
+    assert_eq!(round_trip(&engine, 0, &data).unwrap(), data);
     drop(engine);
     fake.stop();
 }

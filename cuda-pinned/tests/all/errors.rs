@@ -115,3 +115,16 @@ fn the_per_thread_stream_cannot_be_adopted() {
         other => panic!("expected Unsupported, got {other:?}"),
     }
 }
+
+#[test]
+fn the_legacy_default_stream_cannot_be_adopted() {
+    for raw in [0usize, 1] {
+        // SAFETY: adoption is refused before the handle is used.
+        let adopted =
+            unsafe { cuda_pinned::Stream::from_raw(raw as cuda_pinned::sys::cudaStream_t) };
+        assert!(
+            matches!(adopted, Err(Error::Unsupported(_))),
+            "handle {raw}"
+        );
+    }
+}

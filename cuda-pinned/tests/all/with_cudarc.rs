@@ -183,16 +183,19 @@ fn adopted_streams_order_work_and_record_uses() {
     upload.wait().unwrap();
     assert_eq!(device.to_vec().unwrap(), data);
 
-    // The legacy default stream (cudarc's `default_stream`) can be adopted too.
-    let default = CudaContext::new(0).unwrap().default_stream();
-    let adopted = Stream::from_cudarc(&default).unwrap();
-    let mut vec = PinnedVec::from_slice(&data).unwrap();
-    vec.record_stream(&adopted);
-    drop(vec);
-    // cudarc's per-thread stream names a different stream on each thread.
-    let per_thread = CudaContext::new(0).unwrap().per_thread_stream();
-    assert!(matches!(
-        Stream::from_cudarc(&per_thread),
-        Err(Error::Unsupported(_))
-    ));
+    // cudarc's default and per-thread streams name a different stream on every device or
+    // thread: they cannot be adopted, but tracked copies run on them.
+    let ctx = CudaContext::new(0).unwrap();
+    for stream in [ctx.default_stream(), ctx.per_thread_stream()] {
+        assert!(matches!(
+            Stream::from_cudarc(&stream),
+            Err(Error::Unsupported(_))
+        ));
+        let mut device = stream.alloc_zeros::<u8>(data.len()).unwrap();
+        let upload = stream
+            .copy_to_device(PinnedVec::from_slice(&data).unwrap(), &mut device)
+            .unwrap();
+        upload.wait().unwrap();
+        assert_eq!(stream.clone_dtoh(&device).unwrap(), data);
+    }
 }
