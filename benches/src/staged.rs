@@ -297,14 +297,21 @@ fn sweep(section: &mut Section, progress: &mut Progress) -> Result<()> {
             size_label(min_piece as u64)
         ));
     }
-    for bytes in [64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20] {
+    for bytes in [256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20] {
         let source = vec![3u8; bytes];
         let mut sink = vec![4u8; bytes];
         let mut device = DeviceBuffer::<u8>::zeroed(bytes)?;
         let mut line = format!("sweep {:>7}:", size_label(bytes as u64));
-        for (name, single_thread_bytes) in [("one thread", usize::MAX), ("spread", 0)] {
+        let variants = [
+            ("one thread", usize::MAX, 1 << 20),
+            ("pieces from 256 KiB", 0, 256 << 10),
+            ("512 KiB", 0, 512 << 10),
+            ("1 MiB", 0, 1 << 20),
+        ];
+        for (name, single_thread_bytes, min_piece_bytes) in variants {
             let config = StagingConfig {
                 single_thread_bytes,
+                min_piece_bytes,
                 ..StagingConfig::default()
             };
             let stager = Stager::with_config_in(config, DefaultPinned)?;

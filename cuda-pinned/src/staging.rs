@@ -54,7 +54,7 @@ impl Default for StagingConfig {
             threads,
             slots: 2 * threads,
             single_thread_bytes: 256 << 10,
-            min_piece_bytes: 1 << 20,
+            min_piece_bytes: 512 << 10,
         }
     }
 }
