@@ -1,4 +1,4 @@
-//! Copies between ordinary (pageable) memory and the device at pinned speed: a ring of
+//! Copies between ordinary (pageable) memory and the device near pinned speed: a ring of
 //! page-locked chunks that several host threads fill (or empty) while the DMA engine drains
 //! (or fills) them on the caller's stream.
 //!
@@ -59,9 +59,9 @@ impl Default for StagingConfig {
     }
 }
 
-/// Copies between `&[T]` / `&mut [T]` in ordinary memory and device memory at page-locked
-/// speed, through a ring of pinned chunks (from allocator `A`, a pool for instance)
-/// and persistent copy threads. Share one stager between threads: calls from several threads
+/// Copies between `&[T]` / `&mut [T]` in ordinary memory and device memory near page-locked
+/// speed for large copies, through a ring of pinned chunks (from allocator `A`, a pool for
+/// instance) and persistent copy threads. Share one stager between threads: calls from several threads
 /// (both directions at once, on two streams) split the threads between them. A stager copies
 /// on the device that was current when it was made; make one per device.
 ///
