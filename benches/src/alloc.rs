@@ -33,7 +33,7 @@ const KINDS: [&str; 5] = [
 
 /// Work items, for the progress bar.
 pub fn steps(quick: bool, cuda: bool) -> usize {
-    sizes(quick).len() * KINDS.len() + if cuda { 3 } else { 0 }
+    sizes(quick).len() * KINDS.len() + if cuda { 7 } else { 0 }
 }
 
 fn median(mut values: Vec<Duration>) -> Duration {
@@ -159,7 +159,7 @@ pub fn run(quick: bool, cuda: bool, progress: &mut Progress) -> Vec<Section> {
 fn stall(progress: &mut Progress) -> Section {
     let mut section = Section::new(
         "stall",
-        "Another thread's 64 KiB copy+sync while this thread pins 1 GiB",
+        "Another thread's 64 KiB copy+sync while this thread pins 1 GiB (or a pool grows by 1 GiB in the background)",
         &[
             "pinning",
             "pin ms",
@@ -168,7 +168,14 @@ fn stall(progress: &mut Progress) -> Section {
             "p99 copy ms",
         ],
     );
-    for kind in ["nothing (sleep 300 ms)", "cudaHostAlloc", "registered"] {
+    for kind in [
+        "nothing (sleep 300 ms)",
+        "cudaHostAlloc",
+        "registered",
+        RESERVE_8,
+        RESERVE_16,
+        RESERVE_128,
+    ] {
         progress.step(&format!("stall {kind}"));
         match measure_stall(kind) {
             Ok((pin, latencies)) => {
@@ -190,10 +197,65 @@ fn stall(progress: &mut Progress) -> Section {
             Err(e) => section.notes.push(format!("{kind}: {e}")),
         }
     }
+    progress.step("stall reserve cost");
+    match reserve_cost() {
+        Ok((covered, hit)) => section.notes.push(format!(
+            "a 16 MiB allocation the reserve covers: median {:.0} ns; a pool hit of the same \
+             size: {:.0} ns (64 of each, both raising the pool-wide peak)",
+            covered.as_secs_f64() * 1e9,
+            hit.as_secs_f64() * 1e9
+        )),
+        Err(e) => section.notes.push(format!("reserve cost: {e}")),
+    }
     section
         .notes
         .push("anchor (H100 host): cudaHostAlloc(1 GiB) stalls the other thread 350 ms".into());
     section
+}
+
+/// Median times of 64 allocations of 16 MiB taken from blocks pinned ahead, then of 64
+/// taken from the cache once those are freed. Each round starts from a peak of zero, so both
+/// pay for raising the pool-wide peak alike.
+fn reserve_cost() -> Result<(Duration, Duration)> {
+    const BLOCK: usize = 16 << 20;
+    let pool = Pool::new();
+    grow_in_background(&pool, BLOCK, 64)?;
+    // Keep what is ready, pin no more: the timings see no registration beside them.
+    pool.reserve(BLOCK, 0)?;
+    let mut times = [Vec::new(), Vec::new()];
+    for times in &mut times {
+        let mut blocks = Vec::new();
+        for _ in 0..64 {
+            let start = Instant::now();
+            let block = pool.allocate_raw(BLOCK)?;
+            times.push(start.elapsed());
+            blocks.push(block);
+        }
+        for block in blocks {
+            // SAFETY: allocated above from this pool, never used by a device.
+            unsafe { pool.free_raw(block) };
+        }
+        pool.reset_peak_stats();
+    }
+    let [covered, hit] = times;
+    Ok((median(covered), median(hit)))
+}
+
+/// A pool growing by 1 GiB on its reserve thread, in blocks of 8 / 16 / 128 MiB.
+const RESERVE_8: &str = "pool reserve, 128 × 8 MiB (background)";
+const RESERVE_16: &str = "pool reserve, 64 × 16 MiB (background)";
+const RESERVE_128: &str = "pool reserve, 8 × 128 MiB (background)";
+
+/// Has `pool` pin `blocks` blocks of `block` bytes ahead, and waits until they are ready.
+fn grow_in_background(pool: &Pool, block: usize, blocks: usize) -> Result<()> {
+    pool.reserve(block, blocks)?;
+    while pool.approximate_stats().reserve_ready_bytes < (block * blocks) as u64 {
+        if let Some(error) = pool.take_reserve_error() {
+            return Err(error);
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    Ok(())
 }
 
 fn measure_stall(kind: &str) -> Result<(Duration, Vec<Duration>)> {
@@ -216,9 +278,13 @@ fn measure_stall(kind: &str) -> Result<(Duration, Vec<Duration>)> {
         std::thread::sleep(Duration::from_millis(50));
         let layout = Layout::from_size_align(BYTES, 4096).expect("layout");
         let begin = Instant::now();
+        let pool = Pool::new();
         let pinned = match kind {
             "cudaHostAlloc" => Some(CudaHost::new().allocate(layout).map(|a| (a, true))),
             "registered" => Some(Registered::new().allocate(layout).map(|a| (a, false))),
+            RESERVE_8 => grow_in_background(&pool, 8 << 20, 128).err().map(Err),
+            RESERVE_16 => grow_in_background(&pool, 16 << 20, 64).err().map(Err),
+            RESERVE_128 => grow_in_background(&pool, 128 << 20, 8).err().map(Err),
             _ => {
                 std::thread::sleep(Duration::from_millis(300));
                 None
@@ -228,6 +294,7 @@ fn measure_stall(kind: &str) -> Result<(Duration, Vec<Duration>)> {
         std::thread::sleep(Duration::from_millis(50));
         stop.store(true, Ordering::Relaxed);
         let ops = copier.join().expect("copier thread")?;
+        drop(pool);
         if let Some(pinned) = pinned {
             let (allocation, host_alloc) = pinned?;
             // SAFETY: just allocated, never used by a device.

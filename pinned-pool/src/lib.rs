@@ -109,6 +109,7 @@ mod completion;
 mod config;
 mod local;
 mod pool;
+mod reserve;
 mod size_class;
 mod stats;
 mod sync;

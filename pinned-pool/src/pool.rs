@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::ptr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use cuda_pinned::{
@@ -17,6 +18,7 @@ use crate::barrier::Barrier;
 use crate::completion::Completion;
 use crate::config::{ConfigError, PoolConfig};
 use crate::local::{Amount, Cached, Counted, Local, LocalData, idle_bytes, magazine_has_room};
+use crate::reserve::Reserve;
 use crate::size_class::{CLASSES, PAGE, class_of, class_size};
 use crate::stats::{DurationStat, PoolStats, Stat};
 use crate::threads::PerThread;
@@ -59,8 +61,11 @@ pub struct Pool<B: PinnedAllocator = DefaultPinned, C: Completion = PendingUses>
     pending: Mutex<Vec<(Allocation, C)>>,
     /// Every block pinned from the backend, by address, as the backend described it.
     blocks: Mutex<HashMap<usize, Allocation>>,
-    /// Class-size bytes of all blocks pinned (in use, pending or idle), for the pinned cap.
-    reserved: AtomicUsize,
+    /// Class-size bytes of all blocks pinned (in use, pending, idle, or pinned ahead by the
+    /// reserve thread, which counts them too), for the pinned cap.
+    reserved: Arc<AtomicUsize>,
+    /// The thread that pins ahead of need, started by the first [`Pool::reserve`].
+    ahead: OnceLock<Reserve>,
     pending_bytes: AtomicUsize,
     pending_requests: AtomicU64,
     /// Idle bytes in all caches, kept only under a cap on them (it costs a shared update per
@@ -207,7 +212,8 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             central: Mutex::new(Central::new()),
             pending: Mutex::new(Vec::new()),
             blocks: Mutex::new(HashMap::new()),
-            reserved: AtomicUsize::new(0),
+            reserved: Arc::new(AtomicUsize::new(0)),
+            ahead: OnceLock::new(),
             pending_bytes: AtomicUsize::new(0),
             pending_requests: AtomicU64::new(0),
             cached: AtomicUsize::new(0),
@@ -332,6 +338,15 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
                 self.cache_shrank(size);
                 return Ok(cached);
             }
+        }
+        // A block pinned ahead (counted against the cap already) before anything slower.
+        if let Some(block) = self.ahead.get().and_then(|ahead| ahead.take(class)) {
+            let allocation = self.adopt(block, class, size);
+            let mut central = self.central.lock();
+            // SAFETY: this thread owns `local`, is outside `enter` and holds the lock.
+            let data = unsafe { self.own(local) };
+            self.hand_out(&mut central, local, data, size, false, None);
+            return Ok(Cached::new(&allocation, None));
         }
         self.process_events();
         if self.config.idle_release.is_some() {
@@ -481,9 +496,30 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// Pins a new block from the backend, within the limit, retrying once after releasing
     /// the idle cache.
     fn pin_new(&self, class: usize, size: usize) -> Result<Allocation> {
+        let block = self.pin_from_backend(size)?;
+        Ok(self.adopt(block, class, size))
+    }
+
+    /// Makes `block` (pinned for `class`, counted against the cap) one of the pool's blocks,
+    /// and returns it as handed out.
+    fn adopt(&self, block: Allocation, class: usize, size: usize) -> Allocation {
+        let handed = Allocation::new(block.ptr(), size, block.kind(), class);
+        let bytes = block.bytes() as u64;
+        self.blocks
+            .lock()
+            .insert(block.ptr().as_ptr() as usize, block);
+        let mut central = self.central.lock();
+        raise(&mut central.allocations, 1);
+        raise(&mut central.allocated_bytes, bytes);
+        handed
+    }
+
+    /// A new block of `size` from the backend, counted against the cap (retried once after
+    /// releasing idle cache).
+    fn pin_from_backend(&self, size: usize) -> Result<Allocation> {
         let layout = Layout::from_size_align(size, PAGE).map_err(|_| Error::CapacityOverflow)?;
-        self.reserve(size)?;
-        // Gives the reservation back if the backend fails, or unwinds.
+        self.count_pinned(size)?;
+        // Gives the count back if the backend fails, or unwinds.
         let reservation = Reservation { pool: self, size };
         let mut result = self.timed_backend_allocate(layout);
         if let Err(error) = &result
@@ -494,15 +530,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         }
         let block = result?;
         std::mem::forget(reservation);
-        let handed = Allocation::new(block.ptr(), size, block.kind(), class);
-        let bytes = block.bytes() as u64;
-        self.blocks
-            .lock()
-            .insert(block.ptr().as_ptr() as usize, block);
-        let mut central = self.central.lock();
-        raise(&mut central.allocations, 1);
-        raise(&mut central.allocated_bytes, bytes);
-        Ok(handed)
+        Ok(block)
     }
 
     fn timed_backend_allocate(&self, layout: Layout) -> Result<Allocation> {
@@ -516,7 +544,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
 
     /// Counts `size` more reserved bytes, within `max_pinned_bytes`: over it, idle cache is
     /// released first.
-    fn reserve(&self, size: usize) -> Result<()> {
+    fn count_pinned(&self, size: usize) -> Result<()> {
         let Some(limit) = self.config.max_pinned_bytes else {
             self.reserved.fetch_add(size, Ordering::Relaxed);
             return Ok(());
@@ -714,6 +742,68 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             self.trim_to_cap();
         }
     }
+
+    /// Keeps `blocks` blocks of `block_bytes` (rounded up to its size class) pinned ahead of
+    /// need from now on, like PyTorch's `pinned_reserve_segment_size_mb` per size class: a
+    /// thread of the pool's own pins them in the background and pins another each time an
+    /// allocation takes one, so an allocation that finds its class empty takes a ready block
+    /// instead of waiting for the driver. Call it again to change the count (0 stops pinning
+    /// more of that class). The thread starts on the first call and is stopped and joined
+    /// when the pool drops; blocks pinned ahead count against `max_pinned_bytes`, are released
+    /// with the pool, and not by [`empty_cache`](Self::empty_cache).
+    ///
+    /// Errors the thread meets (the backend's, or the pinned cap) stop it pinning that class
+    /// until the next call or the next block taken; they are counted in
+    /// [`PoolStats::reserve_failures`] and the first is kept for
+    /// [`take_reserve_error`](Self::take_reserve_error).
+    ///
+    /// ```
+    /// use cuda_pinned::HostLocked;
+    /// use pinned_pool::{Pool, PoolConfig};
+    ///
+    /// let pool = Pool::with_backend(HostLocked, PoolConfig::new());
+    /// pool.reserve(1 << 20, 4)?; // four 1 MiB blocks, pinned in the background
+    /// let batch = pool.with_capacity(1 << 20)?; // a ready block once the thread got to it
+    /// # Ok::<(), cuda_pinned::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::CapacityOverflow`] above the largest class; [`Error::Os`] when the thread
+    /// cannot be started.
+    pub fn reserve(&self, block_bytes: usize, blocks: usize) -> Result<()>
+    where
+        B: Clone + Send + 'static,
+    {
+        let (class, _) = class_of(block_bytes).ok_or(Error::CapacityOverflow)?;
+        let ahead = match self.ahead.get() {
+            Some(ahead) => ahead,
+            None => {
+                let started = Reserve::start(
+                    self.backend.clone(),
+                    self.reserved.clone(),
+                    self.config.max_pinned_bytes,
+                )
+                .map_err(|source| Error::Os {
+                    call: "pthread_create",
+                    source,
+                })?;
+                // Two first calls at once: one thread is kept, the other stopped (it had no
+                // work yet).
+                let _ = self.ahead.set(started);
+                self.ahead.get().expect("set above")
+            }
+        };
+        ahead.set_target(class, blocks);
+        Ok(())
+    }
+
+    /// The first error the reserve thread met since the last call (see
+    /// [`reserve`](Self::reserve)); `None` when it met none, or was never started.
+    pub fn take_reserve_error(&self) -> Option<Error> {
+        self.ahead.get().and_then(Reserve::take_error)
+    }
+
     /// Releases every idle block to the backend (PyTorch's `empty_cache`). Blocks in use or
     /// waiting for device work stay.
     pub fn empty_cache(&self) {
@@ -865,10 +955,11 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         let counted: Vec<_> = self.caches().map(Local::counted).collect();
         let mut stats = PoolStats::default();
         self.fill_stats(&mut stats, &central, counted);
-        // Whatever is pinned and neither handed out nor pending is idle.
+        // Whatever is pinned and neither handed out, pending nor pinned ahead is idle.
         stats.cached_bytes = (self.reserved.load(Ordering::Relaxed) as u64)
             .saturating_sub(stats.active_bytes.current)
-            .saturating_sub(stats.pending_bytes);
+            .saturating_sub(stats.pending_bytes)
+            .saturating_sub(stats.reserve_ready_bytes);
         stats
     }
 
@@ -903,6 +994,10 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         stats.host_free_time = central.host_free_time;
         stats.pending_requests = self.pending_requests.load(Ordering::Relaxed);
         stats.pending_bytes = self.pending_bytes.load(Ordering::Relaxed) as u64;
+        if let Some(ahead) = self.ahead.get() {
+            stats.reserve_ready_bytes = ahead.shared.ready_bytes.load(Ordering::Relaxed) as u64;
+            stats.reserve_failures = ahead.failures();
+        }
     }
 
     /// Sets every peak to its current value.
@@ -952,6 +1047,14 @@ impl<B: PinnedAllocator, C: Completion> Drop for Pool<B, C> {
     /// Waits for the device work of pending blocks, then releases every block. A block whose
     /// work cannot be waited for (the device is in an error state) is leaked, not freed.
     fn drop(&mut self) {
+        if let Some(ahead) = self.ahead.get_mut() {
+            for (class, block) in ahead.drain() {
+                self.reserved
+                    .fetch_sub(class_size(class), Ordering::Relaxed);
+                // SAFETY: pinned ahead from the backend and never handed out.
+                unsafe { self.backend.deallocate(block) };
+            }
+        }
         let pending = std::mem::take(self.pending.get_mut());
         for (allocation, mut completion) in pending {
             if completion.wait() {

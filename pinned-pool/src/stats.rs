@@ -87,8 +87,14 @@ pub struct PoolStats {
     pub host_free_time: DurationStat,
     /// Allocations served from the cache.
     pub cache_hits: u64,
-    /// Allocations that had to pin new memory.
+    /// Allocations that had to pin new memory (or took a block pinned ahead).
     pub cache_misses: u64,
+    /// Bytes pinned ahead by the reserve thread and not yet taken ([`Pool::reserve`]).
+    ///
+    /// [`Pool::reserve`]: crate::Pool::reserve
+    pub reserve_ready_bytes: u64,
+    /// Errors the reserve thread met (the first is kept for `Pool::take_reserve_error`).
+    pub reserve_failures: u64,
 }
 
 #[cfg(test)]

@@ -210,3 +210,35 @@ fn a_block_recorded_on_a_cudarc_stream_waits_for_it() {
     assert_eq!(cudarc_stream.clone_dtoh(&device).unwrap(), data);
     assert_eq!(pool.stats().active_bytes.current, 0);
 }
+
+/// Blocks pinned ahead by the reserve thread are ordinary pool blocks: they copy, and they
+/// wait for their copy before reuse like any other.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn blocks_pinned_ahead_copy_and_wait_like_any_other() {
+    let pool = Pool::new();
+    pool.reserve(LEN, 2).unwrap();
+    while pool.approximate_stats().reserve_ready_bytes < 2 * LEN as u64 {
+        assert!(pool.take_reserve_error().is_none());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let stream = Stream::new().unwrap();
+    let data = pattern(LEN);
+    let mut block = pool.with_capacity(LEN).unwrap();
+    assert_eq!(pool.stats().cache_misses, 1);
+    block.extend_from_slice(&data);
+    let address = block.as_ptr();
+    let mut device = DeviceBuffer::<u8>::zeroed(LEN).unwrap();
+    block_stream(&stream, 300);
+    drop(stream.copy_to_device(block, &mut device).unwrap());
+    let mut other = pool.with_capacity(LEN).unwrap();
+    if other.as_ptr() == address {
+        assert!(
+            stream.query().unwrap(),
+            "reused a block whose copy is pending"
+        );
+    }
+    other.resize(LEN, 0xEE);
+    stream.synchronize().unwrap();
+    assert_eq!(device.to_vec().unwrap(), data);
+}

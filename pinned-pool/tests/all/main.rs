@@ -7,5 +7,6 @@ mod config;
 mod faults;
 mod gpu;
 mod model;
+mod reserve;
 mod soundness;
 mod waste;

@@ -1,0 +1,211 @@
+//! Pinning ahead of need: a thread of the pool's own keeps blocks of chosen classes pinned and
+//! ready, so an allocation that finds its class empty takes one instead of waiting for the
+//! driver (PyTorch's `pinned_reserve_segment_size_mb`, per size class).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::thread::JoinHandle;
+
+use cuda_pinned::{Allocation, Error, PinnedAllocator};
+use parking_lot::{Condvar, Mutex};
+
+use crate::size_class::{CLASSES, PAGE, class_size};
+
+/// What the reserve thread and the pool share.
+pub(crate) struct Shared {
+    state: Mutex<State>,
+    /// Wakes the thread: a target raised, a block taken, or stop.
+    wake: Condvar,
+    /// Bytes pinned ahead and not yet taken (for statistics without the lock).
+    pub(crate) ready_bytes: AtomicUsize,
+}
+
+struct State {
+    /// Blocks to keep ready, by class.
+    target: Vec<usize>,
+    /// Blocks ready, by class.
+    ready: Vec<Vec<Allocation>>,
+    /// The first error met since it was last taken, and how many in all.
+    error: Option<Error>,
+    failures: u64,
+    /// Classes given up on after an error, until the next `reserve` or take.
+    stalled: Vec<bool>,
+    stop: bool,
+    /// The thread waits for a wake-up (else it looks at the targets again by itself).
+    sleeping: bool,
+}
+
+/// The reserve thread, stopped and joined when dropped; what it held is handed back through
+/// [`Reserve::drain`] first.
+pub(crate) struct Reserve {
+    pub(crate) shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Reserve {
+    /// Starts the thread, pinning from `backend` and counting each block against `pinned`
+    /// within `limit` before pinning it.
+    pub(crate) fn start<B>(
+        backend: B,
+        pinned: Arc<AtomicUsize>,
+        limit: Option<usize>,
+    ) -> std::io::Result<Self>
+    where
+        B: PinnedAllocator + Send + 'static,
+    {
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                target: vec![0; CLASSES],
+                ready: (0..CLASSES).map(|_| Vec::new()).collect(),
+                error: None,
+                failures: 0,
+                stalled: vec![false; CLASSES],
+                stop: false,
+                sleeping: false,
+            }),
+            wake: Condvar::new(),
+            ready_bytes: AtomicUsize::new(0),
+        });
+        let thread = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("pinned-pool-reserve".into())
+                .spawn(move || shared.run(&backend, &pinned, limit))?
+        };
+        Ok(Self {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    /// Keeps `blocks` blocks of `class` ready from now on.
+    pub(crate) fn set_target(&self, class: usize, blocks: usize) {
+        let mut state = self.shared.state.lock();
+        state.target[class] = blocks;
+        state.stalled[class] = false;
+        drop(state);
+        self.shared.wake.notify_one();
+    }
+
+    /// A ready block of `class`, if there is one; the thread pins another in its place.
+    pub(crate) fn take(&self, class: usize) -> Option<Allocation> {
+        let mut state = self.shared.state.lock();
+        let block = state.ready[class].pop()?;
+        state.stalled[class] = false;
+        let wake = state.sleeping && state.target[class] > 0;
+        drop(state);
+        self.shared
+            .ready_bytes
+            .fetch_sub(class_size(class), Ordering::Relaxed);
+        // A busy thread sees the shortfall itself: the allocating thread pays no wake-up.
+        if wake {
+            self.shared.wake.notify_one();
+        }
+        Some(block)
+    }
+
+    /// The first error the thread met since the last call.
+    pub(crate) fn take_error(&self) -> Option<Error> {
+        self.shared.state.lock().error.take()
+    }
+
+    /// How many errors the thread met in all.
+    pub(crate) fn failures(&self) -> u64 {
+        self.shared.state.lock().failures
+    }
+
+    /// Stops the thread and returns every ready block (each `(class, block)`), already
+    /// counted against the pinned bytes.
+    pub(crate) fn drain(&mut self) -> Vec<(usize, Allocation)> {
+        self.stop();
+        let mut state = self.shared.state.lock();
+        let mut blocks = Vec::new();
+        for (class, ready) in state.ready.iter_mut().enumerate() {
+            blocks.extend(ready.drain(..).map(|block| (class, block)));
+        }
+        self.shared.ready_bytes.store(0, Ordering::Relaxed);
+        blocks
+    }
+
+    fn stop(&mut self) {
+        self.shared.state.lock().stop = true;
+        self.shared.wake.notify_all();
+        if let Some(thread) = self.thread.take() {
+            // A panic in the backend ended the thread early; what it pinned is still listed.
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Reserve {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl Shared {
+    /// The thread: pins a block for the first class short of its target, until told to stop.
+    fn run<B: PinnedAllocator>(&self, backend: &B, pinned: &AtomicUsize, limit: Option<usize>) {
+        loop {
+            let class = {
+                let mut state = self.state.lock();
+                loop {
+                    if state.stop {
+                        return;
+                    }
+                    let short = (0..CLASSES).find(|&class| {
+                        !state.stalled[class] && state.ready[class].len() < state.target[class]
+                    });
+                    match short {
+                        Some(class) => break class,
+                        None => {
+                            state.sleeping = true;
+                            self.wake.wait(&mut state);
+                            state.sleeping = false;
+                        }
+                    }
+                }
+            };
+            let size = class_size(class);
+            let pinned_block = count(pinned, size, limit).and_then(|()| {
+                let layout = std::alloc::Layout::from_size_align(size, PAGE)
+                    .map_err(|_| Error::CapacityOverflow);
+                let block = layout.and_then(|layout| backend.allocate(layout));
+                if block.is_err() {
+                    pinned.fetch_sub(size, Ordering::Relaxed);
+                }
+                block
+            });
+            let mut state = self.state.lock();
+            match pinned_block {
+                Ok(block) => {
+                    state.ready[class].push(block);
+                    self.ready_bytes.fetch_add(size, Ordering::Relaxed);
+                }
+                Err(error) => {
+                    state.error.get_or_insert(error);
+                    state.failures += 1;
+                    state.stalled[class] = true;
+                }
+            }
+        }
+    }
+}
+
+/// Counts `size` more pinned bytes within `limit`.
+fn count(pinned: &AtomicUsize, size: usize, limit: Option<usize>) -> Result<(), Error> {
+    let Some(limit) = limit else {
+        pinned.fetch_add(size, Ordering::Relaxed);
+        return Ok(());
+    };
+    pinned
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |now| {
+            now.checked_add(size).filter(|&wanted| wanted <= limit)
+        })
+        .map(drop)
+        .map_err(|now| Error::LimitExceeded {
+            requested: size,
+            pinned: now,
+            limit,
+        })
+}

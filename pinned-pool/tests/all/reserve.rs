@@ -1,0 +1,162 @@
+//! Pinning ahead of need: the reserve thread, over the counting heap backend.
+
+use std::alloc::Layout;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cuda_pinned::{Allocation, Error, PinnedAllocator, Result};
+use pinned_pool::{Pool, PoolConfig};
+
+use crate::support::Heap;
+
+/// The heap backend, noting which thread made each allocation.
+#[derive(Clone, Default)]
+struct Noting {
+    heap: Heap,
+    threads: Arc<Mutex<Vec<String>>>,
+}
+
+// SAFETY: forwards to `Heap`.
+unsafe impl PinnedAllocator for Noting {
+    fn allocate(&self, layout: Layout) -> Result<Allocation> {
+        let name = std::thread::current().name().unwrap_or("").to_owned();
+        self.threads.lock().unwrap().push(name);
+        self.heap.allocate(layout)
+    }
+
+    unsafe fn deallocate(&self, allocation: Allocation) {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.heap.deallocate(allocation) }
+    }
+}
+
+/// Waits until `done` holds; fails the test after a minute (a thread that never got there).
+fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < Duration::from_secs(60), "never: {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+const MIB: usize = 1 << 20;
+
+#[test]
+fn allocations_take_blocks_pinned_ahead_and_the_thread_tops_up() {
+    let backend = Noting::default();
+    let pool = Pool::with_backend(backend.clone(), PoolConfig::new());
+    pool.reserve(MIB, 3).unwrap();
+    eventually("3 MiB ready", || {
+        pool.stats().reserve_ready_bytes == 3 * MIB as u64
+    });
+
+    let held: Vec<_> = (0..3).map(|_| pool.with_capacity(MIB).unwrap()).collect();
+    let stats = pool.stats();
+    assert_eq!(stats.cache_misses, 3);
+    assert_eq!(stats.active_bytes.current, 3 * MIB as u64);
+    // The thread pins three more in their place.
+    eventually("topped up", || {
+        pool.stats().reserve_ready_bytes == 3 * MIB as u64
+    });
+    // Every block came from the reserve thread: no allocation waited for the backend.
+    let threads = backend.threads.lock().unwrap().clone();
+    assert_eq!(threads.len(), 6);
+    assert!(
+        threads.iter().all(|name| name == "pinned-pool-reserve"),
+        "{threads:?}"
+    );
+    // Blocks pinned ahead are pinned memory: the approximate figures leave them out of idle.
+    let approximate = pool.approximate_stats();
+    assert_eq!(approximate.cached_bytes, 0);
+    assert_eq!(approximate.reserve_ready_bytes, 3 * MIB as u64);
+    drop(held);
+    assert_eq!(pool.stats().cached_bytes, 3 * MIB as u64);
+
+    // Other classes still pin on the allocating thread.
+    drop(pool.with_capacity(4096).unwrap());
+    let this = std::thread::current().name().unwrap_or("").to_owned();
+    assert_eq!(backend.threads.lock().unwrap().last(), Some(&this));
+}
+
+#[test]
+fn the_thread_is_joined_and_its_blocks_released_when_the_pool_drops() {
+    let heap = Heap::new();
+    let pool = Pool::with_backend(heap.clone(), PoolConfig::new());
+    pool.reserve(MIB, 4).unwrap();
+    pool.reserve(64 << 10, 2).unwrap();
+    eventually("all ready", || {
+        pool.stats().reserve_ready_bytes == 4 * MIB as u64 + 2 * (64 << 10)
+    });
+    let held = pool.with_capacity(MIB).unwrap();
+    drop(held);
+    drop(pool);
+    assert_eq!(heap.live(), 0, "blocks pinned ahead outlived the pool");
+    // The thread's clone of the backend is gone: the thread has ended.
+    assert_eq!(Arc::strong_count(&heap.live), 1);
+}
+
+#[test]
+fn errors_are_kept_counted_and_retried_on_the_next_call() {
+    let heap = Heap::failing(0, 1);
+    let pool = Pool::with_backend(heap.clone(), PoolConfig::new());
+    assert!(pool.take_reserve_error().is_none());
+    pool.reserve(MIB, 2).unwrap();
+    eventually("the failure counted", || pool.stats().reserve_failures == 1);
+    assert!(matches!(
+        pool.take_reserve_error(),
+        Some(Error::OutOfMemory { .. })
+    ));
+    assert!(
+        pool.take_reserve_error().is_none(),
+        "the error is handed out once"
+    );
+    // The class was given up on; asking again retries it.
+    pool.reserve(MIB, 2).unwrap();
+    eventually("2 MiB ready", || {
+        pool.stats().reserve_ready_bytes == 2 * MIB as u64
+    });
+    assert_eq!(pool.stats().reserve_failures, 1);
+}
+
+#[test]
+fn blocks_pinned_ahead_count_against_the_pinned_cap() {
+    let heap = Heap::new();
+    let pool = Pool::with_backend(heap.clone(), PoolConfig::new().max_pinned_bytes(2 * MIB));
+    pool.reserve(MIB, 4).unwrap();
+    eventually("the cap met", || pool.stats().reserve_failures == 1);
+    assert_eq!(pool.stats().reserve_ready_bytes, 2 * MIB as u64);
+    assert!(matches!(
+        pool.take_reserve_error(),
+        Some(Error::LimitExceeded { limit, .. }) if limit == 2 * MIB
+    ));
+    // Nothing more fits, even on the allocating thread.
+    let a = pool.with_capacity(MIB).unwrap();
+    let b = pool.with_capacity(MIB).unwrap();
+    assert!(matches!(
+        pool.with_capacity(4096),
+        Err(Error::LimitExceeded { .. })
+    ));
+    drop((a, b));
+    drop(pool);
+    assert_eq!(heap.live(), 0);
+}
+
+#[test]
+fn a_reserve_of_zero_stops_pinning_and_bad_sizes_are_refused() {
+    let heap = Heap::new();
+    let pool = Pool::with_backend(heap.clone(), PoolConfig::new());
+    assert!(matches!(
+        pool.reserve(usize::MAX, 1),
+        Err(Error::CapacityOverflow)
+    ));
+    pool.reserve(MIB, 1).unwrap();
+    eventually("ready", || pool.stats().reserve_ready_bytes == MIB as u64);
+    pool.reserve(MIB, 0).unwrap();
+    drop(pool.with_capacity(MIB).unwrap());
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(
+        pool.stats().reserve_ready_bytes,
+        0,
+        "topped up past a target of 0"
+    );
+}
