@@ -59,6 +59,15 @@ pub fn facts() -> Vec<(String, String)> {
         ),
     );
     fact("cpus", host::cpus().to_string());
+    fact(
+        "numa nodes",
+        std::fs::read_to_string("/sys/devices/system/node/online")
+            .map_or("unknown".into(), |nodes| nodes.trim().to_owned()),
+    );
+    fact(
+        "pinned memory goes to",
+        "the node of the thread that first touches it (the kernel's default policy)".into(),
+    );
     facts
 }
 
@@ -77,9 +86,15 @@ fn device_facts(device: Device, fact: &mut impl FnMut(&str, String)) {
     fact(&format!("device {n} pci bus id"), bus_id);
     fact(
         &format!("device {n} numa node"),
-        facts
-            .numa_node
-            .map_or("not reported (sysfs)".into(), |n| format!("{n} (sysfs)")),
+        format!(
+            "{}, {}",
+            device
+                .host_numa_node()
+                .map_or("not reported (CUDA)".into(), |n| format!("{n} (CUDA)")),
+            facts
+                .numa_node
+                .map_or("not reported (sysfs)".into(), |n| format!("{n} (sysfs)"))
+        ),
     );
     let link =
         |l: Option<(u32, u32)>| l.map_or("unknown".to_owned(), |(g, w)| format!("Gen{g} x{w}"));

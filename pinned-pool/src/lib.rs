@@ -28,6 +28,7 @@
 //! | `empty_cache()` | [`Pool::empty_cache`] |
 //! | `get_stats()`, `reset_peak_stats()` | [`Pool::stats`] (exact), [`Pool::approximate_stats`] (for monitoring: pauses nobody), [`Pool::reset_peak_stats`] |
 //! | `PYTORCH_ALLOC_CONF=pinned_…` | [`PoolConfig`], or `CUDA_PINNED_POOL_CONF=max_cached_mb:1024,…` |
+//! | `pinned_reserve_segment_size_mb` | [`Pool::reserve`]`(block_bytes, blocks)`: blocks of a class pinned ahead on a background thread |
 //!
 //! # Design note
 //!
@@ -96,6 +97,15 @@
 //! idle. [`Pool::trim`] shrinks the cache to a target. When the backend fails to pin, the pool
 //! releases its idle cache and tries once more before returning the error (PyTorch fails at
 //! once).
+//!
+//! *Pinning ahead.* [`Pool::reserve`] starts a thread of the pool's own that keeps a number of
+//! blocks of a class pinned and ready, and pins another each time one is taken. An
+//! allocation that finds its class empty takes a ready block before anything slower (no
+//! pause, no backend call). Pinning runs outside every pool lock; registration holds the
+//! driver's lock for its whole range, so blocks of 16 MiB or less keep other threads' copies
+//! from waiting more than about a millisecond while the pool grows (measured on an H100 host:
+//! 1 GiB as 64 blocks of 16 MiB grew in 88–96 ms with the worst concurrent 64 KiB copy at
+//! 0.7–0.8 ms, against 20–29 ms for one 1 GiB registration).
 //!
 //! *Failure.* A block whose device work cannot be known (a CUDA error) is never reused and,
 //! when the pool drops, never freed: leaking is the only safe answer to a device that may
