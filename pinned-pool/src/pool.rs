@@ -325,32 +325,27 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// block is visible to pausers. `local` is this thread's cache or the shared one, used
     /// only under the lock.
     fn find_or_pin(&self, local: &Local, class: usize, size: usize) -> Result<Cached> {
-        {
-            let mut central = self.central.lock();
-            // SAFETY: this thread owns `local`, is outside `enter` and holds the lock.
-            let data = unsafe { self.own(local) };
-            let cached = data.magazine[class]
-                .pop()
-                .or_else(|| central.refill(data, class, size));
-            if let Some(cached) = cached {
-                self.hand_out(&mut central, local, data, size, true, None);
-                drop(central);
-                self.cache_shrank(size);
-                return Ok(cached);
-            }
-        }
-        // A block pinned ahead (counted against the cap already) before anything slower.
-        if let Some(block) = self.ahead.get().and_then(|ahead| ahead.take(class)) {
-            let allocation = self.adopt(block, class, size);
-            let mut central = self.central.lock();
-            // SAFETY: this thread owns `local`, is outside `enter` and holds the lock.
-            let data = unsafe { self.own(local) };
-            self.hand_out(&mut central, local, data, size, false, None);
-            return Ok(Cached::new(&allocation, None));
+        if let Some(cached) = self.take_listed(local, class, size) {
+            return Ok(cached);
         }
         self.process_events();
         if self.config.idle_release.is_some() {
             self.release_idle();
+        }
+        if let Some(ahead) = self.ahead.get() {
+            // Blocks whose device work just finished come first, then one pinned ahead
+            // (counted against the cap already): neither pauses anyone.
+            if let Some(cached) = self.take_listed(local, class, size) {
+                return Ok(cached);
+            }
+            if let Some(block) = ahead.take(class) {
+                let allocation = self.adopt(block, class, size);
+                let mut central = self.central.lock();
+                // SAFETY: this thread owns `local`, is outside `enter` and holds the lock.
+                let data = unsafe { self.own(local) };
+                self.hand_out(&mut central, local, data, size, false, None);
+                return Ok(Cached::new(&allocation, None));
+            }
         }
         {
             let mut central = self.central.lock();
@@ -381,6 +376,21 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         let data = unsafe { self.own(local) };
         self.hand_out(&mut central, local, data, size, false, None);
         Ok(Cached::new(&allocation, None))
+    }
+
+    /// A block of `class` from this thread's stack (when its cache was paused or the ceiling
+    /// was reached) or the shared lists, handed out under the lock.
+    fn take_listed(&self, local: &Local, class: usize, size: usize) -> Option<Cached> {
+        let mut central = self.central.lock();
+        // SAFETY: this thread owns `local`, is outside `enter` and holds the lock.
+        let data = unsafe { self.own(local) };
+        let cached = data.magazine[class]
+            .pop()
+            .or_else(|| central.refill(data, class, size))?;
+        self.hand_out(&mut central, local, data, size, true, None);
+        drop(central);
+        self.cache_shrank(size);
+        Some(cached)
     }
 
     /// This thread's cache data under the lock, let out of its initial pause.
@@ -746,11 +756,14 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// Keeps `blocks` blocks of `block_bytes` (rounded up to its size class) pinned ahead of
     /// need from now on, like PyTorch's `pinned_reserve_segment_size_mb` per size class: a
     /// thread of the pool's own pins them in the background and pins another each time an
-    /// allocation takes one, so an allocation that finds its class empty takes a ready block
-    /// instead of waiting for the driver. Call it again to change the count (0 stops pinning
-    /// more of that class). The thread starts on the first call and is stopped and joined
-    /// when the pool drops; blocks pinned ahead count against `max_pinned_bytes`, are released
-    /// with the pool, and not by [`empty_cache`](Self::empty_cache).
+    /// allocation takes one, so an allocation that finds its class empty (and no block whose
+    /// device work has finished) takes a ready block instead of waiting for the driver. Call
+    /// it again to change the count: ready blocks past it are released (0 releases them all).
+    /// The thread starts on the first call and is stopped and joined when the pool drops;
+    /// blocks pinned ahead count against `max_pinned_bytes`, are released with the pool, and
+    /// not by [`empty_cache`](Self::empty_cache). They enter `allocations` and
+    /// `allocated_bytes` when an allocation takes them; until then they are
+    /// [`PoolStats::reserve_ready_bytes`].
     ///
     /// Errors the thread meets (the backend's, or the pinned cap) stop it pinning that class
     /// until the next call or the next block taken; they are counted in
@@ -794,7 +807,12 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
                 self.ahead.get().expect("set above")
             }
         };
-        ahead.set_target(class, blocks);
+        for block in ahead.set_target(class, blocks) {
+            self.reserved
+                .fetch_sub(class_size(class), Ordering::Relaxed);
+            // SAFETY: pinned ahead from the backend and never handed out.
+            unsafe { self.backend.deallocate(block) };
+        }
         Ok(())
     }
 
@@ -955,11 +973,14 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         let counted: Vec<_> = self.caches().map(Local::counted).collect();
         let mut stats = PoolStats::default();
         self.fill_stats(&mut stats, &central, counted);
-        // Whatever is pinned and neither handed out, pending nor pinned ahead is idle.
+        // Whatever is pinned and neither handed out, pending nor held by the reserve is idle.
+        let ahead = self.ahead.get().map_or(0, |ahead| {
+            ahead.shared.held_bytes.load(Ordering::Relaxed) as u64
+        });
         stats.cached_bytes = (self.reserved.load(Ordering::Relaxed) as u64)
             .saturating_sub(stats.active_bytes.current)
             .saturating_sub(stats.pending_bytes)
-            .saturating_sub(stats.reserve_ready_bytes);
+            .saturating_sub(ahead);
         stats
     }
 

@@ -2,6 +2,7 @@
 //! ready, so an allocation that finds its class empty takes one instead of waiting for the
 //! driver (PyTorch's `pinned_reserve_segment_size_mb`, per size class).
 
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread::JoinHandle;
@@ -18,6 +19,8 @@ pub(crate) struct Shared {
     wake: Condvar,
     /// Bytes pinned ahead and not yet taken (for statistics without the lock).
     pub(crate) ready_bytes: AtomicUsize,
+    /// Those, and a block being pinned: what the reserve holds of the pinned-bytes count.
+    pub(crate) held_bytes: AtomicUsize,
 }
 
 struct State {
@@ -65,6 +68,7 @@ impl Reserve {
             }),
             wake: Condvar::new(),
             ready_bytes: AtomicUsize::new(0),
+            held_bytes: AtomicUsize::new(0),
         });
         let thread = {
             let shared = shared.clone();
@@ -78,13 +82,20 @@ impl Reserve {
         })
     }
 
-    /// Keeps `blocks` blocks of `class` ready from now on.
-    pub(crate) fn set_target(&self, class: usize, blocks: usize) {
+    /// Keeps `blocks` blocks of `class` ready from now on; returns the ready blocks past that,
+    /// for the pool to release (still counted against the pinned bytes).
+    pub(crate) fn set_target(&self, class: usize, blocks: usize) -> Vec<Allocation> {
         let mut state = self.shared.state.lock();
         state.target[class] = blocks;
         state.stalled[class] = false;
+        let keep = state.ready[class].len().min(blocks);
+        let excess: Vec<_> = state.ready[class].drain(keep..).collect();
         drop(state);
+        let bytes = excess.len() * class_size(class);
+        self.shared.ready_bytes.fetch_sub(bytes, Ordering::Relaxed);
+        self.shared.held_bytes.fetch_sub(bytes, Ordering::Relaxed);
         self.shared.wake.notify_one();
+        excess
     }
 
     /// A ready block of `class`, if there is one; the thread pins another in its place.
@@ -94,9 +105,9 @@ impl Reserve {
         state.stalled[class] = false;
         let wake = state.sleeping && state.target[class] > 0;
         drop(state);
-        self.shared
-            .ready_bytes
-            .fetch_sub(class_size(class), Ordering::Relaxed);
+        let size = class_size(class);
+        self.shared.ready_bytes.fetch_sub(size, Ordering::Relaxed);
+        self.shared.held_bytes.fetch_sub(size, Ordering::Relaxed);
         // A busy thread sees the shortfall itself: the allocating thread pays no wake-up.
         if wake {
             self.shared.wake.notify_one();
@@ -124,6 +135,7 @@ impl Reserve {
             blocks.extend(ready.drain(..).map(|block| (class, block)));
         }
         self.shared.ready_bytes.store(0, Ordering::Relaxed);
+        self.shared.held_bytes.store(0, Ordering::Relaxed);
         blocks
     }
 
@@ -167,15 +179,24 @@ impl Shared {
                 }
             };
             let size = class_size(class);
+            self.held_bytes.fetch_add(size, Ordering::Relaxed);
             let pinned_block = count(pinned, size, limit).and_then(|()| {
                 let layout = std::alloc::Layout::from_size_align(size, PAGE)
                     .map_err(|_| Error::CapacityOverflow);
-                let block = layout.and_then(|layout| backend.allocate(layout));
+                // A panicking backend is an error like any other: the thread goes on, and
+                // the count is given back.
+                let block = layout.and_then(|layout| {
+                    std::panic::catch_unwind(AssertUnwindSafe(|| backend.allocate(layout)))
+                        .unwrap_or(Err(Error::Unsupported("the backend panicked")))
+                });
                 if block.is_err() {
                     pinned.fetch_sub(size, Ordering::Relaxed);
                 }
                 block
             });
+            if pinned_block.is_err() {
+                self.held_bytes.fetch_sub(size, Ordering::Relaxed);
+            }
             let mut state = self.state.lock();
             match pinned_block {
                 Ok(block) => {

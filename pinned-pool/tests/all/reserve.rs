@@ -151,7 +151,10 @@ fn a_reserve_of_zero_stops_pinning_and_bad_sizes_are_refused() {
     ));
     pool.reserve(MIB, 1).unwrap();
     eventually("ready", || pool.stats().reserve_ready_bytes == MIB as u64);
+    // A target of 0 releases what is ready and pins no more.
     pool.reserve(MIB, 0).unwrap();
+    assert_eq!(heap.live(), 0);
+    assert_eq!(pool.approximate_stats().cached_bytes, 0);
     drop(pool.with_capacity(MIB).unwrap());
     std::thread::sleep(Duration::from_millis(20));
     assert_eq!(
@@ -159,4 +162,66 @@ fn a_reserve_of_zero_stops_pinning_and_bad_sizes_are_refused() {
         0,
         "topped up past a target of 0"
     );
+}
+
+#[test]
+fn blocks_whose_device_work_finished_come_before_blocks_pinned_ahead() {
+    use crate::support::{Flag, TestPool};
+    let heap = Heap::new();
+    let pool = TestPool::with_completion(heap.clone(), PoolConfig::new());
+    pool.reserve(4096, 2).unwrap();
+    eventually("ready", || pool.stats().reserve_ready_bytes == 2 * 4096);
+    for _ in 0..100 {
+        let block = pool.allocate_raw(4096).unwrap();
+        let done = Flag::default();
+        done.finish();
+        // SAFETY: allocated above from this pool; nothing uses it.
+        unsafe { pool.free_raw_after(block, done) };
+    }
+    // One block in use at a time: the finished ones are reused, the pool does not grow.
+    eventually("settled", || pool.stats().reserve_ready_bytes == 2 * 4096);
+    assert!(
+        heap.live() <= 4,
+        "{} blocks pinned for one in use",
+        heap.live()
+    );
+}
+
+/// A backend that panics on the reserve thread.
+#[derive(Clone, Default)]
+struct PanicsAhead(Heap);
+
+// SAFETY: forwards to `Heap` (or panics before allocating).
+unsafe impl PinnedAllocator for PanicsAhead {
+    fn allocate(&self, layout: Layout) -> Result<Allocation> {
+        if std::thread::current().name() == Some("pinned-pool-reserve") {
+            panic!("backend failure on the reserve thread");
+        }
+        self.0.allocate(layout)
+    }
+
+    unsafe fn deallocate(&self, allocation: Allocation) {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.0.deallocate(allocation) }
+    }
+}
+
+#[test]
+fn a_panicking_backend_is_an_error_and_gives_its_count_back() {
+    let backend = PanicsAhead::default();
+    let pool = Pool::with_backend(backend, PoolConfig::new().max_pinned_bytes(2 * MIB));
+    pool.reserve(MIB, 1).unwrap();
+    eventually("the failure counted", || pool.stats().reserve_failures >= 1);
+    assert!(matches!(
+        pool.take_reserve_error(),
+        Some(Error::Unsupported(_))
+    ));
+    assert_eq!(pool.approximate_stats().cached_bytes, 0);
+    // The whole cap is still there for allocations on this thread.
+    let a = pool.with_capacity(MIB).unwrap();
+    let b = pool.with_capacity(MIB).unwrap();
+    drop((a, b));
+    // The thread lives on: asking again counts a second failure.
+    pool.reserve(MIB, 1).unwrap();
+    eventually("a second failure", || pool.stats().reserve_failures >= 2);
 }
