@@ -102,10 +102,10 @@
 //! blocks of a class pinned and ready, and pins another each time one is taken. An
 //! allocation that finds its class empty takes a ready block before anything slower (no
 //! pause, no backend call). Pinning runs outside every pool lock; registration holds the
-//! driver's lock for its whole range, so blocks of 16 MiB or less keep other threads' copies
-//! from waiting more than about a millisecond while the pool grows (measured on an H100 host:
-//! 1 GiB as 64 blocks of 16 MiB grew in 88–96 ms with the worst concurrent 64 KiB copy at
-//! 0.7–0.8 ms, against 20–29 ms for one 1 GiB registration).
+//! driver's lock for its whole range, so small blocks keep other threads' copies from waiting
+//! long while the pool grows (measured on an H100 host: 1 GiB as 128 blocks of 8 MiB grew in
+//! 150–180 ms with the worst concurrent 64 KiB copy at 0.5–0.7 ms in four runs of five,
+//! against 20–31 ms for one 1 GiB registration).
 //!
 //! *Failure.* A block whose device work cannot be known (a CUDA error) is never reused and,
 //! when the pool drops, never freed: leaking is the only safe answer to a device that may
