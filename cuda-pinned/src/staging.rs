@@ -61,9 +61,9 @@ impl Default for StagingConfig {
 
 /// Copies between `&[T]` / `&mut [T]` in ordinary memory and device memory near page-locked
 /// speed for large copies, through a ring of pinned chunks (from allocator `A`, a pool for
-/// instance) and persistent copy threads. Share one stager between threads: calls from several threads
-/// (both directions at once, on two streams) split the threads between them. A stager copies
-/// on the device that was current when it was made; make one per device.
+/// instance) and persistent copy threads. Share one stager between threads: calls from
+/// several threads (both directions at once, on two streams) split the threads between them.
+/// A stager copies on the device that was current when it was made; make one per device.
 ///
 /// ```no_run
 /// use cuda_pinned::{DeviceBuffer, Stager, Stream};
@@ -582,7 +582,8 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
     pub(crate) fn new(dma: D, config: StagingConfig, allocator: A) -> Result<Self> {
         if config.chunk_bytes == 0 || config.threads == 0 || config.slots == 0 {
             return Err(Error::Unsupported(
-                "a staging configuration needs at least one byte per chunk, one thread and one slot",
+                "a staging configuration needs at least one byte per chunk, one thread \
+                 and one slot",
             ));
         }
         let bytes = config
@@ -712,8 +713,8 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
 }
 
 impl<D: Dma> Shared<D> {
-    /// A worker on `device` (the engine's): takes pieces of the queued jobs (worker `index` starts on job
-    /// `index % jobs`, so concurrent copies share the workers) until shutdown.
+    /// A worker (on the engine's device): takes pieces of the queued jobs (worker `index`
+    /// starts on job `index % jobs`, so concurrent copies share the workers) until shutdown.
     fn work(&self, index: usize) {
         loop {
             let seen = self.posts.load(Ordering::Acquire);

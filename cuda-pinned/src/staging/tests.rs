@@ -326,7 +326,11 @@ proptest! {
     #![proptest_config(ProptestConfig {
         cases: CASES,
         // Miri isolates the program from the file system.
-        failure_persistence: if cfg!(miri) { None } else { ProptestConfig::default().failure_persistence },
+        failure_persistence: if cfg!(miri) {
+            None
+        } else {
+            ProptestConfig::default().failure_persistence
+        },
         ..ProptestConfig::default()
     })]
 
@@ -363,7 +367,11 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig {
         cases: if cfg!(miri) { 8 } else { 512 },
-        failure_persistence: if cfg!(miri) { None } else { ProptestConfig::default().failure_persistence },
+        failure_persistence: if cfg!(miri) {
+            None
+        } else {
+            ProptestConfig::default().failure_persistence
+        },
         ..ProptestConfig::default()
     })]
 
