@@ -54,7 +54,8 @@ pub fn steps(quick: bool) -> usize {
     sizes(quick).len() * KINDS.len() + 4
 }
 
-fn reps(bytes: usize, quick: bool) -> usize {
+/// Copies timed per size: fewer for large ones, which vary less.
+pub(crate) fn reps(bytes: usize, quick: bool) -> usize {
     match (bytes >= 16 << 20, quick) {
         (true, true) => 3,
         (true, false) => 7,

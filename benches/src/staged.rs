@@ -9,7 +9,7 @@ use cuda_pinned::{
     DefaultPinned, DeviceBuffer, PinnedVec, Registered, Result, Stager, StagingConfig, Stream,
 };
 
-use crate::bandwidth::{Direction, raw_copy};
+use crate::bandwidth::{Direction, raw_copy, reps};
 use crate::progress::Progress;
 use crate::report::{Section, Spread, Value, size_label};
 
@@ -32,15 +32,6 @@ fn sizes(quick: bool) -> Vec<usize> {
     }
 }
 
-fn reps(bytes: usize, quick: bool) -> usize {
-    match (bytes >= 16 << 20, quick) {
-        (true, true) => 3,
-        (true, false) => 7,
-        (false, true) => 10,
-        (false, false) => 30,
-    }
-}
-
 /// Work items, for the progress bar.
 pub fn steps(quick: bool) -> usize {
     sizes(quick).len() + if quick { 2 } else { 3 }
@@ -58,15 +49,18 @@ fn timed(copy: impl FnOnce() -> Result<()>) -> Result<f64> {
 }
 
 /// One raw `cudaMemcpyAsync` between `host` and `device`, waited for.
-fn raw(
+///
+/// # Safety
+///
+/// `host` and `device` are valid for `bytes` in the direction's sense until this returns.
+unsafe fn raw(
     stream: &Stream,
     host: *mut u8,
     device: u64,
     bytes: usize,
     direction: Direction,
 ) -> Result<()> {
-    // SAFETY: the callers pass buffers of `bytes` that outlive the copy, which is waited for
-    // before returning.
+    // SAFETY: forwarded from the caller; the copy is waited for before returning.
     unsafe { raw_copy(stream, host, device, bytes, direction)? };
     stream.synchronize()
 }
@@ -94,15 +88,21 @@ fn by_size(
                     Direction::HostToDevice => source.as_ptr().cast_mut(),
                     Direction::DeviceToHost => sink.as_mut_ptr(),
                 };
-                let d = timed(|| raw(&stream, host, device.as_raw(), bytes, direction))?;
+                let d = timed(|| {
+                    // SAFETY: the buffers hold `bytes` and outlive the call, which waits.
+                    unsafe { raw(&stream, host, device.as_raw(), bytes, direction) }
+                })?;
                 let l = timed(|| {
-                    raw(
-                        &stream,
-                        pinned.as_mut_ptr(),
-                        device.as_raw(),
-                        bytes,
-                        direction,
-                    )
+                    // SAFETY: the buffers hold `bytes` and outlive the call, which waits.
+                    unsafe {
+                        raw(
+                            &stream,
+                            pinned.as_mut_ptr(),
+                            device.as_raw(),
+                            bytes,
+                            direction,
+                        )
+                    }
                 })?;
                 let s = timed(|| match direction {
                     Direction::HostToDevice => {
@@ -215,15 +215,20 @@ fn both_ways(
             let up = &up;
             std::thread::scope(|scope| {
                 let upload = scope.spawn(move || {
-                    raw(
-                        up,
-                        source as *mut u8,
-                        device_in,
-                        bytes,
-                        Direction::HostToDevice,
-                    )
+                    // SAFETY: the buffers hold `bytes` and outlive the call, which waits.
+                    unsafe {
+                        raw(
+                            up,
+                            source as *mut u8,
+                            device_in,
+                            bytes,
+                            Direction::HostToDevice,
+                        )
+                    }
                 });
-                let download = raw(&down, sink, device_out, bytes, Direction::DeviceToHost);
+                let download =
+                    // SAFETY: the buffers hold `bytes` and outlive the call, which waits.
+                    unsafe { raw(&down, sink, device_out, bytes, Direction::DeviceToHost) };
                 upload.join().expect("the upload thread")?;
                 download
             })
@@ -324,25 +329,31 @@ fn sweep(section: &mut Section, progress: &mut Progress) -> Result<()> {
             rates[0].push(gbps(
                 bytes,
                 timed(|| {
-                    raw(
-                        &stream,
-                        source.as_ptr().cast_mut(),
-                        device.as_raw(),
-                        bytes,
-                        Direction::HostToDevice,
-                    )
+                    // SAFETY: the buffers hold `bytes` and outlive the call, which waits.
+                    unsafe {
+                        raw(
+                            &stream,
+                            source.as_ptr().cast_mut(),
+                            device.as_raw(),
+                            bytes,
+                            Direction::HostToDevice,
+                        )
+                    }
                 })?,
             ));
             rates[1].push(gbps(
                 bytes,
                 timed(|| {
-                    raw(
-                        &stream,
-                        host,
-                        device.as_raw(),
-                        bytes,
-                        Direction::DeviceToHost,
-                    )
+                    // SAFETY: the buffers hold `bytes` and outlive the call, which waits.
+                    unsafe {
+                        raw(
+                            &stream,
+                            host,
+                            device.as_raw(),
+                            bytes,
+                            Direction::DeviceToHost,
+                        )
+                    }
                 })?,
             ));
         }

@@ -320,19 +320,24 @@ fn round_trip(engine: &Engine<Fake, Counted>, offset: usize, data: &[u8]) -> Res
 }
 
 const CASES: u32 = if cfg!(miri) { 3 } else { 48 };
-const MAX_LEN: usize = if cfg!(miri) { 3000 } else { 20_000 };
 
-proptest! {
-    #![proptest_config(ProptestConfig {
-        cases: CASES,
-        // Miri isolates the program from the file system.
+/// `cases` cases; under Miri, which isolates the program from the file system, failures are
+/// not written down.
+fn cases(cases: u32) -> ProptestConfig {
+    ProptestConfig {
+        cases,
         failure_persistence: if cfg!(miri) {
             None
         } else {
             ProptestConfig::default().failure_persistence
         },
         ..ProptestConfig::default()
-    })]
+    }
+}
+const MAX_LEN: usize = if cfg!(miri) { 3000 } else { 20_000 };
+
+proptest! {
+    #![proptest_config(cases(CASES))]
 
     /// Any size (zero, below, at and past a chunk, not a multiple of it), any chunk size,
     /// thread and slot count: the bytes arrive in place, no chunk is touched before its
@@ -365,15 +370,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig {
-        cases: if cfg!(miri) { 8 } else { 512 },
-        failure_persistence: if cfg!(miri) {
-            None
-        } else {
-            ProptestConfig::default().failure_persistence
-        },
-        ..ProptestConfig::default()
-    })]
+    #![proptest_config(cases(if cfg!(miri) { 8 } else { 512 }))]
 
     /// Pieces cover the copy exactly, in order, none empty or larger than a chunk; on one
     /// thread they are whole chunks.
