@@ -316,9 +316,10 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             return self.find_or_pin(&self.shared, class, size);
         };
         local.want(size);
-        let result = self.find_or_pin(local, class, size);
-        local.want(0);
-        result
+        // Withdraws the wish however the search ends (an unwinding backend included), so that
+        // no pauser counts a block this thread never took.
+        let _withdrawn = Withdraw(local);
+        self.find_or_pin(local, class, size)
     }
 
     /// The search of [`allocate_slow`](Self::allocate_slow), while this thread's wish for a
@@ -1049,6 +1050,15 @@ struct Reservation<'a, B: PinnedAllocator, C: Completion> {
 impl<B: PinnedAllocator, C: Completion> Drop for Reservation<'_, B, C> {
     fn drop(&mut self) {
         self.pool.reserved.fetch_sub(self.size, Ordering::Relaxed);
+    }
+}
+
+/// Withdraws a thread's wish for a block when dropped.
+struct Withdraw<'a>(&'a Local);
+
+impl Drop for Withdraw<'_> {
+    fn drop(&mut self) {
+        self.0.want(0);
     }
 }
 

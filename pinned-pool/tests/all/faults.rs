@@ -169,3 +169,51 @@ fn the_cached_cap_and_block_cap_and_idle_release() {
     pool.release_idle();
     assert_eq!(pool.stats().allocations.current, 0);
 }
+
+/// A backend that panics on the thread named "panicking".
+#[derive(Clone, Default)]
+struct PanicsHere(Heap);
+
+// SAFETY: forwards to `Heap` (or panics before allocating).
+unsafe impl cuda_pinned::PinnedAllocator for PanicsHere {
+    fn allocate(&self, layout: std::alloc::Layout) -> cuda_pinned::Result<cuda_pinned::Allocation> {
+        if std::thread::current().name() == Some("panicking") {
+            panic!("backend failure");
+        }
+        self.0.allocate(layout)
+    }
+
+    unsafe fn deallocate(&self, allocation: cuda_pinned::Allocation) {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.0.deallocate(allocation) }
+    }
+}
+
+/// An allocation whose backend unwinds leaves no wish behind: another thread that raises the
+/// peak counts only what is really handed out.
+#[test]
+fn an_unwinding_backend_leaves_the_peaks_exact() {
+    let pool = pinned_pool::Pool::with_backend(PanicsHere::default(), PoolConfig::new());
+    std::thread::scope(|scope| {
+        let pool = &pool;
+        let (caught, done) = std::sync::mpsc::channel();
+        let (go_on, wait) = std::sync::mpsc::channel::<()>();
+        std::thread::Builder::new()
+            .name("panicking".into())
+            .spawn_scoped(scope, move || {
+                let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    pool.allocate_raw(1 << 20)
+                }));
+                caught.send(unwound.is_err()).unwrap();
+                // The thread (and its cache) lives on while the other allocates.
+                wait.recv().unwrap();
+            })
+            .unwrap();
+        assert!(done.recv().unwrap(), "the backend was expected to panic");
+        let block = pool.with_capacity(4096).unwrap();
+        let peak = pool.stats().active_bytes.peak;
+        assert_eq!(peak, 4096, "a block never taken was counted in the peak");
+        drop(block);
+        go_on.send(()).unwrap();
+    });
+}
