@@ -20,7 +20,7 @@ use std::thread::JoinHandle;
 use bytemuck::{AnyBitPattern, NoUninit};
 
 use crate::alloc::{DefaultPinned, PinnedAllocator};
-use crate::device_buffer::{DeviceSlice, DeviceSliceMut};
+use crate::device_buffer::{DeviceRange, DeviceSlice, DeviceSliceMut};
 use crate::error::{Error, Result};
 use crate::ffi::{self, Direction};
 use crate::stream::{Event, Stream};
@@ -135,16 +135,8 @@ impl<A: PinnedAllocator> Stager<A> {
         src: &[T],
         dst: impl Into<DeviceSliceMut<'d, T>>,
     ) -> Result<StagedCopy> {
-        self.on_its_device()?;
-        let dst = dst.into();
-        let range = dst.range;
-        if range.len != src.len() {
-            return Err(Error::LengthMismatch {
-                host: src.len(),
-                device: range.len,
-            });
-        }
-        range.pending.order_before(stream)?;
+        let range = dst.into().range;
+        self.prepare(stream, range, src.len())?;
         let bytes = size_of_val(src);
         // SAFETY: `src` is readable for `bytes` and borrowed until the engine returns, which
         // is after the last read of it; the device range is live, borrowed uniquely, and
@@ -158,22 +150,37 @@ impl<A: PinnedAllocator> Stager<A> {
                 stream,
             )
         };
-        let event = self.end_event().and_then(|event| {
+        let ended = self.end_on(stream, range);
+        copied?;
+        Ok(StagedCopy { event: ended? })
+    }
+
+    /// Checks the device and the lengths, and orders `stream` after copies of `range` on
+    /// other streams.
+    fn prepare(&self, stream: &Stream, range: DeviceRange<'_>, host: usize) -> Result<()> {
+        self.on_its_device()?;
+        if range.len != host {
+            return Err(Error::LengthMismatch {
+                host,
+                device: range.len,
+            });
+        }
+        range.pending.order_before(stream)
+    }
+
+    /// Records the end of the work queued on `stream` so far for `range`, which frees its
+    /// memory only after it; without an event, waits for the stream instead (if even that
+    /// fails, the device is in an error state).
+    fn end_on(&self, stream: &Stream, range: DeviceRange<'_>) -> Result<Arc<Event>> {
+        let ended = self.end_event().and_then(|event| {
             event.record(stream)?;
             range.pending.track(stream, event.clone());
             Ok(event)
         });
-        let event = match event {
-            Ok(event) => event,
-            Err(error) => {
-                // Without an event the device range cannot know when its copies end: wait for
-                // them here (if even that fails, the device is in an error state).
-                let _ = stream.synchronize();
-                return Err(copied.err().unwrap_or(error));
-            }
-        };
-        copied?;
-        Ok(StagedCopy { event })
+        if ended.is_err() {
+            let _ = stream.synchronize();
+        }
+        ended
     }
 
     /// Its events belong to the device current when it was made; so must the stream.
@@ -215,15 +222,8 @@ impl<A: PinnedAllocator> Stager<A> {
         src: impl Into<DeviceSlice<'d, T>>,
         dst: &mut [T],
     ) -> Result<()> {
-        self.on_its_device()?;
         let range = src.into().range;
-        if range.len != dst.len() {
-            return Err(Error::LengthMismatch {
-                host: dst.len(),
-                device: range.len,
-            });
-        }
-        range.pending.order_before(stream)?;
+        self.prepare(stream, range, dst.len())?;
         let bytes = size_of_val(dst);
         // SAFETY: `dst` is writable for `bytes`, borrowed uniquely until the engine returns
         // (after its last write), and any bytes are a valid `T`; the device range is live and
@@ -239,16 +239,7 @@ impl<A: PinnedAllocator> Stager<A> {
         };
         if copied.is_err() {
             // Pieces still in flight may read the device range: it must know when they end.
-            let ended = self.end_event().and_then(|event| {
-                event.record(stream)?;
-                range.pending.track(stream, event);
-                Ok(())
-            });
-            if ended.is_err() {
-                // Wait for them here instead (if even that fails, the device is in an error
-                // state).
-                let _ = stream.synchronize();
-            }
+            let _ = self.end_on(stream, range);
         }
         // On success every piece's copy was waited for: nothing is left to track.
         copied
