@@ -1,7 +1,8 @@
-//! The `cudart_api!` macro: bindgen's function declarations become methods of [`Cudart`]
-//! that resolve their symbol on first use and cache it.
+//! The `cudart_api!` and `driver_api!` macros: bindgen's function declarations become methods
+//! of [`Cudart`] and [`Driver`] that resolve their symbol on first use and cache it.
 //!
 //! [`Cudart`]: crate::Cudart
+//! [`Driver`]: crate::driver::Driver
 
 /// Expands the declarations of `bindings.rs` into the `Symbols` table (one lazily filled slot
 /// per function) and one accessor method on `Cudart` per function. An accessor returns the
@@ -45,6 +46,60 @@ macro_rules! cudart_api {
                         unsafe { self.resolve(symbol) }
                     });
                     slot.ok_or_else(|| self.missing_symbol(symbol))
+                }
+            )*
+        }
+    };
+}
+
+/// Expands the declarations of `driver_bindings.rs` into the `DriverSymbols` table and one
+/// accessor method on [`Driver`] per function, as `cudart_api!` does for the runtime.
+macro_rules! driver_api {
+    ($(
+        pub fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)?;
+    )*) => {
+        /// One lazily resolved slot per bound driver function.
+        #[allow(non_snake_case, reason = "fields are named after the C functions")]
+        pub(crate) struct DriverSymbols {
+            $($name: ::std::sync::OnceLock<
+                Result<unsafe extern "C" fn($($ty),*) $(-> $ret)?, crate::LoadError>
+            >,)*
+        }
+
+        impl DriverSymbols {
+            pub(crate) const fn new() -> Self {
+                Self { $($name: ::std::sync::OnceLock::new(),)* }
+            }
+        }
+
+        #[allow(non_snake_case, reason = "methods are named after the C functions")]
+        impl crate::driver::Driver {
+            $(
+                #[doc = concat!("`", stringify!($name), "`, resolved on first use.")]
+                ///
+                /// # Errors
+                ///
+                /// [`LoadError::MissingDriverEntryPoint`](crate::LoadError::MissingDriverEntryPoint)
+                /// when the runtime or the driver does not provide the function.
+                pub fn $name(
+                    &self,
+                ) -> Result<unsafe extern "C" fn($($ty),*) $(-> $ret)?, crate::LoadError> {
+                    let name = concat!(stringify!($name), "\0");
+                    self.symbols
+                        .$name
+                        .get_or_init(|| {
+                            let address = self.entry_point(name)?;
+                            // SAFETY: the driver returned the function named `name` as of
+                            // the bindings' ABI version, whose prototype bindgen read from
+                            // cuda.h: a non-null code address of exactly this type.
+                            Ok(unsafe {
+                                ::std::mem::transmute::<
+                                    *mut ::std::ffi::c_void,
+                                    unsafe extern "C" fn($($ty),*) $(-> $ret)?,
+                                >(address)
+                            })
+                        })
+                        .clone()
                 }
             )*
         }

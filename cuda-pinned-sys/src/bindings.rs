@@ -936,6 +936,20 @@ pub struct CUevent_st {
     _unused: [u8; 0],
 }
 pub type cudaEvent_t = *mut CUevent_st;
+impl cudaDriverEntryPointQueryResult {
+    pub const cudaDriverEntryPointSuccess: cudaDriverEntryPointQueryResult = cudaDriverEntryPointQueryResult(
+        0,
+    );
+    pub const cudaDriverEntryPointSymbolNotFound: cudaDriverEntryPointQueryResult = cudaDriverEntryPointQueryResult(
+        1,
+    );
+    pub const cudaDriverEntryPointVersionNotSufficent: cudaDriverEntryPointQueryResult = cudaDriverEntryPointQueryResult(
+        2,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct cudaDriverEntryPointQueryResult(pub ::core::ffi::c_uint);
 cudart_api! {
     pub fn cudaDeviceSynchronize() -> cudaError_t;
     pub fn cudaDeviceGetPCIBusId(
@@ -1056,4 +1070,11 @@ cudart_api! {
     ) -> cudaError_t;
     pub fn cudaDriverGetVersion(driverVersion: *mut ::core::ffi::c_int) -> cudaError_t;
     pub fn cudaRuntimeGetVersion(runtimeVersion: *mut ::core::ffi::c_int) -> cudaError_t;
+    pub fn cudaGetDriverEntryPointByVersion(
+        symbol: *const ::core::ffi::c_char,
+        funcPtr: *mut *mut ::core::ffi::c_void,
+        cudaVersion: ::core::ffi::c_uint,
+        flags: ::core::ffi::c_ulonglong,
+        driverStatus: *mut cudaDriverEntryPointQueryResult,
+    ) -> cudaError_t;
 }

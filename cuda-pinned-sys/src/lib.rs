@@ -22,6 +22,8 @@
 //!   Enums such as [`cudaError`] are newtypes, so codes a newer runtime returns stay valid.
 //! - Functions are methods of [`Cudart`] named after the C functions; each returns the
 //!   function pointer or [`LoadError::MissingSymbol`]. Nothing in this crate panics.
+//! - A few driver API functions (host memory through CUDA's virtual-memory API) live in
+//!   [`driver`]: the runtime hands out their entry points, so libcuda is never opened here.
 //! - Versioned symbols (`#define cudaX cudaX_v2` in a header) are bound under the plain name
 //!   and resolve the symbol the library exports.
 //!
@@ -45,6 +47,18 @@ mod loader;
 // Generated and committed as generated: the drift check compares it byte for byte.
 #[rustfmt::skip]
 mod bindings;
+pub mod driver;
+#[allow(
+    non_camel_case_types,
+    non_snake_case,
+    non_upper_case_globals,
+    missing_docs,
+    clippy::undocumented_unsafe_blocks,
+    unsafe_op_in_unsafe_fn,
+    reason = "bindgen output, named and shaped after the C headers"
+)]
+#[rustfmt::skip]
+mod driver_bindings;
 
 pub use bindings::*;
 pub use loader::{Attempt, CUDART_PATH_VAR, Cudart, LoadError, candidates, cudart, is_available};

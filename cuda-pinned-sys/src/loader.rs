@@ -85,6 +85,14 @@ pub enum LoadError {
         /// The library it was looked up in.
         library: PathBuf,
     },
+    /// The driver does not provide a function asked for through the runtime's entry-point
+    /// query (the runtime or the driver is older than the function).
+    MissingDriverEntryPoint {
+        /// The driver function looked up.
+        symbol: &'static str,
+        /// Why it is not available.
+        reason: String,
+    },
 }
 
 impl fmt::Display for LoadError {
@@ -117,6 +125,12 @@ impl fmt::Display for LoadError {
                 "{} does not export {symbol}: the CUDA runtime is older than this function",
                 library.display()
             ),
+            Self::MissingDriverEntryPoint { symbol, reason } => {
+                write!(
+                    f,
+                    "the CUDA driver function {symbol} is not available: {reason}"
+                )
+            }
         }
     }
 }

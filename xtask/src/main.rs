@@ -1,5 +1,7 @@
-//! Maintainer tasks. `bindgen` regenerates `cuda-pinned-sys/src/bindings.rs` from the CUDA
-//! runtime headers; `scripts/regen-bindings` is the documented way to run it.
+//! Maintainer tasks. `bindgen` regenerates `cuda-pinned-sys/src/bindings.rs` (the runtime API)
+//! and `cuda-pinned-sys/src/driver_bindings.rs` (the few driver calls reached through the
+//! runtime's entry-point query) from the CUDA headers; `scripts/regen-bindings` is the
+//! documented way to run it.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -19,6 +21,7 @@ const FUNCTIONS: &[&str] = &[
     "cudaFree",
     "cudaFreeHost",
     "cudaGetDevice",
+    "cudaGetDriverEntryPointByVersion",
     "cudaGetDeviceCount",
     "cudaGetDeviceProperties",
     "cudaGetErrorName",
@@ -52,7 +55,26 @@ const FUNCTIONS: &[&str] = &[
 const CONSTANTS: &str = "CUDART_VERSION|cudaHostAlloc[A-Za-z]+|cudaHostRegister[A-Za-z]+|\
 cudaStream(Default|NonBlocking)|cudaEvent(Default|BlockingSync|DisableTiming|Interprocess)";
 
+/// Driver API functions bound (the virtual-memory calls for host memory). Keep sorted.
+const DRIVER_FUNCTIONS: &[&str] = &[
+    "cuGetErrorName",
+    "cuGetErrorString",
+    "cuMemAddressFree",
+    "cuMemAddressReserve",
+    "cuMemCreate",
+    "cuMemGetAllocationGranularity",
+    "cuMemMap",
+    "cuMemRelease",
+    "cuMemSetAccess",
+    "cuMemUnmap",
+];
+
+/// Driver enums bound besides those the functions use (a device attribute is asked through
+/// the runtime, whose enum lacks the newest values).
+const DRIVER_TYPES: &str = "CUdevice_attribute(_enum)?";
+
 const OUTPUT: &str = "cuda-pinned-sys/src/bindings.rs";
+const DRIVER_OUTPUT: &str = "cuda-pinned-sys/src/driver_bindings.rs";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -82,37 +104,36 @@ fn run(args: &[String]) -> Result<(), String> {
         }
     }
     let include = include.ok_or(usage)?;
-    let generated = generate(&include)?;
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let output = root.join(OUTPUT);
-    if check {
-        let committed = std::fs::read_to_string(&output)
-            .map_err(|e| format!("cannot read {}: {e}", output.display()))?;
-        if committed != generated {
-            return Err(format!(
-                "{OUTPUT} differs from what the headers in {} generate; run scripts/regen-bindings",
-                include.display()
-            ));
+    for (file, generated) in [
+        (OUTPUT, generate_runtime(&include)?),
+        (DRIVER_OUTPUT, generate_driver(&include)?),
+    ] {
+        let output = root.join(file);
+        if check {
+            let committed = std::fs::read_to_string(&output)
+                .map_err(|e| format!("cannot read {}: {e}", output.display()))?;
+            if committed != generated {
+                return Err(format!(
+                    "{file} differs from what the headers in {} generate; run scripts/regen-bindings",
+                    include.display()
+                ));
+            }
+            println!("{file} is up to date");
+        } else {
+            std::fs::write(&output, generated)
+                .map_err(|e| format!("cannot write {}: {e}", output.display()))?;
+            println!("wrote {file}");
         }
-        println!("{OUTPUT} is up to date");
-    } else {
-        std::fs::write(&output, generated)
-            .map_err(|e| format!("cannot write {}: {e}", output.display()))?;
-        println!("wrote {OUTPUT}");
     }
     Ok(())
 }
 
-fn generate(include: &Path) -> Result<String, String> {
-    let api_header = include.join("cuda_runtime_api.h");
-    let header_text = std::fs::read_to_string(&api_header)
-        .map_err(|e| format!("cannot read {}: {e}", api_header.display()))?;
-    let aliases = versioned_aliases(&header_text);
-
-    let mut builder = bindgen::Builder::default()
-        .header_contents("wrapper.h", "#include <cuda_runtime_api.h>\n")
+/// bindgen as both files use it: open newtype enums, `Default`, layout tests, formatted.
+fn builder(include: &Path, header: &str) -> Result<bindgen::Builder, String> {
+    Ok(bindgen::Builder::default()
+        .header_contents("wrapper.h", &format!("#include <{header}>\n"))
         .clang_arg(format!("-I{}", include.display()))
-        .allowlist_var(CONSTANTS)
         .default_enum_style(bindgen::EnumVariation::NewType {
             is_bitfield: false,
             is_global: false,
@@ -124,7 +145,16 @@ fn generate(include: &Path) -> Result<String, String> {
         .use_core()
         .rust_target(bindgen::RustTarget::stable(85, 0).map_err(|e| e.to_string())?)
         .rust_edition(bindgen::RustEdition::Edition2024)
-        .formatter(bindgen::Formatter::Prettyplease);
+        .formatter(bindgen::Formatter::Prettyplease))
+}
+
+fn generate_runtime(include: &Path) -> Result<String, String> {
+    let api_header = include.join("cuda_runtime_api.h");
+    let header_text = std::fs::read_to_string(&api_header)
+        .map_err(|e| format!("cannot read {}: {e}", api_header.display()))?;
+    let aliases = versioned_aliases(&header_text);
+
+    let mut builder = builder(include, "cuda_runtime_api.h")?.allowlist_var(CONSTANTS);
     for function in FUNCTIONS {
         // A header may `#define` a name to a versioned symbol (`cudaX` -> `cudaX_v2`); the
         // preprocessor then hands bindgen the versioned declaration.
@@ -135,6 +165,27 @@ fn generate(include: &Path) -> Result<String, String> {
         .map_err(|e| format!("bindgen failed: {e}"))?
         .to_string();
     post_process(&bindings, &aliases)
+}
+
+fn generate_driver(include: &Path) -> Result<String, String> {
+    let mut builder = builder(include, "cuda.h")?.allowlist_type(DRIVER_TYPES);
+    for function in DRIVER_FUNCTIONS {
+        builder = builder.allowlist_function(function);
+    }
+    let bindings = builder
+        .generate()
+        .map_err(|e| format!("bindgen failed: {e}"))?
+        .to_string();
+    const EXTERN: &str = "unsafe extern \"C\" {";
+    if bindings.matches(EXTERN).count() != 1 {
+        return Err("expected bindgen to emit exactly one extern block for the driver".into());
+    }
+    Ok(format!(
+        "// Generated by scripts/regen-bindings from the CUDA driver header; do not edit.\n\
+         // Functions are resolved at run time through the runtime's driver entry-point query\n\
+         // by the `driver_api!` macro (src/driver.rs).\n\n{}",
+        bindings.replacen(EXTERN, "driver_api! {", 1)
+    ))
 }
 
 /// `(name, versioned symbol)` for every `#define cudaX cudaX_vN` in the header.
