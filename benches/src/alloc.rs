@@ -1,14 +1,16 @@
-//! `alloc`: what getting pinned memory costs per kind and size, cold pinning per GiB, and how
-//! long another thread's small copy stalls while 1 GiB is being pinned.
+//! `alloc`: what getting pinned memory costs per kind and size, cold pinning per GiB, how long
+//! another thread's small copy stalls while 1 GiB is being pinned, what growing a vector to
+//! 1 GiB costs, and how fast fresh memory takes its first writes.
 
 use std::alloc::Layout;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use cuda_pinned::{
-    CudaHost, DeviceBuffer, HostLocked, PinnedAllocator, PinnedVec, Registered, Result, Stream,
+    Allocation, CudaHost, DeviceBuffer, HostLocked, MemoryKind, PinnedAllocator, PinnedVec,
+    Registered, Result, Stream, VirtualHost,
 };
-use pinned_pool::Pool;
+use pinned_pool::{Pool, PoolConfig};
 
 use crate::progress::Progress;
 use crate::report::{Section, Value, size_label};
@@ -23,9 +25,10 @@ pub fn sizes(quick: bool) -> Vec<usize> {
 }
 
 /// Kinds measured with CUDA; without it only `mlock` and the pool (over `mlock`).
-const KINDS: [&str; 5] = [
+const KINDS: [&str; 6] = [
     "cudaHostAlloc",
     "registered",
+    VIRTUAL,
     "mlock",
     "pool miss",
     "pool hit",
@@ -33,8 +36,10 @@ const KINDS: [&str; 5] = [
 
 /// Work items, for the progress bar.
 pub fn steps(quick: bool, cuda: bool) -> usize {
-    sizes(quick).len() * KINDS.len() + if cuda { 7 } else { 0 }
+    sizes(quick).len() * KINDS.len() + if cuda { 9 + 2 * GROWN.len() + 3 } else { 0 }
 }
+
+const VIRTUAL: &str = "virtual (cuMemCreate)";
 
 fn median(mut values: Vec<Duration>) -> Duration {
     values.sort();
@@ -121,7 +126,8 @@ pub fn run(quick: bool, cuda: bool, progress: &mut Progress) -> Vec<Section> {
             let measured = match kind {
                 "cudaHostAlloc" if cuda => direct(&CudaHost::new(), bytes, reps),
                 "registered" if cuda => direct(&Registered::new(), bytes, reps),
-                "cudaHostAlloc" | "registered" => continue,
+                VIRTUAL if cuda => direct(&VirtualHost::new(), bytes, reps),
+                "cudaHostAlloc" | "registered" | VIRTUAL => continue,
                 "mlock" => direct(&HostLocked, bytes, reps),
                 "pool miss" => pool_miss(bytes, reps),
                 _ => pool_hit(&hits, bytes),
@@ -150,6 +156,8 @@ pub fn run(quick: bool, cuda: bool, progress: &mut Progress) -> Vec<Section> {
     let mut sections = vec![latency];
     if cuda {
         sections.push(stall(progress));
+        sections.push(growth(quick, progress));
+        sections.push(first_touch(progress));
     }
     sections
 }
@@ -172,9 +180,11 @@ fn stall(progress: &mut Progress) -> Section {
         "nothing (sleep 300 ms)",
         "cudaHostAlloc",
         "registered",
+        VIRTUAL,
         RESERVE_8,
         RESERVE_16,
         RESERVE_128,
+        RESERVE_VIRTUAL,
     ] {
         progress.step(&format!("stall {kind}"));
         match measure_stall(kind) {
@@ -248,8 +258,15 @@ const RESERVE_8: &str = "pool reserve, 128 × 8 MiB (background)";
 const RESERVE_16: &str = "pool reserve, 64 × 16 MiB (background)";
 const RESERVE_128: &str = "pool reserve, 8 × 128 MiB (background)";
 
+/// A pool over host memory from the virtual-memory API, growing by 1 GiB on its reserve thread.
+const RESERVE_VIRTUAL: &str = "pool reserve over virtual, 64 × 16 MiB (background)";
+
 /// Has `pool` pin `blocks` blocks of `block` bytes ahead, and waits until they are ready.
-fn grow_in_background(pool: &Pool, block: usize, blocks: usize) -> Result<()> {
+fn grow_in_background<B: PinnedAllocator + Clone + Send + Sync + 'static>(
+    pool: &Pool<B>,
+    block: usize,
+    blocks: usize,
+) -> Result<()> {
     pool.reserve(block, blocks)?;
     while pool.approximate_stats().reserve_ready_bytes < (block * blocks) as u64 {
         if let Some(error) = pool.take_reserve_error() {
@@ -281,12 +298,17 @@ fn measure_stall(kind: &str) -> Result<(Duration, Vec<Duration>)> {
         let layout = Layout::from_size_align(BYTES, 4096).expect("layout");
         let begin = Instant::now();
         let pool = Pool::new();
+        let virtual_pool = Pool::with_backend(VirtualHost::new(), PoolConfig::default());
         let pinned = match kind {
-            "cudaHostAlloc" => Some(CudaHost::new().allocate(layout).map(|a| (a, true))),
-            "registered" => Some(Registered::new().allocate(layout).map(|a| (a, false))),
+            "cudaHostAlloc" => Some(CudaHost::new().allocate(layout)),
+            "registered" => Some(Registered::new().allocate(layout)),
+            VIRTUAL => Some(VirtualHost::new().allocate(layout)),
             RESERVE_8 => grow_in_background(&pool, 8 << 20, 128).err().map(Err),
             RESERVE_16 => grow_in_background(&pool, 16 << 20, 64).err().map(Err),
             RESERVE_128 => grow_in_background(&pool, 128 << 20, 8).err().map(Err),
+            RESERVE_VIRTUAL => grow_in_background(&virtual_pool, 16 << 20, 64)
+                .err()
+                .map(Err),
             _ => {
                 std::thread::sleep(Duration::from_millis(300));
                 None
@@ -296,17 +318,10 @@ fn measure_stall(kind: &str) -> Result<(Duration, Vec<Duration>)> {
         std::thread::sleep(Duration::from_millis(50));
         stop.store(true, Ordering::Relaxed);
         let ops = copier.join().expect("copier thread")?;
-        drop(pool);
+        drop((pool, virtual_pool));
         if let Some(pinned) = pinned {
-            let (allocation, host_alloc) = pinned?;
             // SAFETY: just allocated, never used by a device.
-            unsafe {
-                if host_alloc {
-                    CudaHost::new().deallocate(allocation);
-                } else {
-                    Registered::new().deallocate(allocation);
-                }
-            }
+            unsafe { free_by_kind(pinned?) };
         }
         // Copies that overlapped the pinning.
         let during: Vec<Duration> = ops
@@ -316,4 +331,268 @@ fn measure_stall(kind: &str) -> Result<(Duration, Vec<Duration>)> {
             .collect();
         Ok((end - begin, during))
     })
+}
+
+/// Gives `allocation` back to the allocator of its kind.
+///
+/// # Safety
+///
+/// - `allocation` came from `CudaHost::new()`, `Registered::new()` or `VirtualHost::new()`
+///   and no device work uses it.
+unsafe fn free_by_kind(allocation: Allocation) {
+    // SAFETY: forwarded from the caller; the kind names the allocator that made it.
+    unsafe {
+        match allocation.kind() {
+            MemoryKind::HostAlloc(_) => CudaHost::new().deallocate(allocation),
+            MemoryKind::VirtualHost { .. } => VirtualHost::new().deallocate(allocation),
+            _ => Registered::new().deallocate(allocation),
+        }
+    }
+}
+
+/// Counts what a container asks of its allocator: new blocks, and growth in place.
+#[derive(Clone, Default)]
+struct Counted<A> {
+    allocator: A,
+    blocks: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    grown: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+// SAFETY: forwards every call to the wrapped allocator, which upholds the contract.
+unsafe impl<A: PinnedAllocator> PinnedAllocator for Counted<A> {
+    fn allocate(&self, layout: Layout) -> Result<Allocation> {
+        self.blocks.fetch_add(1, Ordering::Relaxed);
+        self.allocator.allocate(layout)
+    }
+
+    unsafe fn deallocate(&self, allocation: Allocation) {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.allocator.deallocate(allocation) }
+    }
+
+    unsafe fn grow_in_place(
+        &self,
+        allocation: &Allocation,
+        layout: Layout,
+    ) -> Result<Option<Allocation>> {
+        // SAFETY: forwarded from the caller.
+        let grown = unsafe { self.allocator.grow_in_place(allocation, layout) }?;
+        if grown.is_some() {
+            self.grown.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(grown)
+    }
+}
+
+/// Kinds a vector is grown in, a pageable `Vec` first as the reference.
+const GROWN: [&str; 4] = ["Vec (pageable)", "registered", "cudaHostAlloc", VIRTUAL];
+
+/// How a vector is filled: `u64`s pushed one by one, or 1 MiB slices appended.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Fill {
+    Pushes,
+    Slices,
+}
+
+/// Fills a vector to `bytes`; returns the time, the blocks the allocator made and the times
+/// it grew one in place.
+fn grow<A: PinnedAllocator + Clone>(
+    allocator: A,
+    bytes: usize,
+    fill: Fill,
+) -> Result<(Duration, usize, usize)> {
+    let counted = Counted {
+        allocator,
+        blocks: Default::default(),
+        grown: Default::default(),
+    };
+    let slice = vec![7u64; (1 << 20) / 8];
+    let start = Instant::now();
+    let mut v = PinnedVec::<u64, _>::new_in(counted.clone());
+    match fill {
+        Fill::Pushes => {
+            for i in 0..(bytes / 8) as u64 {
+                v.try_push(i)?;
+            }
+        }
+        Fill::Slices => {
+            for _ in 0..bytes >> 20 {
+                v.try_extend_from_slice(&slice)?;
+            }
+        }
+    }
+    let took = start.elapsed();
+    std::hint::black_box(&v);
+    Ok((
+        took,
+        counted.blocks.load(Ordering::Relaxed),
+        counted.grown.load(Ordering::Relaxed),
+    ))
+}
+
+/// Growing a vector to 1 GiB (256 MiB quick) by pushes and by appended slices: time, blocks
+/// made (each after the first moved every element) and growths in place.
+fn growth(quick: bool, progress: &mut Progress) -> Section {
+    let bytes: usize = if quick { 256 << 20 } else { 1 << 30 };
+    let runs = if quick { 1 } else { 3 };
+    let mut section = Section::new(
+        "grow",
+        &format!(
+            "Growing a vector to {} by pushing u64s or appending 1 MiB slices ({runs} runs; min / median / max)",
+            size_label(bytes as u64)
+        ),
+        &[
+            "memory",
+            "filled by",
+            "ms min",
+            "ms median",
+            "ms max",
+            "blocks made",
+            "grown in place",
+            "bytes moved",
+        ],
+    );
+    for (kind, fill) in GROWN
+        .iter()
+        .flat_map(|kind| [(*kind, Fill::Pushes), (*kind, Fill::Slices)])
+    {
+        progress.step(&format!("grow {kind}"));
+        let mut times = Vec::new();
+        let mut counts = (0, 0);
+        for _ in 0..runs {
+            let measured = match kind {
+                "Vec (pageable)" => Ok(grow_vec(bytes, fill)),
+                "registered" => grow(Registered::new(), bytes, fill),
+                "cudaHostAlloc" => grow(CudaHost::new(), bytes, fill),
+                _ => grow(VirtualHost::new(), bytes, fill),
+            };
+            match measured {
+                Ok((took, blocks, grown)) => {
+                    times.push(took);
+                    counts = (blocks, grown);
+                }
+                Err(e) => {
+                    section.notes.push(format!("{kind}: {e}"));
+                    break;
+                }
+            }
+        }
+        if times.is_empty() {
+            continue;
+        }
+        times.sort();
+        let ms = |d: Duration| Value::Num(d.as_secs_f64() * 1e3, 1);
+        let (blocks, grown) = counts;
+        // Each new block after the first moved the elements so far: a geometric series.
+        let moved: u64 = if blocks > 1 { bytes as u64 } else { 0 };
+        section.row(vec![
+            Value::Text(kind.into()),
+            Value::Text(
+                match fill {
+                    Fill::Pushes => "pushes",
+                    Fill::Slices => "1 MiB slices",
+                }
+                .into(),
+            ),
+            ms(times[0]),
+            ms(times[times.len() / 2]),
+            ms(times[times.len() - 1]),
+            Value::Int(blocks as u64),
+            Value::Int(grown as u64),
+            Value::Text(if moved == 0 {
+                "0".into()
+            } else {
+                format!("≈ {}", size_label(moved))
+            }),
+        ]);
+    }
+    section.notes.push(
+        "a block that grows in place keeps its address: nothing is copied and pointers into it stay valid".into(),
+    );
+    section
+}
+
+/// [`grow`] for a pageable `Vec`, the reference (its reallocations counted as blocks).
+fn grow_vec(bytes: usize, fill: Fill) -> (Duration, usize, usize) {
+    let slice = vec![7u64; (1 << 20) / 8];
+    let start = Instant::now();
+    let mut v = Vec::<u64>::new();
+    let mut blocks = 0;
+    match fill {
+        Fill::Pushes => {
+            for i in 0..(bytes / 8) as u64 {
+                if v.len() == v.capacity() {
+                    blocks += 1;
+                }
+                v.push(i);
+            }
+        }
+        Fill::Slices => {
+            for _ in 0..bytes >> 20 {
+                if v.capacity() - v.len() < slice.len() {
+                    blocks += 1;
+                }
+                v.extend_from_slice(&slice);
+            }
+        }
+    }
+    let took = start.elapsed();
+    std::hint::black_box(&v);
+    (took, blocks, 0)
+}
+
+/// The first writes into fresh memory: the CPU's view of memory from the virtual-memory API
+/// fills on first touch, page by page. Allocation time, then two full writes of 256 MiB.
+fn first_touch(progress: &mut Progress) -> Section {
+    let mut section = Section::new(
+        "touch",
+        "Fresh 256 MiB: allocation, then the first and second full write (one thread)",
+        &[
+            "memory",
+            "allocate ms",
+            "first write GB/s",
+            "second write GB/s",
+        ],
+    );
+    progress.step("touch registered");
+    touch_row(&mut section, "registered", Registered::new());
+    progress.step("touch virtual");
+    touch_row(
+        &mut section,
+        "virtual, not pre-touched",
+        VirtualHost::new().prefault_threads(0),
+    );
+    progress.step("touch virtual pre-touched");
+    touch_row(
+        &mut section,
+        "virtual, pre-touched (default)",
+        VirtualHost::new(),
+    );
+    section
+}
+
+fn touch_row<A: PinnedAllocator>(section: &mut Section, kind: &str, allocator: A) {
+    const BYTES: usize = 256 << 20;
+    let start = Instant::now();
+    let mut v = match PinnedVec::<u8, _>::with_capacity_in(BYTES, allocator) {
+        Ok(v) => v,
+        Err(e) => {
+            section.notes.push(format!("{kind}: {e}"));
+            return;
+        }
+    };
+    let allocated = start.elapsed();
+    let mut write = |value: u8| {
+        let start = Instant::now();
+        v.spare_capacity_mut()[..BYTES].fill(std::mem::MaybeUninit::new(value));
+        std::hint::black_box(&mut v);
+        BYTES as f64 / start.elapsed().as_secs_f64() / 1e9
+    };
+    let (first, second) = (write(1), write(2));
+    section.row(vec![
+        Value::Text(kind.into()),
+        Value::Num(allocated.as_secs_f64() * 1e3, 1),
+        Value::Num(first, 1),
+        Value::Num(second, 1),
+    ]);
 }

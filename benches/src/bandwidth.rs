@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use cuda_pinned::{
     CudaHost, DeviceBuffer, Error, Event, HostLocked, MemoryKind, PinnedAllocator, PinnedVec,
-    Registered, Result, Stream,
+    Registered, Result, Stream, VirtualHost,
 };
 use cuda_pinned_sys::{cudaError, cudaMemcpyKind, cudart};
 use pinned_pool::Pool;
@@ -40,18 +40,19 @@ pub fn sizes(quick: bool) -> Vec<usize> {
 }
 
 /// Memory kinds measured, the raw baseline first.
-pub const KINDS: [&str; 6] = [
+pub const KINDS: [&str; 7] = [
     "raw (sys)",
     "pageable Vec",
     "cudaHostAlloc",
     "registered",
+    "virtual (cuMemCreate)",
     "pool",
     "mlock",
 ];
 
 /// Work items, for the progress bar.
 pub fn steps(quick: bool) -> usize {
-    sizes(quick).len() * KINDS.len() + 4
+    sizes(quick).len() * KINDS.len() + 5
 }
 
 /// Copies timed per size: fewer for large ones, which vary less.
@@ -267,6 +268,7 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
                 "pageable Vec" => raw_copier(&stream, bytes, false),
                 "cudaHostAlloc" => tracked_copier(&stream, CudaHost::new(), bytes),
                 "registered" => tracked_copier(&stream, Registered::new(), bytes),
+                "virtual (cuMemCreate)" => tracked_copier(&stream, VirtualHost::new(), bytes),
                 "pool" => tracked_copier(&stream, &pool, bytes),
                 _ => tracked_copier(&stream, HostLocked, bytes),
             };
@@ -338,7 +340,13 @@ fn bidirectional(
     let mut device_in = DeviceBuffer::<u8>::zeroed(bytes)?;
     let device_out = DeviceBuffer::<u8>::zeroed(bytes)?;
     let mut raw_total = None;
-    for kind in ["raw (sys)", "cudaHostAlloc", "registered", "pool"] {
+    for kind in [
+        "raw (sys)",
+        "cudaHostAlloc",
+        "registered",
+        "virtual (cuMemCreate)",
+        "pool",
+    ] {
         progress.step(&format!("bidirectional {kind}"));
         let measured = match kind {
             "raw (sys)" => both_raw(&up, &down, &device_in, &device_out, bytes, reps),
@@ -353,6 +361,15 @@ fn bidirectional(
             ),
             "registered" => both_tracked(
                 Registered::new(),
+                &up,
+                &down,
+                &mut device_in,
+                &device_out,
+                bytes,
+                reps,
+            ),
+            "virtual (cuMemCreate)" => both_tracked(
+                VirtualHost::new(),
                 &up,
                 &down,
                 &mut device_in,

@@ -66,7 +66,9 @@ pub fn facts() -> Vec<(String, String)> {
     );
     fact(
         "pinned memory goes to",
-        "the node of the thread that first touches it (the kernel's default policy)".into(),
+        "registered and cudaHostAlloc: the node of the thread that first touches it (the \
+         kernel's default policy); virtual (cuMemCreate): the current device's node"
+            .into(),
     );
     facts
 }
@@ -114,6 +116,10 @@ fn device_facts(device: Device, fact: &mut impl FnMut(&str, String)) {
     fact(
         &format!("device {n} map host mem"),
         yes_no(device.can_map_host_memory()),
+    );
+    fact(
+        &format!("device {n} virtual host mem"),
+        yes_no(device.supports_virtual_host_memory()),
     );
 }
 

@@ -26,6 +26,12 @@ pub enum MemoryKind {
     /// `mlock`ed host memory on a machine without CUDA: page-locked, but unknown to any GPU,
     /// so copies from it are staged by the driver like pageable memory.
     Locked,
+    /// Host memory created through CUDA's virtual-memory API (`cuMemCreate`) on this host NUMA
+    /// node, in chunks mapped into one reserved range ([`VirtualHost`](crate::VirtualHost)).
+    VirtualHost {
+        /// The host NUMA node the memory is on.
+        node: u32,
+    },
 }
 
 impl MemoryKind {
@@ -42,6 +48,7 @@ impl fmt::Display for MemoryKind {
             Self::Registered => f.write_str("registered"),
             Self::UserRegistered => f.write_str("user-registered"),
             Self::Locked => f.write_str("mlock"),
+            Self::VirtualHost { node } => write!(f, "cuMemCreate(host node {node})"),
         }
     }
 }
@@ -159,6 +166,29 @@ pub unsafe trait PinnedAllocator {
             // SAFETY: the pending work finished; the caller's guarantees cover the rest.
             unsafe { self.deallocate(allocation) };
         }
+    }
+
+    /// Makes `allocation` hold `layout.size()` bytes without moving it, if this allocator can:
+    /// `Ok(Some(grown))` describes the same memory, now larger, with its contents kept, and
+    /// replaces `allocation` (which must not be given back itself); `Ok(None)` means it cannot
+    /// (a container then allocates anew and copies). The default cannot.
+    ///
+    /// # Errors
+    ///
+    /// What getting the extra memory failed with; `allocation` is unchanged.
+    ///
+    /// # Safety
+    ///
+    /// - `allocation` came from `allocate` (or an earlier growth) on this allocator and has not
+    ///   been given back;
+    /// - `layout` has `allocation`'s alignment.
+    unsafe fn grow_in_place(
+        &self,
+        allocation: &Allocation,
+        layout: Layout,
+    ) -> Result<Option<Allocation>> {
+        let _ = (allocation, layout);
+        Ok(None)
     }
 }
 
@@ -321,6 +351,16 @@ unsafe impl<A: PinnedAllocator + ?Sized> PinnedAllocator for &A {
         // SAFETY: forwarded from the caller.
         unsafe { (**self).deallocate_after(allocation, pending) }
     }
+
+    #[inline]
+    unsafe fn grow_in_place(
+        &self,
+        allocation: &Allocation,
+        layout: Layout,
+    ) -> Result<Option<Allocation>> {
+        // SAFETY: forwarded from the caller.
+        unsafe { (**self).grow_in_place(allocation, layout) }
+    }
 }
 
 // SAFETY: as for `&A`: every clone of the `Arc` reaches the same allocator.
@@ -340,6 +380,16 @@ unsafe impl<A: PinnedAllocator + ?Sized> PinnedAllocator for Arc<A> {
     unsafe fn deallocate_after(&self, allocation: Allocation, pending: PendingUses) {
         // SAFETY: forwarded from the caller.
         unsafe { (**self).deallocate_after(allocation, pending) }
+    }
+
+    #[inline]
+    unsafe fn grow_in_place(
+        &self,
+        allocation: &Allocation,
+        layout: Layout,
+    ) -> Result<Option<Allocation>> {
+        // SAFETY: forwarded from the caller.
+        unsafe { (**self).grow_in_place(allocation, layout) }
     }
 }
 

@@ -14,6 +14,7 @@ use crate::alloc::{Allocation, DefaultPinned, MemoryKind, PinnedAllocator};
 use crate::host_alloc::CudaHost;
 use crate::locked::HostLocked;
 use crate::registered::Registered;
+use crate::virtual_host::VirtualHost;
 
 /// A zero-sized request gets a dangling, aligned pointer, as allocator-api2 allows.
 fn dangling(layout: Layout) -> NonNull<[u8]> {
@@ -88,3 +89,25 @@ impl_allocator!(
     |_this, layout| DefaultPinned::layout_bytes(layout),
     DefaultPinned::kind()
 );
+
+// SAFETY: forwards to `VirtualHost`'s `PinnedAllocator`. Blocks made here never grow in place
+// (allocator-api2 grows by allocating anew), so a block's size follows from any layout between
+// the request and the returned length, and its reserved room from its size: `deallocate`
+// rebuilds exactly the allocation that was made.
+unsafe impl Allocator for VirtualHost {
+    fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
+        allocate_with(self, layout)
+    }
+
+    unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
+        if layout.size() == 0 {
+            return;
+        }
+        let Some(allocation) = self.allocation_at(ptr, layout) else {
+            return;
+        };
+        // SAFETY: the caller guarantees `ptr` came from `allocate` with a layout that fits;
+        // allocator-api2 containers have no stream uses.
+        unsafe { PinnedAllocator::deallocate(self, allocation) };
+    }
+}

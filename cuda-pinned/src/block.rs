@@ -114,6 +114,29 @@ impl<A: PinnedAllocator> Block<A> {
         self.allocator.allocate(layout)
     }
 
+    /// Grows the block's memory to `layout` without moving it, where the allocator can;
+    /// `Ok(false)` where it cannot (or the block is empty).
+    ///
+    /// # Errors
+    ///
+    /// The allocator's error; the block is unchanged.
+    pub(crate) fn grow_in_place(&mut self, layout: Layout) -> Result<bool> {
+        if self.allocation.bytes() == 0 {
+            return Ok(false);
+        }
+        // SAFETY: the block's allocation came from its allocator and is live; containers
+        // grow with their element type's alignment, the one they allocated with.
+        match unsafe { self.allocator.grow_in_place(&self.allocation, layout) }? {
+            Some(grown) => {
+                debug_assert_eq!(grown.ptr(), self.allocation.ptr());
+                // The grown allocation describes the same memory: nothing is given back.
+                self.allocation = grown;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
     /// Makes `allocation` (from this block's allocator, its contents already moved in) the
     /// block's memory, then gives the old memory back, deferred on the old uses.
     ///

@@ -156,6 +156,28 @@ impl Device {
         self.flag(cudaDeviceAttr::cudaDevAttrHostRegisterSupported)
     }
 
+    /// Whether the device can use page-locked host memory created through CUDA's
+    /// virtual-memory API on a host NUMA node ([`VirtualHost`](crate::VirtualHost)): CUDA
+    /// 12.2 or newer and a device that says so.
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error from `cudaDeviceGetAttribute`.
+    pub fn supports_virtual_host_memory(self) -> Result<bool> {
+        // The runtime's enum lacks this attribute; the driver's value is the same number.
+        let attribute = cuda_pinned_sys::driver::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
+        match ffi::device_attribute(cudaDeviceAttr(attribute.0), self.ordinal) {
+            Ok(value) => Ok(value != 0),
+            // Drivers older than the attribute reject it: they cannot do it either.
+            Err(crate::Error::Cuda(e))
+                if e.raw() == cuda_pinned_sys::cudaError::cudaErrorInvalidValue =>
+            {
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// Whether the device can map page-locked host memory into its address space.
     ///
     /// # Errors

@@ -3,6 +3,7 @@
 use std::ffi::CStr;
 use std::fmt;
 
+use cuda_pinned_sys::driver::{CUresult, driver};
 use cuda_pinned_sys::{LoadError, cudaError, cudart};
 
 /// The crate's `Result`.
@@ -94,6 +95,88 @@ impl fmt::Display for CudaError {
 
 impl std::error::Error for CudaError {}
 
+/// A CUDA driver call that returned an error code (host memory through the virtual-memory
+/// API, [`VirtualHost`](crate::VirtualHost), is made with driver calls).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DriverError {
+    code: CUresult,
+    call: &'static str,
+}
+
+impl DriverError {
+    pub(crate) fn new(call: &'static str, code: CUresult) -> Self {
+        Self { code, call }
+    }
+
+    /// The numeric `CUresult`.
+    pub fn code(&self) -> u32 {
+        self.code.0
+    }
+
+    /// The driver function that returned it, such as `"cuMemCreate"`.
+    pub fn call(&self) -> &'static str {
+        self.call
+    }
+
+    /// The code's name from the driver (`"CUDA_ERROR_OUT_OF_MEMORY"`), or
+    /// `"unrecognized error code"`.
+    pub fn name(&self) -> &'static str {
+        driver_string(self.code, |d| d.cuGetErrorName()).unwrap_or("unrecognized error code")
+    }
+
+    /// The driver's description of the code.
+    pub fn description(&self) -> &'static str {
+        driver_string(self.code, |d| d.cuGetErrorString()).unwrap_or("no description")
+    }
+
+    /// Whether the driver could not allocate memory.
+    pub fn is_out_of_memory(&self) -> bool {
+        self.code == CUresult::CUDA_ERROR_OUT_OF_MEMORY
+    }
+}
+
+type DriverStringFn = unsafe extern "C" fn(CUresult, *mut *const std::ffi::c_char) -> CUresult;
+
+fn driver_string(
+    code: CUresult,
+    get: impl FnOnce(&cuda_pinned_sys::driver::Driver) -> Result<DriverStringFn, LoadError>,
+) -> Option<&'static str> {
+    let function = get(driver().ok()?).ok()?;
+    let mut text = std::ptr::null();
+    // SAFETY: both functions take any code and an out-pointer, which they set to a static,
+    // NUL-terminated string owned by the driver (never unloaded) or leave alone on failure.
+    if unsafe { function(code, &mut text) } != CUresult::CUDA_SUCCESS || text.is_null() {
+        return None;
+    }
+    // SAFETY: non-null, NUL-terminated, static (see above).
+    unsafe { CStr::from_ptr(text) }.to_str().ok()
+}
+
+impl fmt::Debug for DriverError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DriverError")
+            .field("call", &self.call)
+            .field("code", &self.code.0)
+            .field("name", &self.name())
+            .finish()
+    }
+}
+
+impl fmt::Display for DriverError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} failed: {} ({}): {}",
+            self.call,
+            self.name(),
+            self.code.0,
+            self.description()
+        )
+    }
+}
+
+impl std::error::Error for DriverError {}
+
 /// Everything that can go wrong when page-locked memory is asked for or used.
 #[derive(Debug)]
 #[non_exhaustive]
@@ -102,6 +185,8 @@ pub enum Error {
     Unavailable(LoadError),
     /// A CUDA runtime call failed.
     Cuda(CudaError),
+    /// A CUDA driver call failed.
+    Driver(DriverError),
     /// Locking the pages would exceed `RLIMIT_MEMLOCK` (`ulimit -l`).
     MemlockLimit {
         /// Bytes the failed request would have locked.
@@ -151,6 +236,7 @@ impl fmt::Display for Error {
         match self {
             Self::Unavailable(e) => write!(f, "CUDA is not available: {e}"),
             Self::Cuda(e) => e.fmt(f),
+            Self::Driver(e) => e.fmt(f),
             Self::MemlockLimit { requested, limit } => {
                 write!(f, "cannot lock {requested} bytes of memory: ")?;
                 match limit {
@@ -193,6 +279,7 @@ impl std::error::Error for Error {
         match self {
             Self::Unavailable(e) => Some(e),
             Self::Cuda(e) => Some(e),
+            Self::Driver(e) => Some(e),
             Self::Os { source, .. } => Some(source),
             #[cfg(feature = "cudarc")]
             Self::Cudarc(e) => Some(e),
@@ -243,5 +330,18 @@ mod tests {
         assert_eq!(error.call(), "cudaHostAlloc");
         assert!(error.is_out_of_memory());
         assert!(error.to_string().starts_with("cudaHostAlloc failed"));
+    }
+
+    #[test]
+    fn driver_error_keeps_code_and_call() {
+        let error = DriverError::new("cuMemCreate", CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+        assert_eq!(error.code(), 2);
+        assert_eq!(error.call(), "cuMemCreate");
+        assert!(error.is_out_of_memory());
+        assert!(
+            !DriverError::new("cuMemMap", CUresult::CUDA_ERROR_INVALID_VALUE).is_out_of_memory()
+        );
+        let text = Error::Driver(error).to_string();
+        assert!(text.starts_with("cuMemCreate failed"), "{text}");
     }
 }

@@ -1,15 +1,18 @@
-//! The one place that calls the CUDA runtime: thin `Result` functions over the sys crate.
+//! The one place that calls CUDA: thin `Result` functions over the sys crate.
 //!
 //! Every function turns a missing library or symbol into [`Error::Unavailable`] and a
-//! non-success code into [`Error::Cuda`], clearing the runtime's per-thread last error so a
-//! failure here does not resurface in a user's next, unrelated CUDA call.
+//! non-success code into [`Error::Cuda`] (runtime) or [`Error::Driver`] (driver), clearing
+//! the runtime's per-thread last error so a failure here does not resurface in a user's
+//! next, unrelated CUDA call.
 
 use std::ffi::{c_int, c_void};
 use std::ptr::{self, NonNull};
 
 use cuda_pinned_sys::{self as sys, cudaError, cudart};
 
-use crate::error::{CudaError, Error, Result};
+use cuda_pinned_sys::driver::{self as cu, CUresult};
+
+use crate::error::{CudaError, DriverError, Error, Result};
 
 /// Calls one runtime function and checks its status.
 ///
@@ -22,6 +25,22 @@ macro_rules! cuda {
         // arguments satisfy the C function's contract.
         let status = unsafe { function($($arg),*) };
         check(stringify!($name), status)
+    }};
+}
+
+/// Calls one driver function (reached through the runtime) and checks its status; the same
+/// contract as [`cuda!`].
+macro_rules! driver {
+    ($name:ident($($arg:expr),* $(,)?)) => {{
+        let function = cu::driver()?.$name()?;
+        // SAFETY: as for `cuda!`: the enclosing function guarantees the arguments satisfy
+        // the C function's contract.
+        let status = unsafe { function($($arg),*) };
+        if status == CUresult::CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(Error::Driver(DriverError::new(stringify!($name), status)))
+        }
     }};
 }
 
@@ -157,6 +176,109 @@ pub(crate) fn host_device_pointer(ptr: NonNull<u8>) -> Result<u64> {
         0
     ))?;
     Ok(device as u64)
+}
+
+// ---- host memory through the virtual-memory API -------------------------------------------
+
+/// What `cuMemCreate` is asked for: page-locked host memory on NUMA node `node`.
+fn host_numa_prop(node: u32) -> cu::CUmemAllocationProp {
+    let mut prop = cu::CUmemAllocationProp {
+        type_: cu::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        ..Default::default()
+    };
+    prop.location.type_ = cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA;
+    prop.location.id = node as c_int;
+    prop
+}
+
+/// The size every chunk of host memory on `node` is a multiple of.
+pub(crate) fn host_granularity(node: u32) -> Result<usize> {
+    let prop = host_numa_prop(node);
+    let mut granularity = 0;
+    driver!(cuMemGetAllocationGranularity(
+        &mut granularity,
+        &prop,
+        cu::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM
+    ))?;
+    if granularity == 0 || !granularity.is_power_of_two() {
+        return Err(Error::Unsupported(
+            "the driver reported no allocation granularity",
+        ));
+    }
+    Ok(granularity)
+}
+
+/// Reserves `bytes` of address space (no memory behind it), aligned to `align`.
+pub(crate) fn address_reserve(bytes: usize, align: usize) -> Result<NonNull<u8>> {
+    let mut address = 0;
+    driver!(cuMemAddressReserve(&mut address, bytes, align, 0, 0))?;
+    NonNull::new(ptr::with_exposed_provenance_mut(address as usize))
+        .ok_or(Error::Unsupported("the driver reserved address 0"))
+}
+
+/// # Safety
+///
+/// - `ptr..ptr + bytes` is exactly a range from [`address_reserve`], with nothing mapped in it
+///   and nothing using it afterwards.
+pub(crate) unsafe fn address_free(ptr: NonNull<u8>, bytes: usize) -> Result<()> {
+    driver!(cuMemAddressFree(ptr.as_ptr() as u64, bytes))
+}
+
+/// Creates `bytes` of page-locked memory on `node`, maps it at `at` and opens it to the host
+/// and to `devices`. The memory handle is released at once: the mapping keeps the memory
+/// until [`unmap`] (the driver's rule), so nothing else needs to be remembered.
+///
+/// # Safety
+///
+/// - `at..at + bytes` lies inside a range from [`address_reserve`] with nothing mapped there,
+///   and `at` and `bytes` are multiples of [`host_granularity`].
+pub(crate) unsafe fn map_host_memory(
+    at: NonNull<u8>,
+    bytes: usize,
+    node: u32,
+    devices: &[i32],
+) -> Result<()> {
+    let prop = host_numa_prop(node);
+    let mut handle = 0;
+    driver!(cuMemCreate(&mut handle, bytes, &prop, 0))?;
+    let address = at.as_ptr() as u64;
+    let mapped = driver!(cuMemMap(address, bytes, 0, handle, 0));
+    // The mapping holds the memory now (or the map failed): the handle is not needed either
+    // way. A failed release only leaks the handle's bookkeeping.
+    let _ = driver!(cuMemRelease(handle));
+    mapped?;
+    let access = |type_, id| cu::CUmemAccessDesc {
+        location: cu::CUmemLocation { type_, id },
+        flags: cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    let mut descriptors = vec![access(
+        cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA,
+        node as c_int,
+    )];
+    descriptors.extend(
+        devices
+            .iter()
+            .map(|&device| access(cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, device)),
+    );
+    let opened = driver!(cuMemSetAccess(
+        address,
+        bytes,
+        descriptors.as_ptr(),
+        descriptors.len()
+    ));
+    if opened.is_err() {
+        // SAFETY: mapped just above and never handed out.
+        let _ = unsafe { unmap(at, bytes) };
+    }
+    opened
+}
+
+/// # Safety
+///
+/// - `ptr..ptr + bytes` is memory mapped by [`map_host_memory`] (one call or several
+///   adjacent ones), used by no device work and nothing on the host afterwards.
+pub(crate) unsafe fn unmap(ptr: NonNull<u8>, bytes: usize) -> Result<()> {
+    driver!(cuMemUnmap(ptr.as_ptr() as u64, bytes))
 }
 
 // ---- device memory -------------------------------------------------------------------------

@@ -73,6 +73,7 @@
 //! | [`Registered`] | `mmap` + huge pages + parallel pre-fault + `cudaHostRegister`: ~10× faster to get | CUDA |
 //! | [`Registration`], [`RegisteredVec`] | registers memory you already own | CUDA |
 //! | [`HostLocked`] | `mmap` + `mlock` | `RLIMIT_MEMLOCK` room |
+//! | [`VirtualHost`] | `cuMemCreate` on the GPU's NUMA node, chunks mapped into one reserved range: never stalls other threads' copies, [`PinnedVec`] grows in place | CUDA 12.5 |
 //!
 //! They also implement allocator-api2's `Allocator`, so `allocator_api2::vec::Vec<T, _>` and
 //! hashbrown maps can live in pinned memory.
@@ -167,6 +168,7 @@ mod staging;
 mod stream;
 mod transfer;
 mod vec;
+mod virtual_host;
 
 pub use alloc::{Allocation, DefaultPinned, MemoryKind, PendingUses, PinnedAllocator};
 pub use boxed::PinnedBox;
@@ -180,7 +182,7 @@ pub use device::{
     Device, Version, device_count, driver_version, is_available, runtime_path, runtime_version,
 };
 pub use device_buffer::{DeviceBuffer, DeviceSlice, DeviceSliceMut};
-pub use error::{CudaError, Error, Result};
+pub use error::{CudaError, DriverError, Error, Result};
 pub use host_alloc::{CudaHost, HostAllocFlags};
 pub use locked::HostLocked;
 pub use pin::PinMemory;
@@ -190,3 +192,4 @@ pub use staging::{StagedCopy, Stager, StagingConfig};
 pub use stream::{Event, RawCopy, Stream};
 pub use transfer::{HostBuffer, Transfer};
 pub use vec::{IntoIter, PinnedVec};
+pub use virtual_host::VirtualHost;

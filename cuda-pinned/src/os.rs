@@ -96,7 +96,8 @@ pub(crate) unsafe fn unmap(ptr: NonNull<u8>, bytes: usize) {
 ///
 /// # Safety
 ///
-/// - `ptr..ptr + bytes` is a writable mapping of ours, zero-filled and not yet in use.
+/// - `ptr..ptr + bytes` is a writable mapping of ours, not yet in use: the first byte of each
+///   page becomes zero (which fresh anonymous memory already holds).
 pub(crate) unsafe fn prefault(ptr: NonNull<u8>, bytes: usize, threads: usize) {
     let page = page_size();
     let pages = bytes / page;
@@ -107,8 +108,8 @@ pub(crate) unsafe fn prefault(ptr: NonNull<u8>, bytes: usize, threads: usize) {
     let base = Base(ptr);
     let touch = move |first: usize, last: usize| {
         for page_index in first..last {
-            // SAFETY: the page lies inside the range; writing the zero it already holds (fresh
-            // anonymous memory) changes nothing but makes the kernel allocate the page.
+            // SAFETY: the page lies inside the range, which nobody uses yet; the write makes
+            // the kernel (or the driver) back the page.
             unsafe { std::ptr::write_volatile(base.at(page_index * page), 0) };
         }
     };
@@ -144,8 +145,8 @@ impl Base {
     }
 }
 
-// SAFETY: the threads only write the zero each page already holds, to disjoint pages of a
-// mapping that outlives them (they are scoped); nothing else uses the range meanwhile.
+// SAFETY: the threads only write to disjoint pages of a mapping that outlives them (they are
+// scoped); nothing else uses the range meanwhile.
 unsafe impl Send for Base {}
 // SAFETY: as above.
 unsafe impl Sync for Base {}

@@ -284,14 +284,17 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
         }
     }
 
-    /// Moves the elements into a new allocation of room for `capacity` (> the current
-    /// capacity) elements.
+    /// Makes room for `capacity` (> the current capacity) elements: in place where the
+    /// allocator can grow the block, else by moving the elements into a new allocation.
     #[cold]
     fn grow_to(&mut self, capacity: usize) -> Result<()> {
         if Self::IS_ZST {
             return Ok(()); // capacity is already usize::MAX
         }
         let layout = Layout::array::<T>(capacity).map_err(|_| Error::CapacityOverflow)?;
+        if self.block.grow_in_place(layout)? {
+            return Ok(());
+        }
         let allocation = self.block.allocate_more(layout)?;
         // SAFETY: the new block holds ≥ `capacity` ≥ `len` elements and does not overlap the
         // old one (both are live allocations); moving the bits moves the values.

@@ -11,14 +11,14 @@ use cuda_pinned::{
     Registration, Result, Stream,
 };
 
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
+pub(crate) fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
         .collect()
 }
 
 /// Host → device → host through `allocator`, checking the bytes at each end.
-fn round_trip<A: PinnedAllocator + Clone>(allocator: A, len: usize) {
+pub(crate) fn round_trip<A: PinnedAllocator + Clone>(allocator: A, len: usize) {
     let stream = Stream::new().unwrap();
     let data = pattern(len, 3);
     let src = PinnedVec::from_slice_in(&data, allocator.clone()).unwrap();
@@ -152,7 +152,7 @@ fn pinned_box_round_trip() {
 }
 
 /// Blocks `stream` for `ms` milliseconds on a driver thread; the flag is set when it unblocks.
-fn block(stream: &Stream, ms: u64) -> Arc<AtomicBool> {
+pub(crate) fn block(stream: &Stream, ms: u64) -> Arc<AtomicBool> {
     let unblocked = Arc::new(AtomicBool::new(false));
     let flag = unblocked.clone();
     stream

@@ -8,6 +8,7 @@ mod boxed;
 mod errors;
 mod gpu;
 mod gpu_views;
+mod gpu_virtual;
 mod pin;
 mod staging;
 mod unwind;

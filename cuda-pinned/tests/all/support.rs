@@ -43,13 +43,17 @@ unsafe impl PinnedAllocator for Backing {
 }
 
 /// Wraps [`Backing`], counting live allocations, failing while `fail` is set and panicking
-/// in `deallocate` (after giving the memory back) while `panic_on_free` is set.
+/// in `deallocate` (after giving the memory back) while `panic_on_free` is set. With
+/// `growth_factor` at n > 1, each block takes n times its size and grows in place up to it
+/// (counted in `grown`), as address space reserved ahead allows.
 #[derive(Clone, Default)]
 pub struct Counting {
     pub live: Arc<AtomicUsize>,
     pub allocations: Arc<AtomicUsize>,
     pub fail: Arc<AtomicBool>,
     pub panic_on_free: Arc<AtomicBool>,
+    pub growth_factor: Arc<AtomicUsize>,
+    pub grown: Arc<AtomicUsize>,
 }
 
 impl Counting {
@@ -66,18 +70,49 @@ unsafe impl PinnedAllocator for Counting {
                 requested: layout.size(),
             });
         }
-        let allocation = Backing.allocate(layout)?;
+        let factor = self.growth_factor.load(Ordering::SeqCst).max(1);
+        let room = Layout::from_size_align(layout.size() * factor, layout.align()).unwrap();
+        let block = Backing.allocate(room)?;
         self.live.fetch_add(1, Ordering::SeqCst);
         self.allocations.fetch_add(1, Ordering::SeqCst);
-        Ok(allocation)
+        // The block shows the size asked for; its tag keeps the whole room.
+        Ok(Allocation::new(
+            block.ptr(),
+            layout.size(),
+            block.kind(),
+            block.bytes(),
+        ))
     }
 
     unsafe fn deallocate(&self, allocation: Allocation) {
         self.live.fetch_sub(1, Ordering::SeqCst);
-        // SAFETY: forwarded from the caller; the allocation came from `Backing`.
-        unsafe { Backing.deallocate(allocation) };
+        let block = Allocation::new(allocation.ptr(), allocation.tag(), allocation.kind(), 0);
+        // SAFETY: forwarded from the caller; the block (its whole room) came from `Backing`.
+        unsafe { Backing.deallocate(block) };
         if self.panic_on_free.load(Ordering::SeqCst) {
             panic!("deallocate panicked (on purpose)");
         }
+    }
+
+    unsafe fn grow_in_place(
+        &self,
+        allocation: &Allocation,
+        layout: Layout,
+    ) -> Result<Option<Allocation>> {
+        if self.fail.load(Ordering::SeqCst) {
+            return Err(cuda_pinned::Error::OutOfMemory {
+                requested: layout.size(),
+            });
+        }
+        if self.growth_factor.load(Ordering::SeqCst) <= 1 || layout.size() > allocation.tag() {
+            return Ok(None);
+        }
+        self.grown.fetch_add(1, Ordering::SeqCst);
+        Ok(Some(Allocation::new(
+            allocation.ptr(),
+            layout.size(),
+            allocation.kind(),
+            allocation.tag(),
+        )))
     }
 }

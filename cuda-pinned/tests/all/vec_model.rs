@@ -53,8 +53,12 @@ proptest! {
     #![proptest_config(config())]
 
     #[test]
-    fn behaves_like_vec(ops in proptest::collection::vec(op(), 1..60)) {
+    fn behaves_like_vec(
+        ops in proptest::collection::vec(op(), 1..60),
+        growth_factor in prop_oneof![Just(1usize), Just(4)],
+    ) {
         let allocator = Counting::default();
+        allocator.growth_factor.store(growth_factor, Ordering::SeqCst);
         {
             let mut pinned = PinnedVec::<u32, _>::new_in(allocator.clone());
             let mut bytes = PinnedVec::<u8, _>::new_in(allocator.clone());
@@ -113,6 +117,33 @@ fn new_does_not_allocate_and_growth_is_amortised() {
     }
     // Geometric growth: a handful of allocations for 100k pushes, not one per push.
     assert!(allocator.allocations.load(Ordering::SeqCst) < 20);
+    drop(v);
+    assert_eq!(allocator.live(), 0);
+}
+
+#[test]
+fn growth_in_place_keeps_the_address_and_falls_back_to_a_copy() {
+    let allocator = Counting::default();
+    allocator.growth_factor.store(16, Ordering::SeqCst);
+    let mut v = PinnedVec::<u32, _>::with_capacity_in(256, allocator.clone()).unwrap();
+    let start = v.as_ptr();
+    // 16 × 256 elements of room: pushes up to it grow in place.
+    for i in 0..4096 {
+        v.push(i);
+    }
+    assert_eq!(v.as_ptr(), start, "moved while the room lasted");
+    assert_eq!(allocator.allocations.load(Ordering::SeqCst), 1);
+    assert!(allocator.grown.load(Ordering::SeqCst) >= 4);
+    // Past the room the vector moves, contents and all.
+    v.push(4096);
+    assert_eq!(allocator.allocations.load(Ordering::SeqCst), 2);
+    assert!(v.iter().copied().eq(0..4097));
+    // A failed growth leaves the vector as it was.
+    allocator.fail.store(true, Ordering::SeqCst);
+    let capacity = v.capacity();
+    assert!(v.try_reserve(capacity).is_err());
+    assert_eq!((v.capacity(), v.len()), (capacity, 4097));
+    allocator.fail.store(false, Ordering::SeqCst);
     drop(v);
     assert_eq!(allocator.live(), 0);
 }

@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
-use cuda_pinned::{DeviceBuffer, MemoryKind, PinnedVec, Stream};
-use pinned_pool::Pool;
+use cuda_pinned::{DeviceBuffer, MemoryKind, PinnedAllocator, PinnedVec, Stream, VirtualHost};
+use pinned_pool::{Pool, PoolConfig};
 
 fn block_stream(stream: &Stream, ms: u64) {
     stream
@@ -17,15 +17,30 @@ fn pattern(len: usize) -> Vec<u8> {
 
 const LEN: usize = 8 << 20;
 
+/// A pool over host memory from CUDA's virtual-memory API.
+fn virtual_pool() -> Pool<VirtualHost> {
+    Pool::with_backend(VirtualHost::new(), PoolConfig::default())
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_block_in_flight_is_not_reused_until_its_copy_ends() {
-    let pool = Pool::new();
+    in_flight_block_waits(Pool::new(), |kind| kind == MemoryKind::Registered);
+    in_flight_block_waits(virtual_pool(), |kind| {
+        matches!(kind, MemoryKind::VirtualHost { .. })
+    });
+}
+
+fn in_flight_block_waits<B: PinnedAllocator>(pool: Pool<B>, kind: fn(MemoryKind) -> bool) {
     let stream = Stream::new().unwrap();
     let data = pattern(LEN);
     let mut block = pool.with_capacity(LEN).unwrap();
     block.extend_from_slice(&data);
-    assert_eq!(block.memory_kind(), Some(MemoryKind::Registered));
+    assert!(
+        kind(block.memory_kind().unwrap()),
+        "{:?}",
+        block.memory_kind()
+    );
     let address = block.as_ptr();
     let mut device = DeviceBuffer::<u8>::zeroed(LEN).unwrap();
 
@@ -71,7 +86,11 @@ fn a_block_in_flight_is_not_reused_until_its_copy_ends() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_block_used_on_two_streams_waits_for_both() {
-    let pool = Pool::new();
+    used_on_two_streams(Pool::new());
+    used_on_two_streams(virtual_pool());
+}
+
+fn used_on_two_streams<B: PinnedAllocator>(pool: Pool<B>) {
     let (copy_stream, other_stream) = (Stream::new().unwrap(), Stream::new().unwrap());
     let data = pattern(LEN);
     let mut block = pool.with_capacity(LEN).unwrap();
