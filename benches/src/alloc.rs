@@ -25,9 +25,10 @@ pub fn sizes(quick: bool) -> Vec<usize> {
 }
 
 /// Kinds measured with CUDA; without it only `mlock` and the pool (over `mlock`).
-const KINDS: [&str; 6] = [
+const KINDS: [&str; 7] = [
     "cudaHostAlloc",
     "registered",
+    CHUNKS_32,
     VIRTUAL,
     "mlock",
     "pool miss",
@@ -36,10 +37,14 @@ const KINDS: [&str; 6] = [
 
 /// Work items, for the progress bar.
 pub fn steps(quick: bool, cuda: bool) -> usize {
-    sizes(quick).len() * KINDS.len() + if cuda { 9 + 2 * GROWN.len() + 3 } else { 0 }
+    sizes(quick).len() * KINDS.len() + if cuda { 12 + 2 * GROWN.len() + 3 } else { 0 }
 }
 
 const VIRTUAL: &str = "virtual (cuMemCreate)";
+/// Registration in chunks of 16, 32 and 64 MiB.
+const CHUNKS_16: &str = "registered in 16 MiB chunks";
+const CHUNKS_32: &str = "registered in 32 MiB chunks";
+const CHUNKS_64: &str = "registered in 64 MiB chunks";
 
 fn median(mut values: Vec<Duration>) -> Duration {
     values.sort();
@@ -126,8 +131,11 @@ pub fn run(quick: bool, cuda: bool, progress: &mut Progress) -> Vec<Section> {
             let measured = match kind {
                 "cudaHostAlloc" if cuda => direct(&CudaHost::new(), bytes, reps),
                 "registered" if cuda => direct(&Registered::new(), bytes, reps),
+                CHUNKS_32 if cuda => {
+                    direct(&Registered::new().register_in_chunks(32 << 20), bytes, reps)
+                }
                 VIRTUAL if cuda => direct(&VirtualHost::new(), bytes, reps),
-                "cudaHostAlloc" | "registered" | VIRTUAL => continue,
+                "cudaHostAlloc" | "registered" | CHUNKS_32 | VIRTUAL => continue,
                 "mlock" => direct(&HostLocked, bytes, reps),
                 "pool miss" => pool_miss(bytes, reps),
                 _ => pool_hit(&hits, bytes),
@@ -180,6 +188,9 @@ fn stall(progress: &mut Progress) -> Section {
         "nothing (sleep 300 ms)",
         "cudaHostAlloc",
         "registered",
+        CHUNKS_16,
+        CHUNKS_32,
+        CHUNKS_64,
         VIRTUAL,
         RESERVE_8,
         RESERVE_16,
@@ -302,6 +313,21 @@ fn measure_stall(kind: &str) -> Result<(Duration, Vec<Duration>)> {
         let pinned = match kind {
             "cudaHostAlloc" => Some(CudaHost::new().allocate(layout)),
             "registered" => Some(Registered::new().allocate(layout)),
+            CHUNKS_16 => Some(
+                Registered::new()
+                    .register_in_chunks(16 << 20)
+                    .allocate(layout),
+            ),
+            CHUNKS_32 => Some(
+                Registered::new()
+                    .register_in_chunks(32 << 20)
+                    .allocate(layout),
+            ),
+            CHUNKS_64 => Some(
+                Registered::new()
+                    .register_in_chunks(64 << 20)
+                    .allocate(layout),
+            ),
             VIRTUAL => Some(VirtualHost::new().allocate(layout)),
             RESERVE_8 => grow_in_background(&pool, 8 << 20, 128).err().map(Err),
             RESERVE_16 => grow_in_background(&pool, 16 << 20, 64).err().map(Err),
@@ -337,8 +363,8 @@ fn measure_stall(kind: &str) -> Result<(Duration, Vec<Duration>)> {
 ///
 /// # Safety
 ///
-/// - `allocation` came from `CudaHost::new()`, `Registered::new()` or `VirtualHost::new()`
-///   and no device work uses it.
+/// - `allocation` came from `CudaHost::new()`, `Registered::new()` (chunked or not) or
+///   `VirtualHost::new()` and no device work uses it.
 unsafe fn free_by_kind(allocation: Allocation) {
     // SAFETY: forwarded from the caller; the kind names the allocator that made it.
     unsafe {

@@ -40,11 +40,12 @@ pub fn sizes(quick: bool) -> Vec<usize> {
 }
 
 /// Memory kinds measured, the raw baseline first.
-pub const KINDS: [&str; 7] = [
+pub const KINDS: [&str; 8] = [
     "raw (sys)",
     "pageable Vec",
     "cudaHostAlloc",
     "registered",
+    "registered in 32 MiB chunks",
     "virtual (cuMemCreate)",
     "pool",
     "mlock",
@@ -268,6 +269,11 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
                 "pageable Vec" => raw_copier(&stream, bytes, false),
                 "cudaHostAlloc" => tracked_copier(&stream, CudaHost::new(), bytes),
                 "registered" => tracked_copier(&stream, Registered::new(), bytes),
+                "registered in 32 MiB chunks" => tracked_copier(
+                    &stream,
+                    Registered::new().register_in_chunks(32 << 20),
+                    bytes,
+                ),
                 "virtual (cuMemCreate)" => tracked_copier(&stream, VirtualHost::new(), bytes),
                 "pool" => tracked_copier(&stream, &pool, bytes),
                 _ => tracked_copier(&stream, HostLocked, bytes),

@@ -66,8 +66,8 @@ pub fn facts() -> Vec<(String, String)> {
     );
     fact(
         "pinned memory goes to",
-        "registered and cudaHostAlloc: the node of the thread that first touches it (the \
-         kernel's default policy); virtual (cuMemCreate): the current device's node"
+        "registered and virtual (cuMemCreate): the current device's node; cudaHostAlloc: \
+         the node of the thread that first touches it (the kernel's default policy)"
             .into(),
     );
     facts

@@ -195,6 +195,16 @@ impl Device {
             .and_then(|node| u32::try_from(node).ok())
     }
 
+    /// The host NUMA node nearest the device: CUDA's answer, else the kernel's (the sysfs
+    /// `numa_node` of its PCI device); `None` where neither says.
+    pub(crate) fn nearest_numa_node(self) -> Option<u32> {
+        self.host_numa_node().or_else(|| {
+            let bus_id = self.pci_bus_id().ok()?.to_lowercase();
+            let path = format!("/sys/bus/pci/devices/{bus_id}/numa_node");
+            std::fs::read_to_string(path).ok()?.trim().parse().ok()
+        })
+    }
+
     fn flag(self, attribute: cudaDeviceAttr) -> Result<bool> {
         ffi::device_attribute(attribute, self.ordinal).map(|v| v != 0)
     }

@@ -12,6 +12,7 @@ use cuda_pinned_sys::{self as sys, cudaError, cudart};
 
 use cuda_pinned_sys::driver::{self as cu, CUresult};
 
+use crate::chunked;
 use crate::error::{CudaError, DriverError, Error, Result};
 
 /// Calls one runtime function and checks its status.
@@ -324,7 +325,24 @@ pub(crate) unsafe fn memcpy_async(
     direction: Direction,
     stream: sys::cudaStream_t,
 ) -> Result<()> {
-    cuda!(cudaMemcpyAsync(dst, src, bytes, direction.kind(), stream))
+    let host = match direction {
+        Direction::HostToDevice => src as usize,
+        Direction::DeviceToHost => dst as usize,
+    };
+    for (offset, piece) in chunked::pieces(host, bytes) {
+        // SAFETY: a piece of the range the caller vouches for.
+        let (dst, src) = unsafe { (dst.byte_add(offset), src.byte_add(offset)) };
+        cuda!(cudaMemcpyAsync(dst, src, piece, direction.kind(), stream))?;
+    }
+    Ok(())
+}
+
+/// `(offset, len)` pieces of a copy of `bytes` from `src` to `dst` such that neither side of a
+/// piece spans two registrations of a buffer registered in chunks.
+fn copy_pieces(dst: usize, src: usize, bytes: usize) -> impl Iterator<Item = (usize, usize)> {
+    chunked::pieces(src, bytes).flat_map(move |(offset, len)| {
+        chunked::pieces(dst + offset, len).map(move |(inner, len)| (offset + inner, len))
+    })
 }
 
 /// As [`memcpy_async`], the direction told by unified addressing (`cudaMemcpyDefault`).
@@ -338,13 +356,18 @@ pub(crate) unsafe fn memcpy_async_any(
     bytes: usize,
     stream: sys::cudaStream_t,
 ) -> Result<()> {
-    cuda!(cudaMemcpyAsync(
-        dst,
-        src,
-        bytes,
-        sys::cudaMemcpyKind::cudaMemcpyDefault,
-        stream
-    ))
+    for (offset, piece) in copy_pieces(dst as usize, src as usize, bytes) {
+        // SAFETY: a piece of the range the caller vouches for.
+        let (dst, src) = unsafe { (dst.byte_add(offset), src.byte_add(offset)) };
+        cuda!(cudaMemcpyAsync(
+            dst,
+            src,
+            piece,
+            sys::cudaMemcpyKind::cudaMemcpyDefault,
+            stream
+        ))?;
+    }
+    Ok(())
 }
 
 /// Whether `cudaMemcpyBatchAsync` can be called with the signature of the bindings: the
@@ -375,6 +398,23 @@ pub(crate) unsafe fn memcpy_batch_async(
         ..Default::default()
     };
     let mut first = 0usize;
+    // Copies that cross from one chunk of a buffer registered in chunks into the next are
+    // cut into one entry per chunk.
+    let split: (Vec<_>, Vec<_>, Vec<_>);
+    let (dsts, srcs, sizes) = if chunked::any() {
+        let mut pieces = (Vec::new(), Vec::new(), Vec::new());
+        for ((&dst, &src), &bytes) in dsts.iter().zip(srcs).zip(sizes) {
+            for (offset, len) in copy_pieces(dst as usize, src as usize, bytes) {
+                pieces.0.push(dst.wrapping_byte_add(offset));
+                pieces.1.push(src.wrapping_byte_add(offset));
+                pieces.2.push(len);
+            }
+        }
+        split = pieces;
+        (&split.0[..], &split.1[..], &split.2[..])
+    } else {
+        (dsts, srcs, sizes)
+    };
     cuda!(cudaMemcpyBatchAsync(
         dsts.as_ptr(),
         srcs.as_ptr(),

@@ -152,6 +152,7 @@ mod alloc;
 mod api2;
 mod block;
 mod boxed;
+mod chunked;
 #[cfg(feature = "cudarc")]
 mod cudarc_interop;
 mod device;

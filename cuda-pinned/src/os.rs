@@ -1,5 +1,5 @@
-//! Operating-system memory calls: anonymous mappings, huge-page advice, parallel pre-fault,
-//! `mlock`. Shared by the registered and the host-locked kinds.
+//! Operating-system memory calls: anonymous mappings, huge-page advice, NUMA placement,
+//! parallel pre-fault, `mlock`. Shared by the registered and the host-locked kinds.
 
 use std::ptr::NonNull;
 
@@ -89,6 +89,66 @@ pub(crate) unsafe fn unmap(ptr: NonNull<u8>, bytes: usize) {
     unsafe { libc::munmap(ptr.as_ptr().cast(), bytes) };
 }
 
+/// Asks the kernel to place the range's pages on NUMA node `node` (`mbind` with
+/// `MPOL_PREFERRED`: the node when it has room, another rather than failing). Call it before
+/// the pages are first touched.
+///
+/// # Errors
+///
+/// [`Error::Os`] for `mbind`, such as `EINVAL` for a node the machine does not have.
+///
+/// # Safety
+///
+/// - `ptr..ptr + bytes` is a page-aligned mapping of ours.
+pub(crate) unsafe fn prefer_node(ptr: NonNull<u8>, bytes: usize, node: u32) -> Result<()> {
+    const MPOL_PREFERRED: libc::c_long = 1;
+    let node = node as usize;
+    // One word past the node: the kernel reads `maxnode - 1` bits.
+    let mut mask = vec![0 as libc::c_ulong; node / libc::c_ulong::BITS as usize + 2];
+    mask[node / libc::c_ulong::BITS as usize] |= 1 << (node % libc::c_ulong::BITS as usize);
+    let max_node = mask.len() * libc::c_ulong::BITS as usize;
+    // SAFETY: the range is our mapping (the caller's promise); `mask` holds `max_node` bits.
+    let status = unsafe {
+        libc::syscall(
+            libc::SYS_mbind,
+            ptr.as_ptr(),
+            bytes,
+            MPOL_PREFERRED,
+            mask.as_ptr(),
+            max_node,
+            0 as libc::c_uint,
+        )
+    };
+    if status != 0 {
+        return Err(Error::Os {
+            call: "mbind",
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    Ok(())
+}
+
+/// How many NUMA nodes are online (1 where the kernel does not say).
+pub(crate) fn online_numa_nodes() -> usize {
+    std::fs::read_to_string("/sys/devices/system/node/online")
+        .map_or(1, |list| count_list(list.trim()))
+        .max(1)
+}
+
+/// The number of entries in a kernel CPU or node list such as `0-3,8,10-11`.
+fn count_list(list: &str) -> usize {
+    list.split(',')
+        .filter(|part| !part.is_empty())
+        .map(|part| match part.split_once('-') {
+            Some((first, last)) => match (first.parse::<usize>(), last.parse::<usize>()) {
+                (Ok(first), Ok(last)) if last >= first => last - first + 1,
+                _ => 0,
+            },
+            None => usize::from(part.parse::<usize>().is_ok()),
+        })
+        .sum()
+}
+
 /// Faults every page of the range in, spread over up to `threads` threads, so that
 /// registration finds the pages present (the kernel's page-fault path is the slow part of
 /// pinning, and it scales with threads). A share whose thread cannot be started (a process
@@ -107,11 +167,8 @@ pub(crate) unsafe fn prefault(ptr: NonNull<u8>, bytes: usize, threads: usize) {
     let per_thread = pages.div_ceil(threads);
     let base = Base(ptr);
     let touch = move |first: usize, last: usize| {
-        for page_index in first..last {
-            // SAFETY: the page lies inside the range, which nobody uses yet; the write makes
-            // the kernel (or the driver) back the page.
-            unsafe { std::ptr::write_volatile(base.at(page_index * page), 0) };
-        }
+        // SAFETY: pages `first..last` lie inside the range, which nobody uses yet.
+        unsafe { touch_pages(base.at(first * page), (last - first) * page) };
     };
     if threads == 1 {
         touch(0, pages);
@@ -129,9 +186,24 @@ pub(crate) unsafe fn prefault(ptr: NonNull<u8>, bytes: usize, threads: usize) {
     });
 }
 
+/// Faults in every page of the range from the calling thread: the first byte of each page
+/// becomes zero.
+///
+/// # Safety
+///
+/// - `ptr..ptr + bytes` is a writable mapping of ours that nobody uses yet.
+pub(crate) unsafe fn touch_pages(ptr: *mut u8, bytes: usize) {
+    let page = page_size();
+    for offset in (0..bytes).step_by(page) {
+        // SAFETY: inside the range (the caller's promise); the write makes the kernel (or the
+        // driver) back the page.
+        unsafe { std::ptr::write_volatile(ptr.add(offset), 0) };
+    }
+}
+
 /// The start of a range being pre-faulted, shared by the faulting threads.
 #[derive(Clone, Copy)]
-struct Base(NonNull<u8>);
+pub(crate) struct Base(pub(crate) NonNull<u8>);
 
 impl Base {
     /// The address `offset` bytes in (a method, so that closures capture the whole `Base`).
@@ -139,7 +211,7 @@ impl Base {
     /// # Safety
     ///
     /// - `offset` lies inside the range.
-    unsafe fn at(self, offset: usize) -> *mut u8 {
+    pub(crate) unsafe fn at(self, offset: usize) -> *mut u8 {
         // SAFETY: forwarded from the caller.
         unsafe { self.0.as_ptr().add(offset) }
     }
@@ -152,7 +224,7 @@ unsafe impl Send for Base {}
 unsafe impl Sync for Base {}
 
 /// Starts a scoped thread, reporting failure instead of panicking as `Scope::spawn` does.
-fn spawn<'scope>(
+pub(crate) fn spawn<'scope>(
     scope: &'scope std::thread::Scope<'scope, '_>,
     work: impl FnOnce() + Send + 'scope,
 ) -> std::io::Result<()> {
@@ -270,6 +342,38 @@ mod tests {
             }
         }
         REFUSE_SPAWN.set(false);
+    }
+
+    #[test]
+    fn node_lists_are_counted() {
+        assert_eq!(count_list("0"), 1);
+        assert_eq!(count_list("0-1"), 2);
+        assert_eq!(count_list("0-3,8,10-11"), 7);
+        assert_eq!(count_list(""), 0);
+        assert_eq!(count_list("x"), 0);
+        assert!(online_numa_nodes() >= 1);
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri cannot make system calls such as mbind")]
+    fn placing_pages_on_a_node_the_machine_lacks_is_an_error() {
+        let bytes = 4 * page_size();
+        let ptr = map(bytes, false).unwrap();
+        // SAFETY: fresh mapping of `bytes` bytes, unmapped once below.
+        unsafe {
+            // Node 0 exists on every Linux machine with NUMA support (ENOSYS without).
+            match prefer_node(ptr, bytes, 0) {
+                Err(Error::Os { source, .. }) if source.raw_os_error() == Some(libc::ENOSYS) => {
+                    unmap(ptr, bytes);
+                    return;
+                }
+                other => other.unwrap(),
+            }
+            let error = prefer_node(ptr, bytes, 4000).unwrap_err();
+            assert!(matches!(error, Error::Os { call: "mbind", .. }), "{error}");
+            prefault(ptr, bytes, 1);
+            unmap(ptr, bytes);
+        }
     }
 
     #[test]

@@ -4,12 +4,15 @@
 use std::alloc::Layout;
 use std::fmt;
 use std::ops::BitOr;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex, PoisonError};
 
 use cuda_pinned_sys as sys;
 
 use crate::alloc::{Allocation, MemoryKind, PinnedAllocator, check_layout};
 use crate::error::{Error, Result};
-use crate::{ffi, os};
+use crate::{Device, chunked, ffi, os};
 
 /// Flags of `cudaHostRegister`. The default is [`PORTABLE`](Self::PORTABLE).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -47,9 +50,14 @@ impl BitOr for RegisterFlags {
 /// Page-locked memory obtained the fast way: an anonymous `mmap`, `MADV_HUGEPAGE` for sizes
 /// of 2 MiB and more, every page faulted in by several threads, then one `cudaHostRegister`.
 ///
-/// On an H100 host this pins 1 GiB in about 50 ms, against 0.4–0.7 s for `cudaHostAlloc`,
-/// and holds the driver's lock only for the short registration. Needs CUDA and a device
-/// that supports registration ([`Device::supports_host_registration`](crate::Device::supports_host_registration)).
+/// On an H100 host this pins 1 GiB in about 50 ms, against 0.4–0.7 s for `cudaHostAlloc`.
+/// Registration holds the driver's lock for its whole range (25–30 ms for 1 GiB), and other
+/// threads' copies wait that long; [`register_in_chunks`](Self::register_in_chunks) bounds
+/// that wait and overlaps faulting with registering. Needs CUDA and a device that supports
+/// registration ([`Device::supports_host_registration`]).
+///
+/// On a machine with several NUMA nodes the pages go on the node nearest the current device
+/// (or on [`node`](Self::node)); on one node, where the kernel puts them.
 ///
 /// Sizes are rounded up to the page (4 KiB), or to 2 MiB where huge pages are used (only
 /// where that adds at most 12.5%); the extra is usable capacity.
@@ -58,6 +66,8 @@ pub struct Registered {
     flags: RegisterFlags,
     huge_pages: bool,
     prefault_threads: usize,
+    chunk_bytes: Option<usize>,
+    node: Option<u32>,
 }
 
 impl fmt::Debug for Registered {
@@ -66,6 +76,8 @@ impl fmt::Debug for Registered {
             .field("flags", &self.flags)
             .field("huge_pages", &self.huge_pages)
             .field("prefault_threads", &self.prefault_threads)
+            .field("chunk_bytes", &self.chunk_bytes)
+            .field("node", &self.node)
             .finish()
     }
 }
@@ -77,12 +89,15 @@ impl Default for Registered {
 }
 
 impl Registered {
-    /// Portable, huge pages where possible, pre-fault on up to 16 threads.
+    /// Portable, huge pages where possible, pre-fault on up to 16 threads, one registration
+    /// per block, pages on the current device's NUMA node where there are several.
     pub fn new() -> Self {
         Self {
             flags: RegisterFlags::default(),
             huge_pages: true,
             prefault_threads: os::default_prefault_threads(),
+            chunk_bytes: None,
+            node: None,
         }
     }
 
@@ -100,6 +115,29 @@ impl Registered {
     pub fn prefault_threads(self, threads: usize) -> Self {
         Self {
             prefault_threads: threads.max(1),
+            ..self
+        }
+    }
+
+    /// Places the pages on this NUMA node (`mbind`, preferred: another node when it is full)
+    /// instead of the current device's. Allocation fails if the machine has no such node.
+    pub fn node(self, node: u32) -> Self {
+        Self {
+            node: Some(node),
+            ..self
+        }
+    }
+
+    /// Registers blocks larger than `bytes` (rounded up to 2 MiB) as consecutive chunks of
+    /// that size: the threads fault in the next chunk while the previous one registers, and
+    /// the driver's lock is held for one chunk at a time, so other threads' copies wait at
+    /// most that long. Copies queued through this crate split at the chunk boundaries (one
+    /// buffer, one [`Transfer`](crate::Transfer)); a copy queued by other code from a raw
+    /// pointer must stay within one chunk, since CUDA refuses a copy that spans two
+    /// registrations. `0` turns chunking off (the default).
+    pub fn register_in_chunks(self, bytes: usize) -> Self {
+        Self {
+            chunk_bytes: (bytes > 0).then(|| os::round_up(bytes, os::HUGE_PAGE).unwrap_or(bytes)),
             ..self
         }
     }
@@ -122,11 +160,108 @@ impl Registered {
     pub(crate) fn layout_bytes(&self, layout: Layout) -> Option<usize> {
         self.mapped_size(layout.size()).map(|(bytes, _)| bytes)
     }
+
+    /// The NUMA node to place a new block on: the one asked for, else the current device's
+    /// where the machine has several nodes; `None` to leave placement to the kernel.
+    fn target_node(&self) -> Option<u32> {
+        self.node.or_else(|| {
+            (os::online_numa_nodes() > 1)
+                .then(|| Device::current().ok()?.nearest_numa_node())
+                .flatten()
+        })
+    }
+
+    /// Faults in and registers `ptr..ptr + bytes` in chunks of `chunk` bytes, the crew of
+    /// threads faulting chunk k + 1 while this thread registers chunk k. On failure every
+    /// chunk registered here is unregistered again.
+    ///
+    /// # Safety
+    ///
+    /// - `ptr..ptr + bytes` is a fresh mapping of ours, not yet in use.
+    unsafe fn register_chunked(&self, ptr: NonNull<u8>, bytes: usize, chunk: usize) -> Result<()> {
+        let chunks = bytes.div_ceil(chunk);
+        // Two cores stay free: one for this thread's registrations, one for the rest of the
+        // program, whose copies would otherwise wait for a time slice.
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let crew = self.prefault_threads.min(cores.saturating_sub(2)).max(1);
+        // Slices of each chunk that the crew has faulted in.
+        let faulted: Vec<AtomicUsize> = (0..chunks).map(|_| AtomicUsize::new(0)).collect();
+        let (progress, wake) = (Mutex::new(()), Condvar::new());
+        let stop = AtomicBool::new(false);
+        let page = os::page_size();
+        let base = os::Base(ptr);
+        let slice_of = |k: usize, t: usize| {
+            let (start, end) = (k * chunk, ((k + 1) * chunk).min(bytes));
+            let pages = (end - start) / page;
+            let (first, last) = (pages * t / crew, pages * (t + 1) / crew);
+            (start + first * page, (last - first) * page)
+        };
+        let fault = |t: usize| {
+            for (k, done) in faulted.iter().enumerate() {
+                if stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                let (offset, len) = slice_of(k, t);
+                // SAFETY: a slice of chunk k, inside the fresh mapping; slices are disjoint.
+                unsafe { os::touch_pages(base.at(offset), len) };
+                done.fetch_add(1, Ordering::Release);
+                let _guard = progress.lock().unwrap_or_else(PoisonError::into_inner);
+                wake.notify_all();
+            }
+        };
+        let registered = std::thread::scope(|scope| {
+            let mut helpers = 0;
+            for t in 1..crew {
+                if os::spawn(scope, move || fault(t)).is_ok() {
+                    helpers += 1;
+                } else {
+                    break;
+                }
+            }
+            // Slices whose thread could not start are faulted here, chunk by chunk, before
+            // each registration.
+            let mut registered = 0;
+            let result = (|| {
+                for (k, done) in faulted.iter().enumerate() {
+                    for t in helpers + 1..crew {
+                        let (offset, len) = slice_of(k, t);
+                        // SAFETY: as in `fault`; nobody else has this slice.
+                        unsafe { os::touch_pages(base.at(offset), len) };
+                    }
+                    let (offset, len) = slice_of(k, 0);
+                    // SAFETY: as above; slice 0 is this thread's.
+                    unsafe { os::touch_pages(base.at(offset), len) };
+                    let guard = progress.lock().unwrap_or_else(PoisonError::into_inner);
+                    drop(
+                        wake.wait_while(guard, |()| done.load(Ordering::Acquire) < helpers)
+                            .unwrap_or_else(PoisonError::into_inner),
+                    );
+                    let start = k * chunk;
+                    let len = chunk.min(bytes - start);
+                    // SAFETY: chunk k lies in the mapping, which stays until `deallocate`
+                    // (or the cleanup below) unregisters it.
+                    unsafe { ffi::host_register(ptr.add(start), len, self.flags.bits())? };
+                    registered += 1;
+                }
+                Ok(())
+            })();
+            stop.store(true, Ordering::Relaxed);
+            result.map_err(|e| (e, registered))
+        });
+        registered.map_err(|(error, registered)| {
+            for k in 0..registered {
+                // SAFETY: registered above, never handed out.
+                let _ = unsafe { ffi::host_unregister(ptr.add(k * chunk)) };
+            }
+            error
+        })
+    }
 }
 
 // SAFETY: the memory is a fresh private mapping of `bytes` ≥ the request, page-aligned (2 MiB
-// with huge pages), registered (page-locked) before it is handed out and unregistered and
-// unmapped only in `deallocate`.
+// with huge pages), registered (page-locked) before it is handed out — in one piece, or in
+// chunks recorded with the chunk layout so that every copy the crate queues stays inside one
+// registration — and unregistered and unmapped only in `deallocate`.
 unsafe impl PinnedAllocator for Registered {
     fn allocate(&self, layout: Layout) -> Result<Allocation> {
         check_layout(layout)?;
@@ -134,11 +269,29 @@ unsafe impl PinnedAllocator for Registered {
             .mapped_size(layout.size())
             .ok_or(Error::CapacityOverflow)?;
         let ptr = os::map(bytes, huge)?;
-        // SAFETY: a fresh, zero-filled mapping of `bytes` bytes, not yet shared.
-        unsafe { os::prefault(ptr, bytes, self.prefault_threads) };
-        // SAFETY: the mapping stays until `deallocate` unregisters it first.
-        if let Err(error) = unsafe { ffi::host_register(ptr, bytes, self.flags.bits()) } {
-            // SAFETY: registration failed, so nobody else knows the mapping.
+        if let Some(node) = self.target_node() {
+            // SAFETY: our fresh mapping, not touched yet.
+            let placed = unsafe { os::prefer_node(ptr, bytes, node) };
+            // The nearest node is advice; a node asked for by name must exist.
+            if let (Err(error), Some(_)) = (placed, self.node) {
+                // SAFETY: not handed out; nobody uses it.
+                unsafe { os::unmap(ptr, bytes) };
+                return Err(error);
+            }
+        }
+        let registered = match self.chunk_bytes {
+            // SAFETY: a fresh mapping of `bytes` bytes, not yet shared.
+            Some(chunk) if bytes > chunk => unsafe { self.register_chunked(ptr, bytes, chunk) }
+                .map(|()| chunked::insert(ptr.as_ptr() as usize, bytes, chunk)),
+            _ => {
+                // SAFETY: a fresh mapping of `bytes` bytes, not yet shared.
+                unsafe { os::prefault(ptr, bytes, self.prefault_threads) };
+                // SAFETY: the mapping stays until `deallocate` unregisters it first.
+                unsafe { ffi::host_register(ptr, bytes, self.flags.bits()) }
+            }
+        };
+        if let Err(error) = registered {
+            // SAFETY: nothing of it is registered any more, and it was never handed out.
             unsafe { os::unmap(ptr, bytes) };
             return Err(error);
         }
@@ -146,10 +299,19 @@ unsafe impl PinnedAllocator for Registered {
     }
 
     unsafe fn deallocate(&self, allocation: Allocation) {
-        // SAFETY: registered by `allocate`; no device work uses it, per the caller.
-        if unsafe { ffi::host_unregister(allocation.ptr()) }.is_ok() {
+        let ptr = allocation.ptr();
+        let unregistered = match chunked::remove(ptr.as_ptr() as usize) {
+            Some((bytes, chunk)) => (0..bytes).step_by(chunk).fold(true, |ok, offset| {
+                // SAFETY: chunk by chunk as registered by `allocate`; no device work uses the
+                // block, per the caller.
+                ok & unsafe { ffi::host_unregister(ptr.add(offset)) }.is_ok()
+            }),
+            // SAFETY: registered in one piece by `allocate`; unused, per the caller.
+            None => unsafe { ffi::host_unregister(ptr) }.is_ok(),
+        };
+        if unregistered {
             // SAFETY: our mapping of exactly `bytes` bytes, now unregistered and unused.
-            unsafe { os::unmap(allocation.ptr(), allocation.bytes()) };
+            unsafe { os::unmap(ptr, allocation.bytes()) };
         }
         // If unregistering failed the driver may still consider the pages pinned; leaking
         // the mapping is the safe choice.

@@ -327,3 +327,49 @@ fn length_mismatch_is_a_clear_error_and_frees_the_buffer() {
     assert!(error.to_string().contains("lengths differ"), "{error}");
     assert_eq!(allocator.live(), 0);
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn memory_registered_in_chunks_copies_as_one_buffer() {
+    let mib = 1 << 20;
+    let chunks = Registered::new().register_in_chunks(2 * mib);
+    for len in [1, 2 * mib + 1, 3 * 2 * mib + 17, 64 * mib] {
+        round_trip(chunks, len);
+    }
+    // A copy of a part that crosses chunk boundaries, from a view, blocking.
+    let data = pattern(10 * mib, 21);
+    let host = PinnedVec::from_slice_in(&data, chunks).unwrap();
+    assert_eq!(host.memory_kind(), Some(MemoryKind::Registered));
+    let mut device = DeviceBuffer::<u8>::zeroed(5 * mib).unwrap();
+    let part = &host[mib + 3..6 * mib + 3];
+    device.copy_from_host(part).unwrap();
+    assert!(device.to_vec().unwrap() == part);
+    // Raw batched copies across boundaries, both directions.
+    let stream = Stream::new().unwrap();
+    let mut back = PinnedVec::<u8, _>::zeroed_in(10 * mib, chunks).unwrap();
+    let copies = [cuda_pinned::RawCopy {
+        dst: device.as_raw(),
+        src: host.as_ptr() as u64 + 3 * mib as u64 - 5,
+        bytes: 5 * mib,
+    }];
+    // SAFETY: both ranges are live for the copy, which is waited for below; nothing else
+    // touches them meanwhile.
+    unsafe { stream.copy_batch_raw(&copies).unwrap() };
+    let copies = [cuda_pinned::RawCopy {
+        dst: back.as_mut_ptr() as u64 + mib as u64 + 1,
+        src: device.as_raw(),
+        bytes: 5 * mib,
+    }];
+    // SAFETY: as above.
+    unsafe { stream.copy_batch_raw(&copies).unwrap() };
+    stream.synchronize().unwrap();
+    assert!(back[mib + 1..6 * mib + 1] == data[3 * mib - 5..8 * mib - 5]);
+    drop((host, back));
+    // A node the machine lacks, asked for by name, is an error.
+    assert!(
+        Registered::new()
+            .node(4000)
+            .allocate(Layout::new::<[u8; 4096]>())
+            .is_err()
+    );
+}

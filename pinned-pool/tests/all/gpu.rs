@@ -2,7 +2,9 @@
 
 use std::time::Duration;
 
-use cuda_pinned::{DeviceBuffer, MemoryKind, PinnedAllocator, PinnedVec, Stream, VirtualHost};
+use cuda_pinned::{
+    DeviceBuffer, MemoryKind, PinnedAllocator, PinnedVec, Registered, Stream, VirtualHost,
+};
 use pinned_pool::{Pool, PoolConfig};
 
 fn block_stream(stream: &Stream, ms: u64) {
@@ -28,6 +30,11 @@ fn a_block_in_flight_is_not_reused_until_its_copy_ends() {
     in_flight_block_waits(Pool::new(), |kind| kind == MemoryKind::Registered);
     in_flight_block_waits(virtual_pool(), |kind| {
         matches!(kind, MemoryKind::VirtualHost { .. })
+    });
+    // Blocks registered in 2 MiB chunks: the copy is split, the block still waits for all of it.
+    let chunks = Registered::new().register_in_chunks(2 << 20);
+    in_flight_block_waits(Pool::with_backend(chunks, PoolConfig::default()), |kind| {
+        kind == MemoryKind::Registered
     });
 }
 
