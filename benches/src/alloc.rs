@@ -37,7 +37,7 @@ const KINDS: [&str; 7] = [
 
 /// Work items, for the progress bar.
 pub fn steps(quick: bool, cuda: bool) -> usize {
-    sizes(quick).len() * KINDS.len() + if cuda { 12 + 2 * GROWN.len() + 3 } else { 0 }
+    sizes(quick).len() * KINDS.len() + if cuda { 14 + 2 * GROWN.len() + 3 } else { 0 }
 }
 
 const VIRTUAL: &str = "virtual (cuMemCreate)";
@@ -45,6 +45,9 @@ const VIRTUAL: &str = "virtual (cuMemCreate)";
 const CHUNKS_16: &str = "registered in 16 MiB chunks";
 const CHUNKS_32: &str = "registered in 32 MiB chunks";
 const CHUNKS_64: &str = "registered in 64 MiB chunks";
+/// The same with a crew of 8 faulting threads (the default leaves two cores free).
+const CHUNKS_16_8: &str = "registered in 16 MiB chunks, 8 threads";
+const CHUNKS_32_8: &str = "registered in 32 MiB chunks, 8 threads";
 
 fn median(mut values: Vec<Duration>) -> Duration {
     values.sort();
@@ -191,6 +194,8 @@ fn stall(progress: &mut Progress) -> Section {
         CHUNKS_16,
         CHUNKS_32,
         CHUNKS_64,
+        CHUNKS_16_8,
+        CHUNKS_32_8,
         VIRTUAL,
         RESERVE_8,
         RESERVE_16,
@@ -309,7 +314,8 @@ fn measure_stall(kind: &str) -> Result<(Duration, Vec<Duration>)> {
         let layout = Layout::from_size_align(BYTES, 4096).expect("layout");
         let begin = Instant::now();
         let pool = Pool::new();
-        let virtual_pool = Pool::with_backend(VirtualHost::new(), PoolConfig::default());
+        let virtual_pool =
+            Pool::with_backend(VirtualHost::new().fixed_size(), PoolConfig::default());
         let pinned = match kind {
             "cudaHostAlloc" => Some(CudaHost::new().allocate(layout)),
             "registered" => Some(Registered::new().allocate(layout)),
@@ -370,7 +376,7 @@ unsafe fn free_by_kind(allocation: Allocation) {
     unsafe {
         match allocation.kind() {
             MemoryKind::HostAlloc(_) => CudaHost::new().deallocate(allocation),
-            MemoryKind::VirtualHost { .. } => VirtualHost::new().deallocate(allocation),
+            MemoryKind::VirtualHost => VirtualHost::new().deallocate(allocation),
             _ => Registered::new().deallocate(allocation),
         }
     }

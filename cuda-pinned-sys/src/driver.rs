@@ -61,6 +61,13 @@ impl Driver {
         // SAFETY: `name` is NUL-terminated, both out-pointers are valid for writes, and flag 0
         // is `cudaEnableDefault`.
         let code = unsafe { query(name.as_ptr(), &mut address, ABI_VERSION, 0, &mut status) };
+        if code != cudaError::cudaSuccess
+            && let Ok(clear) = self.runtime.cudaGetLastError()
+        {
+            // SAFETY: no arguments; it only resets the thread's sticky error, which a failed
+            // query would otherwise leave for the caller's next, unrelated call.
+            unsafe { clear() };
+        }
         if status == cudaDriverEntryPointQueryResult::cudaDriverEntryPointVersionNotSufficent {
             return Err(missing("the installed driver is too old".into()));
         }

@@ -26,12 +26,9 @@ pub enum MemoryKind {
     /// `mlock`ed host memory on a machine without CUDA: page-locked, but unknown to any GPU,
     /// so copies from it are staged by the driver like pageable memory.
     Locked,
-    /// Host memory created through CUDA's virtual-memory API (`cuMemCreate`) on this host NUMA
+    /// Host memory created through CUDA's virtual-memory API (`cuMemCreate`) on a host NUMA
     /// node, in chunks mapped into one reserved range ([`VirtualHost`](crate::VirtualHost)).
-    VirtualHost {
-        /// The host NUMA node the memory is on.
-        node: u32,
-    },
+    VirtualHost,
 }
 
 impl MemoryKind {
@@ -48,7 +45,7 @@ impl fmt::Display for MemoryKind {
             Self::Registered => f.write_str("registered"),
             Self::UserRegistered => f.write_str("user-registered"),
             Self::Locked => f.write_str("mlock"),
-            Self::VirtualHost { node } => write!(f, "cuMemCreate(host node {node})"),
+            Self::VirtualHost => f.write_str("cuMemCreate(host NUMA node)"),
         }
     }
 }
@@ -130,6 +127,10 @@ impl Allocation {
 /// - a successful [`allocate`](Self::allocate) returns memory that is valid for reads and
 ///   writes of [`Allocation::bytes`] ≥ `layout.size()` bytes, aligned to `layout.align()`,
 ///   page-locked as its [`MemoryKind`] says, and used by nobody else until it is given back;
+/// - a successful [`grow_in_place`](Self::grow_in_place) that returns `Some(grown)` leaves the
+///   memory where it was (`grown.ptr()` is the old address) with its contents kept, and
+///   `grown` describes ≥ `layout.size()` bytes valid as above, none of them used by anybody
+///   else or by pending device work; `grown` replaces the old allocation from then on;
 /// - the memory stays valid until it is passed to [`deallocate`](Self::deallocate) or
 ///   [`deallocate_after`](Self::deallocate_after), and is not reused before the
 ///   [`PendingUses`] given with it have completed;
@@ -147,7 +148,8 @@ pub unsafe trait PinnedAllocator {
     ///
     /// # Safety
     ///
-    /// - `allocation` came from `allocate` on this allocator (or a clone of it);
+    /// - `allocation` came from `allocate` (or the latest `grow_in_place` of it) on this
+    ///   allocator (or a clone of it);
     /// - no work on any device still uses it, and nothing uses it afterwards.
     unsafe fn deallocate(&self, allocation: Allocation);
 
@@ -158,7 +160,8 @@ pub unsafe trait PinnedAllocator {
     ///
     /// # Safety
     ///
-    /// - `allocation` came from `allocate` on this allocator (or a clone of it);
+    /// - `allocation` came from `allocate` (or the latest `grow_in_place` of it) on this
+    ///   allocator (or a clone of it);
     /// - `pending` covers every use by device work that is not yet known to be finished;
     ///   nothing on the host uses the memory afterwards.
     unsafe fn deallocate_after(&self, allocation: Allocation, pending: PendingUses) {

@@ -157,8 +157,9 @@ impl Device {
     }
 
     /// Whether the device can use page-locked host memory created through CUDA's
-    /// virtual-memory API on a host NUMA node ([`VirtualHost`](crate::VirtualHost)): CUDA
-    /// 12.2 or newer and a device that says so.
+    /// virtual-memory API on a host NUMA node ([`VirtualHost`](crate::VirtualHost)): the
+    /// device's attribute says so or, where the runtime does not know the attribute, the
+    /// driver gives a granularity for such memory.
     ///
     /// # Errors
     ///
@@ -168,11 +169,10 @@ impl Device {
         let attribute = cuda_pinned_sys::driver::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
         match ffi::device_attribute(cudaDeviceAttr(attribute.0), self.ordinal) {
             Ok(value) => Ok(value != 0),
-            // Drivers older than the attribute reject it: they cannot do it either.
             Err(crate::Error::Cuda(e))
                 if e.raw() == cuda_pinned_sys::cudaError::cudaErrorInvalidValue =>
             {
-                Ok(false)
+                Ok(ffi::host_granularity(0).is_ok())
             }
             Err(e) => Err(e),
         }

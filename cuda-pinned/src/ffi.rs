@@ -212,7 +212,10 @@ pub(crate) fn host_granularity(node: u32) -> Result<usize> {
 /// Reserves `bytes` of address space (no memory behind it), aligned to `align`.
 pub(crate) fn address_reserve(bytes: usize, align: usize) -> Result<NonNull<u8>> {
     let mut address = 0;
-    driver!(cuMemAddressReserve(&mut address, bytes, align, 0, 0))?;
+    driver!(cuMemAddressReserve(&mut address, bytes, align, 0, 0)).map_err(|e| match e {
+        Error::Driver(d) if d.is_out_of_memory() => Error::OutOfMemory { requested: bytes },
+        other => other,
+    })?;
     NonNull::new(ptr::with_exposed_provenance_mut(address as usize))
         .ok_or(Error::Unsupported("the driver reserved address 0"))
 }
@@ -225,29 +228,37 @@ pub(crate) unsafe fn address_free(ptr: NonNull<u8>, bytes: usize) -> Result<()> 
     driver!(cuMemAddressFree(ptr.as_ptr() as u64, bytes))
 }
 
-/// Creates `bytes` of page-locked memory on `node`, maps it at `at` and opens it to the host
-/// and to `devices`. The memory handle is released at once: the mapping keeps the memory
-/// until [`unmap`] (the driver's rule), so nothing else needs to be remembered.
+/// Creates `bytes` of page-locked memory on `node` and maps it at `at`; on failure nothing is
+/// mapped. The memory handle is released at once: the mapping keeps the memory until
+/// [`unmap`] (the driver's rule), so nothing else needs to be remembered. The memory is not
+/// accessible until [`open_host_memory`].
 ///
 /// # Safety
 ///
 /// - `at..at + bytes` lies inside a range from [`address_reserve`] with nothing mapped there,
 ///   and `at` and `bytes` are multiples of [`host_granularity`].
-pub(crate) unsafe fn map_host_memory(
+pub(crate) unsafe fn map_host_memory(at: NonNull<u8>, bytes: usize, node: u32) -> Result<()> {
+    let prop = host_numa_prop(node);
+    let mut handle = 0;
+    driver!(cuMemCreate(&mut handle, bytes, &prop, 0))?;
+    let mapped = driver!(cuMemMap(at.as_ptr() as u64, bytes, 0, handle, 0));
+    // The mapping holds the memory now (or the map failed): the handle is not needed either
+    // way. A failed release only leaks the handle's bookkeeping.
+    let _ = driver!(cuMemRelease(handle));
+    mapped
+}
+
+/// Opens memory mapped by [`map_host_memory`] on `node` to the host and to `devices`.
+///
+/// # Safety
+///
+/// - `at..at + bytes` is mapped by [`map_host_memory`] (one call or several adjacent ones).
+pub(crate) unsafe fn open_host_memory(
     at: NonNull<u8>,
     bytes: usize,
     node: u32,
     devices: &[i32],
 ) -> Result<()> {
-    let prop = host_numa_prop(node);
-    let mut handle = 0;
-    driver!(cuMemCreate(&mut handle, bytes, &prop, 0))?;
-    let address = at.as_ptr() as u64;
-    let mapped = driver!(cuMemMap(address, bytes, 0, handle, 0));
-    // The mapping holds the memory now (or the map failed): the handle is not needed either
-    // way. A failed release only leaks the handle's bookkeeping.
-    let _ = driver!(cuMemRelease(handle));
-    mapped?;
     let access = |type_, id| cu::CUmemAccessDesc {
         location: cu::CUmemLocation { type_, id },
         flags: cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
@@ -261,17 +272,12 @@ pub(crate) unsafe fn map_host_memory(
             .iter()
             .map(|&device| access(cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, device)),
     );
-    let opened = driver!(cuMemSetAccess(
-        address,
+    driver!(cuMemSetAccess(
+        at.as_ptr() as u64,
         bytes,
         descriptors.as_ptr(),
         descriptors.len()
-    ));
-    if opened.is_err() {
-        // SAFETY: mapped just above and never handed out.
-        let _ = unsafe { unmap(at, bytes) };
-    }
-    opened
+    ))
 }
 
 /// # Safety

@@ -177,8 +177,15 @@ impl Registered {
     ///
     /// # Safety
     ///
-    /// - `ptr..ptr + bytes` is a fresh mapping of ours, not yet in use.
-    unsafe fn register_chunked(&self, ptr: NonNull<u8>, bytes: usize, chunk: usize) -> Result<()> {
+    /// - `ptr..ptr + bytes` is a fresh mapping of ours, not yet in use; with `huge`, it and
+    ///   `bytes` are multiples of the huge page.
+    unsafe fn register_chunked(
+        &self,
+        ptr: NonNull<u8>,
+        bytes: usize,
+        chunk: usize,
+        huge: bool,
+    ) -> Result<()> {
         let chunks = bytes.div_ceil(chunk);
         // Two cores stay free: one for this thread's registrations, one for the rest of the
         // program, whose copies would otherwise wait for a time slice.
@@ -188,7 +195,9 @@ impl Registered {
         let faulted: Vec<AtomicUsize> = (0..chunks).map(|_| AtomicUsize::new(0)).collect();
         let (progress, wake) = (Mutex::new(()), Condvar::new());
         let stop = AtomicBool::new(false);
-        let page = os::page_size();
+        // Threads split chunks at whole huge pages: two threads faulting one huge page wait
+        // for each other.
+        let page = if huge { os::HUGE_PAGE } else { os::page_size() };
         let base = os::Base(ptr);
         let slice_of = |k: usize, t: usize| {
             let (start, end) = (k * chunk, ((k + 1) * chunk).min(bytes));
@@ -280,9 +289,12 @@ unsafe impl PinnedAllocator for Registered {
             }
         }
         let registered = match self.chunk_bytes {
-            // SAFETY: a fresh mapping of `bytes` bytes, not yet shared.
-            Some(chunk) if bytes > chunk => unsafe { self.register_chunked(ptr, bytes, chunk) }
-                .map(|()| chunked::insert(ptr.as_ptr() as usize, bytes, chunk)),
+            Some(chunk) if bytes > chunk => {
+                // SAFETY: a fresh mapping of `bytes` bytes, not yet shared, huge-page aligned
+                // and sized when `huge` (`os::map` and `mapped_size`).
+                unsafe { self.register_chunked(ptr, bytes, chunk, huge) }
+                    .map(|()| chunked::insert(ptr.as_ptr() as usize, bytes, chunk))
+            }
             _ => {
                 // SAFETY: a fresh mapping of `bytes` bytes, not yet shared.
                 unsafe { os::prefault(ptr, bytes, self.prefault_threads) };

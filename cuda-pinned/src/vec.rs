@@ -285,7 +285,8 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
     }
 
     /// Makes room for `capacity` (> the current capacity) elements: in place where the
-    /// allocator can grow the block, else by moving the elements into a new allocation.
+    /// allocator can grow the block, else by moving the elements into a new allocation. An
+    /// allocator that fails to grow in place fails the call (a new block would fail alike).
     #[cold]
     fn grow_to(&mut self, capacity: usize) -> Result<()> {
         if Self::IS_ZST {

@@ -18,27 +18,32 @@ use crate::{Device, ffi, os};
 ///   copy waited at most 0.05–0.4 ms while 1 GiB was created (one `cudaHostRegister` of
 ///   1 GiB holds it 25–35 ms, a `cudaHostAlloc` 350–520 ms).
 /// - **Grows in place.** A [`PinnedVec`](crate::PinnedVec) of this kind grows by mapping more
-///   chunks after its end: no copy, and the address stays. Each block reserves
-///   [`address_room`](Self::address_room) bytes of address space (which costs nothing until
-///   mapped); past it, growth falls back to a new block and a copy.
+///   chunks after its end: no copy, and the address stays. Each block reserves address space
+///   to grow into (8× its size or 1 GiB, whichever is more: reserving takes microseconds and
+///   no memory, but the unified address space it comes from is finite, about 10⁵ such
+///   ranges); past it, growth falls back to a new block and a copy. A pool, whose blocks
+///   never grow, should use [`fixed_size`](Self::fixed_size).
 /// - **On the GPU's NUMA node.** The memory goes on the node nearest the current device
 ///   (CUDA's `HostNumaId`), or on [`node`](Self::node).
 /// - **One buffer, one copy.** A copy may span any number of chunks at full speed; every
-///   device of the process can copy to and from it.
+///   device of the process that supports this kind can copy to and from it.
 ///
-/// The cost: creating it is slower than registration (about 0.25–0.35 s per GiB against
-/// 0.05 s), and sizes round up to the driver's granularity (2 MiB on x86-64 hosts). So
-/// [`DefaultPinned`](crate::DefaultPinned) keeps registration, and this kind is for memory that
-/// is created ahead of need (a pool's reserve), grows, or is made while other threads copy.
+/// The cost: creating it is slower than registration (about 0.28–0.34 s per GiB against
+/// 0.04–0.05 s), and sizes round up to the driver's granularity (2 MiB on x86-64 hosts; a
+/// pool over this kind pins 2 MiB for each block of a smaller class, though its
+/// `max_pinned_bytes` counts the class size). So [`DefaultPinned`](crate::DefaultPinned)
+/// keeps registration, and this kind is for memory that is created ahead of need (a pool's
+/// reserve), grows, or is made while other threads copy.
 ///
-/// Needs CUDA 12.5 or newer (the runtime hands out the driver's entry points) and a device and
-/// driver that support host memory through the virtual-memory API
+/// Needs CUDA 12.5 or newer, runtime and driver (the runtime hands out the driver's entry
+/// points), and a device that supports host memory through the virtual-memory API
 /// ([`Device::supports_virtual_host_memory`]); elsewhere allocation fails with an error.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct VirtualHost {
     node: Option<u32>,
     chunk_bytes: usize,
     address_room: usize,
+    room_factor: usize,
     prefault_threads: usize,
 }
 
@@ -56,6 +61,28 @@ const DEFAULT_CHUNK: usize = 32 << 20;
 const DEFAULT_ROOM: usize = 1 << 30;
 /// Address space reserved per block, as a multiple of its size.
 const ROOM_FACTOR: usize = 8;
+/// A block's tag is its reserved room (a multiple of the granularity, at least 4 KiB) with the
+/// host NUMA node in the low bits.
+const NODE_BITS_MASK: usize = 0xfff;
+
+fn tag(room: usize, node: u32) -> usize {
+    room | node as usize
+}
+
+fn room_of(tag: usize) -> usize {
+    tag & !NODE_BITS_MASK
+}
+
+fn node_of(tag: usize) -> u32 {
+    (tag & NODE_BITS_MASK) as u32
+}
+
+/// A failed map: the error, and whether the memory mapped before it was unmapped again (if
+/// not, the range must not be given back).
+struct MapFailure {
+    error: Error,
+    clean: bool,
+}
 
 /// What the process's devices and driver offer, found once.
 #[derive(Debug)]
@@ -81,10 +108,15 @@ fn platform() -> Result<&'static Platform> {
     if devices.is_empty() {
         return Err(Error::Unsupported(
             "no device supports host memory through CUDA's virtual-memory API \
-             (CUDA 12.2 or newer and a device that supports it are needed)",
+             (CUDA 12.5 or newer and a device that supports it are needed)",
         ));
     }
     let granularity = ffi::host_granularity(0)?.max(os::page_size());
+    if granularity <= NODE_BITS_MASK {
+        return Err(Error::Unsupported(
+            "the driver's granularity for host memory is below 4 KiB",
+        ));
+    }
     Ok(PLATFORM.get_or_init(|| Platform {
         devices,
         granularity,
@@ -100,11 +132,12 @@ impl VirtualHost {
             node: None,
             chunk_bytes: DEFAULT_CHUNK,
             address_room: DEFAULT_ROOM,
+            room_factor: ROOM_FACTOR,
             prefault_threads: os::default_prefault_threads(),
         }
     }
 
-    /// Places the memory on this host NUMA node instead of the current device's.
+    /// Places the memory on this host NUMA node (below 4096) instead of the current device's.
     pub fn node(self, node: u32) -> Self {
         Self {
             node: Some(node),
@@ -131,6 +164,15 @@ impl VirtualHost {
         }
     }
 
+    /// Blocks reserve no room to grow: for a pool, whose blocks keep their size.
+    pub fn fixed_size(self) -> Self {
+        Self {
+            address_room: 0,
+            room_factor: 1,
+            ..self
+        }
+    }
+
     /// Threads that touch every page of new memory before it is handed out (0: leave the
     /// first touch to the user). The CPU's view of this memory fills on first touch at about
     /// 4 GB/s per thread; touching it here moves that cost off the first writes.
@@ -149,7 +191,7 @@ impl VirtualHost {
     /// The address space reserved for a block of `bytes`.
     fn room_for(&self, bytes: usize, granularity: usize) -> Option<usize> {
         let room = bytes
-            .saturating_mul(ROOM_FACTOR)
+            .saturating_mul(self.room_factor)
             .max(self.address_room)
             .min(isize::MAX as usize / 2);
         os::round_up(room.max(bytes), granularity)
@@ -162,12 +204,7 @@ impl VirtualHost {
         let bytes = Self::block_bytes(layout.size(), granularity)?;
         let room = self.room_for(bytes, granularity)?;
         // Deallocation does not read the node.
-        Some(Allocation::new(
-            ptr,
-            bytes,
-            MemoryKind::VirtualHost { node: 0 },
-            room,
-        ))
+        Some(Allocation::new(ptr, bytes, MemoryKind::VirtualHost, room))
     }
 
     /// The host NUMA node new memory goes on.
@@ -181,7 +218,7 @@ impl VirtualHost {
     }
 
     /// Creates and maps `bytes` at `at`, chunk by chunk, then touches the pages; on failure
-    /// nothing of it stays mapped.
+    /// nothing of it stays mapped, unless unmapping failed too (`clean` says).
     ///
     /// # Safety
     ///
@@ -193,23 +230,25 @@ impl VirtualHost {
         at: NonNull<u8>,
         bytes: usize,
         node: u32,
-    ) -> Result<()> {
+    ) -> Result<(), MapFailure> {
         let chunk = os::round_up(self.chunk_bytes, platform.granularity).unwrap_or(bytes);
         let mut mapped = 0;
         while mapped < bytes {
             let piece = chunk.min(bytes - mapped);
             // SAFETY: `at + mapped` is inside the range (mapped < bytes) and unmapped;
             // offsets and pieces are multiples of the granularity.
-            let result =
-                unsafe { ffi::map_host_memory(at.add(mapped), piece, node, &platform.devices) };
+            let start = unsafe { at.add(mapped) };
+            // SAFETY: as above.
+            let result = unsafe { ffi::map_host_memory(start, piece, node) }.and_then(|()| {
+                mapped += piece;
+                // SAFETY: the piece was just mapped.
+                unsafe { ffi::open_host_memory(start, piece, node, &platform.devices) }
+            });
             if let Err(error) = result {
-                if mapped > 0 {
-                    // SAFETY: what this call mapped above, never handed out.
-                    let _ = unsafe { ffi::unmap(at, mapped) };
-                }
-                return Err(out_of_memory(error, bytes));
+                // SAFETY: what this call mapped, never handed out.
+                let clean = mapped == 0 || unsafe { ffi::unmap(at, mapped) }.is_ok();
+                return Err(MapFailure { error, clean });
             }
-            mapped += piece;
         }
         if self.prefault_threads > 0 {
             // SAFETY: freshly mapped, writable by the host, not yet handed out.
@@ -241,27 +280,32 @@ unsafe impl PinnedAllocator for VirtualHost {
             .room_for(bytes, granularity)
             .ok_or(Error::CapacityOverflow)?;
         let node = self.target_node();
+        if node as usize > NODE_BITS_MASK {
+            return Err(Error::Unsupported("host NUMA nodes above 4095"));
+        }
         let ptr = ffi::address_reserve(room, granularity)?;
         // SAFETY: a fresh reservation of `room` ≥ `bytes`, granularity-aligned.
-        if let Err(error) = unsafe { self.map(platform, ptr, bytes, node) } {
-            // SAFETY: nothing is mapped in the range any more and it was never handed out.
-            let _ = unsafe { ffi::address_free(ptr, room) };
-            return Err(error);
+        if let Err(failure) = unsafe { self.map(platform, ptr, bytes, node) } {
+            if failure.clean {
+                // SAFETY: nothing is mapped in the range any more; it was never handed out.
+                let _ = unsafe { ffi::address_free(ptr, room) };
+            }
+            return Err(out_of_memory(failure.error, layout.size()));
         }
         Ok(Allocation::new(
             ptr,
             bytes,
-            MemoryKind::VirtualHost { node },
-            room,
+            MemoryKind::VirtualHost,
+            tag(room, node),
         ))
     }
 
     unsafe fn deallocate(&self, allocation: Allocation) {
         // SAFETY: mapped by `allocate` (and growth) over exactly `bytes`; unused, per the
-        // caller. The tag is the reserved room, given back once nothing is mapped in it.
+        // caller. The tag holds the reserved room, given back once nothing is mapped in it.
         unsafe {
             if ffi::unmap(allocation.ptr(), allocation.bytes()).is_ok() {
-                let _ = ffi::address_free(allocation.ptr(), allocation.tag());
+                let _ = ffi::address_free(allocation.ptr(), room_of(allocation.tag()));
             }
         }
         // If unmapping failed the memory may still be mapped: leaking it is the safe choice.
@@ -272,36 +316,38 @@ unsafe impl PinnedAllocator for VirtualHost {
         allocation: &Allocation,
         layout: Layout,
     ) -> Result<Option<Allocation>> {
-        let MemoryKind::VirtualHost { node } = allocation.kind() else {
+        if allocation.kind() != MemoryKind::VirtualHost {
             return Ok(None);
-        };
+        }
         let platform = platform()?;
         let Some(bytes) = Self::block_bytes(layout.size(), platform.granularity) else {
             return Ok(None);
         };
-        let (old, room) = (allocation.bytes(), allocation.tag());
+        let (old, room, node) = (
+            allocation.bytes(),
+            room_of(allocation.tag()),
+            node_of(allocation.tag()),
+        );
+        let grown = Allocation::new(
+            allocation.ptr(),
+            bytes.max(old),
+            allocation.kind(),
+            allocation.tag(),
+        );
         if bytes <= old {
-            return Ok(Some(Allocation::new(
-                allocation.ptr(),
-                old,
-                allocation.kind(),
-                room,
-            )));
+            return Ok(Some(grown));
         }
         if bytes > room {
             return Ok(None);
         }
         // SAFETY: `old..bytes` lies inside the block's reserved room (bytes ≤ room), past
         // everything mapped so far; both ends are multiples of the granularity.
-        unsafe {
-            self.map(platform, allocation.ptr().add(old), bytes - old, node)?;
-        }
-        Ok(Some(Allocation::new(
-            allocation.ptr(),
-            bytes,
-            allocation.kind(),
-            room,
-        )))
+        let mapped = unsafe { self.map(platform, allocation.ptr().add(old), bytes - old, node) };
+        // A growth that failed and could not unmap what it added leaves the block larger
+        // than it says: its room is then never given back (`deallocate` unmaps only `bytes`,
+        // and the driver refuses to free a range with memory mapped in it).
+        mapped.map_err(|failure| out_of_memory(failure.error, layout.size()))?;
+        Ok(Some(grown))
     }
 }
 
@@ -323,6 +369,10 @@ mod tests {
         assert_eq!(v.room_for(2 * MIB, 2 * MIB), Some(1 << 30));
         assert_eq!(v.room_for(512 * MIB, 2 * MIB), Some(4 << 30));
         assert_eq!(v.address_room(0).room_for(2 * MIB, 2 * MIB), Some(16 * MIB));
+        assert_eq!(v.fixed_size().room_for(6 * MIB, 2 * MIB), Some(6 * MIB));
+        // The node rides in the tag's low bits, under the room.
+        let t = tag(6 * MIB, 4095);
+        assert_eq!((room_of(t), node_of(t)), (6 * MIB, 4095));
         // Huge requests reserve what the address space allows, never less than the block.
         let huge = 1 << 46;
         assert!(v.room_for(huge, 2 * MIB).unwrap() >= huge);

@@ -760,7 +760,8 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// allocation takes one, so an allocation that finds its class empty (and no block whose
     /// device work has finished) takes a ready block instead of waiting for the driver. Call
     /// it again to change the count: ready blocks past it are released (0 releases them all).
-    /// The thread starts on the first call and is stopped and joined when the pool drops;
+    /// The thread starts on the first call, with that caller's current device (so memory is
+    /// placed near it), and is stopped and joined when the pool drops;
     /// blocks pinned ahead count against `max_pinned_bytes`, are released with the pool, and
     /// not by [`empty_cache`](Self::empty_cache). They enter `allocations` and
     /// `allocated_bytes` when an allocation takes them; until then they are
@@ -1070,6 +1071,7 @@ fn retryable(error: &Error) -> bool {
     match error {
         Error::OutOfMemory { .. } | Error::MemlockLimit { .. } => true,
         Error::Cuda(e) => e.is_out_of_memory(),
+        Error::Driver(e) => e.is_out_of_memory(),
         _ => false,
     }
 }

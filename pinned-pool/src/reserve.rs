@@ -70,11 +70,22 @@ impl Reserve {
             ready_bytes: AtomicUsize::new(0),
             held_bytes: AtomicUsize::new(0),
         });
+        // The thread pins for the device current where the pool was told to reserve: the
+        // backends place memory near the current device.
+        let device = cuda_pinned::is_available()
+            .then(cuda_pinned::Device::current)
+            .and_then(Result::ok);
         let thread = {
             let shared = shared.clone();
             std::thread::Builder::new()
                 .name("pinned-pool-reserve".into())
-                .spawn(move || shared.run(&backend, &pinned, limit))?
+                .spawn(move || {
+                    if let Some(device) = device {
+                        // Without it the memory goes near device 0: slower, still correct.
+                        let _ = device.set_current();
+                    }
+                    shared.run(&backend, &pinned, limit)
+                })?
         };
         Ok(Self {
             shared,

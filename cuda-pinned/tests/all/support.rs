@@ -71,7 +71,11 @@ unsafe impl PinnedAllocator for Counting {
             });
         }
         let factor = self.growth_factor.load(Ordering::SeqCst).max(1);
-        let room = Layout::from_size_align(layout.size() * factor, layout.align()).unwrap();
+        let room = layout
+            .size()
+            .checked_mul(factor)
+            .and_then(|size| Layout::from_size_align(size, layout.align()).ok())
+            .ok_or(cuda_pinned::Error::CapacityOverflow)?;
         let block = Backing.allocate(room)?;
         self.live.fetch_add(1, Ordering::SeqCst);
         self.allocations.fetch_add(1, Ordering::SeqCst);
