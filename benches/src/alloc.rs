@@ -37,11 +37,12 @@ const KINDS: [&str; 7] = [
 
 /// Work items, for the progress bar.
 pub fn steps(quick: bool, cuda: bool) -> usize {
-    sizes(quick).len() * KINDS.len() + if cuda { 14 + 2 * GROWN.len() + 3 } else { 0 }
+    sizes(quick).len() * KINDS.len() + if cuda { 15 + 2 * GROWN.len() + 3 } else { 0 }
 }
 
 const VIRTUAL: &str = "virtual (cuMemCreate)";
-/// Registration in chunks of 16, 32 and 64 MiB.
+/// Registration in chunks of 8, 16, 32 and 64 MiB.
+const CHUNKS_8: &str = "registered in 8 MiB chunks";
 const CHUNKS_16: &str = "registered in 16 MiB chunks";
 const CHUNKS_32: &str = "registered in 32 MiB chunks";
 const CHUNKS_64: &str = "registered in 64 MiB chunks";
@@ -191,6 +192,7 @@ fn stall(progress: &mut Progress) -> Section {
         "nothing (sleep 300 ms)",
         "cudaHostAlloc",
         "registered",
+        CHUNKS_8,
         CHUNKS_16,
         CHUNKS_32,
         CHUNKS_64,
@@ -329,9 +331,26 @@ fn measure_stall(kind: &str) -> Result<(Duration, Vec<Duration>)> {
                     .register_in_chunks(32 << 20)
                     .allocate(layout),
             ),
+            CHUNKS_8 => Some(
+                Registered::new()
+                    .register_in_chunks(8 << 20)
+                    .allocate(layout),
+            ),
             CHUNKS_64 => Some(
                 Registered::new()
                     .register_in_chunks(64 << 20)
+                    .allocate(layout),
+            ),
+            CHUNKS_16_8 => Some(
+                Registered::new()
+                    .register_in_chunks(16 << 20)
+                    .prefault_threads(8)
+                    .allocate(layout),
+            ),
+            CHUNKS_32_8 => Some(
+                Registered::new()
+                    .register_in_chunks(32 << 20)
+                    .prefault_threads(8)
                     .allocate(layout),
             ),
             VIRTUAL => Some(VirtualHost::new().allocate(layout)),

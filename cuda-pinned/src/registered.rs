@@ -47,6 +47,9 @@ impl BitOr for RegisterFlags {
     }
 }
 
+/// The pause between the registrations of two chunks (see `register_chunked`).
+const REGISTRATION_GAP: std::time::Duration = std::time::Duration::from_micros(50);
+
 /// Page-locked memory obtained the fast way: an anonymous `mmap`, `MADV_HUGEPAGE` for sizes
 /// of 2 MiB and more, every page faulted in by several threads, then one `cudaHostRegister`.
 ///
@@ -251,6 +254,11 @@ impl Registered {
                     // (or the cleanup below) unregisters it.
                     unsafe { ffi::host_register(ptr.add(start), len, self.flags.bits())? };
                     registered += 1;
+                    if registered < chunks {
+                        // A pause between registrations lets threads waiting for the driver's
+                        // lock take it: released and taken again at once, it stays here.
+                        std::thread::sleep(REGISTRATION_GAP);
+                    }
                 }
                 Ok(())
             })();
