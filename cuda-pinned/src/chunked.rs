@@ -37,54 +37,60 @@ pub(crate) fn any() -> bool {
 }
 
 /// The pieces of `addr..addr + len` that each lie in one registration, as `(offset, len)`
-/// from `addr`, in order; the whole range as one piece unless it lies in a chunked buffer.
+/// from `addr`, in order: a piece ends at every chunk boundary and at the start and end of
+/// every chunked buffer the range meets; a range that meets none is one piece.
 pub(crate) fn pieces(addr: usize, len: usize) -> Pieces {
-    let mut pieces = Pieces {
-        addr,
-        offset: 0,
-        len,
-        layout: None,
+    let whole = Pieces {
+        whole: (len > 0).then_some((0, len)),
+        cut: Vec::new().into_iter(),
+    };
+    let Some(end) = addr.checked_add(len) else {
+        return whole;
     };
     if !any() || len == 0 {
-        return pieces;
+        return whole;
     }
     let buffers = BUFFERS.read().unwrap_or_else(PoisonError::into_inner);
-    if let Some((&start, &(bytes, chunk))) = buffers.range(..=addr).next_back()
-        && addr - start < bytes
-    {
-        pieces.layout = Some((start, chunk));
+    let mut cuts = Vec::new();
+    let mut at = addr;
+    while at < end {
+        let stop = match buffers.range(..=at).next_back() {
+            // Inside a chunked buffer: to the end of this chunk (or of the buffer).
+            Some((&start, &(bytes, chunk))) if at - start < bytes => {
+                (start + ((at - start) / chunk + 1) * chunk).min(start + bytes)
+            }
+            // Outside: to the next chunked buffer, if the range reaches it.
+            _ => buffers
+                .range(at + 1..)
+                .next()
+                .map_or(end, |(&start, _)| start),
+        }
+        .min(end);
+        cuts.push((at - addr, stop - at));
+        at = stop;
     }
-    pieces
+    if cuts.len() == 1 {
+        return whole;
+    }
+    Pieces {
+        whole: None,
+        cut: cuts.into_iter(),
+    }
 }
 
 /// Iterator of [`pieces`].
 #[derive(Clone, Debug)]
 pub(crate) struct Pieces {
-    addr: usize,
-    offset: usize,
-    len: usize,
-    /// `(start, chunk)` of the chunked buffer the range begins in.
-    layout: Option<(usize, usize)>,
+    /// The whole range, when it is not cut (no allocation for the common case).
+    whole: Option<(usize, usize)>,
+    cut: std::vec::IntoIter<(usize, usize)>,
 }
 
 impl Iterator for Pieces {
     type Item = (usize, usize);
 
     fn next(&mut self) -> Option<(usize, usize)> {
-        if self.offset >= self.len {
-            return None;
-        }
-        let rest = self.len - self.offset;
-        let piece = match self.layout {
-            None => rest,
-            Some((start, chunk)) => {
-                let into_chunk = (self.addr + self.offset - start) % chunk;
-                (chunk - into_chunk).min(rest)
-            }
-        };
-        let item = (self.offset, piece);
-        self.offset += piece;
-        Some(item)
+        self.whole.take().or_else(|| self.cut.next())
     }
 }
 
@@ -101,10 +107,29 @@ mod tests {
         assert_eq!(cut, [(0, 22), (22, 32), (54, 26)]);
         assert_eq!(pieces(start, 32).collect::<Vec<_>>(), [(0, 32)]);
         assert_eq!(pieces(start + 96, 4).collect::<Vec<_>>(), [(0, 4)]);
-        // Outside it, and empty ranges.
+        // Outside it, into it, through it, and empty ranges.
         assert_eq!(pieces(start + 100, 64).collect::<Vec<_>>(), [(0, 64)]);
         assert_eq!(pieces(start - 8, 4).collect::<Vec<_>>(), [(0, 4)]);
+        assert_eq!(
+            pieces(start - 8, 48).collect::<Vec<_>>(),
+            [(0, 8), (8, 32), (40, 8)]
+        );
+        assert_eq!(
+            pieces(start + 90, 20).collect::<Vec<_>>(),
+            [(0, 6), (6, 4), (10, 10)]
+        );
         assert_eq!(pieces(start + 10, 0).count(), 0);
+        // A second chunked buffer right after the first: the short last chunk ends a piece.
+        insert(start + 100, 64, 32);
+        assert_eq!(
+            pieces(start + 90, 20).collect::<Vec<_>>(),
+            [(0, 6), (6, 4), (10, 10)]
+        );
+        assert_eq!(
+            pieces(start + 120, 40).collect::<Vec<_>>(),
+            [(0, 12), (12, 28)]
+        );
+        assert_eq!(remove(start + 100), Some((64, 32)));
         assert_eq!(remove(start), Some((100, 32)));
         assert_eq!(remove(start), None);
         assert_eq!(pieces(start + 10, 80).collect::<Vec<_>>(), [(0, 80)]);

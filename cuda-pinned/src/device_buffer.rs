@@ -317,8 +317,11 @@ impl<'a> DeviceRange<'a> {
         // SAFETY: both sides are `bytes` long (lengths checked; the device range lies in a
         // live allocation) and the caller keeps the host side for this whole call, which
         // waits for the copy before returning.
-        unsafe { ffi::memcpy_async(dst, src, bytes, direction, stream.as_raw())? };
-        stream.synchronize()
+        let queued = unsafe { ffi::memcpy_async(dst, src, bytes, direction, stream.as_raw()) };
+        // A copy split at chunk boundaries may fail after its first pieces were queued: the
+        // host side is borrowed only for this call, so they are waited for either way.
+        let finished = stream.synchronize();
+        queued.and(finished)
     }
 }
 

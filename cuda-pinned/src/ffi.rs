@@ -336,15 +336,16 @@ pub(crate) unsafe fn memcpy_async(
         Direction::DeviceToHost => dst as usize,
     };
     for (offset, piece) in chunked::pieces(host, bytes) {
-        // SAFETY: a piece of the range the caller vouches for.
-        let (dst, src) = unsafe { (dst.byte_add(offset), src.byte_add(offset)) };
+        // Plain address arithmetic: one side is a device address, no Rust allocation.
+        let (dst, src) = (dst.wrapping_byte_add(offset), src.wrapping_byte_add(offset));
         cuda!(cudaMemcpyAsync(dst, src, piece, direction.kind(), stream))?;
     }
     Ok(())
 }
 
 /// `(offset, len)` pieces of a copy of `bytes` from `src` to `dst` such that neither side of a
-/// piece spans two registrations of a buffer registered in chunks.
+/// piece spans two registrations of buffers registered in chunks. Pieces of a copy queued
+/// one after another on one stream run in order, as the whole copy would.
 fn copy_pieces(dst: usize, src: usize, bytes: usize) -> impl Iterator<Item = (usize, usize)> {
     chunked::pieces(src, bytes).flat_map(move |(offset, len)| {
         chunked::pieces(dst + offset, len).map(move |(inner, len)| (offset + inner, len))
@@ -363,8 +364,8 @@ pub(crate) unsafe fn memcpy_async_any(
     stream: sys::cudaStream_t,
 ) -> Result<()> {
     for (offset, piece) in copy_pieces(dst as usize, src as usize, bytes) {
-        // SAFETY: a piece of the range the caller vouches for.
-        let (dst, src) = unsafe { (dst.byte_add(offset), src.byte_add(offset)) };
+        // Plain address arithmetic: either side may be a device address.
+        let (dst, src) = (dst.wrapping_byte_add(offset), src.wrapping_byte_add(offset));
         cuda!(cudaMemcpyAsync(
             dst,
             src,

@@ -95,7 +95,9 @@ pub(crate) unsafe fn unmap(ptr: NonNull<u8>, bytes: usize) {
 ///
 /// # Errors
 ///
-/// [`Error::Os`] for `mbind`, such as `EINVAL` for a node the machine does not have.
+/// [`Error::Os`] for `mbind`: `EINVAL` for a node the machine does not have, `ENOSYS` on a
+/// kernel without NUMA support, `EPERM` where a sandbox forbids the call (Docker's default
+/// seccomp profile, without `CAP_SYS_NICE`).
 ///
 /// # Safety
 ///
@@ -116,7 +118,7 @@ pub(crate) unsafe fn prefer_node(ptr: NonNull<u8>, bytes: usize, node: u32) -> R
             MPOL_PREFERRED,
             mask.as_ptr(),
             max_node,
-            0 as libc::c_uint,
+            0 as libc::c_ulong,
         )
     };
     if status != 0 {
@@ -128,11 +130,18 @@ pub(crate) unsafe fn prefer_node(ptr: NonNull<u8>, bytes: usize, node: u32) -> R
     Ok(())
 }
 
-/// How many NUMA nodes are online (1 where the kernel does not say).
+/// How many NUMA nodes are online (1 where the kernel does not say, and under Miri, which
+/// cannot read files); read once per process.
 pub(crate) fn online_numa_nodes() -> usize {
-    std::fs::read_to_string("/sys/devices/system/node/online")
-        .map_or(1, |list| count_list(list.trim()))
-        .max(1)
+    static NODES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *NODES.get_or_init(|| {
+        if cfg!(miri) {
+            return 1;
+        }
+        std::fs::read_to_string("/sys/devices/system/node/online")
+            .map_or(1, |list| count_list(list.trim()))
+            .max(1)
+    })
 }
 
 /// The number of entries in a kernel CPU or node list such as `0-3,8,10-11`.

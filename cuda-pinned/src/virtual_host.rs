@@ -111,12 +111,8 @@ fn platform() -> Result<&'static Platform> {
              (CUDA 12.5 or newer and a device that supports it are needed)",
         ));
     }
+    // At least a page (4 KiB): the tag's low 12 bits are free for the node.
     let granularity = ffi::host_granularity(0)?.max(os::page_size());
-    if granularity <= NODE_BITS_MASK {
-        return Err(Error::Unsupported(
-            "the driver's granularity for host memory is below 4 KiB",
-        ));
-    }
     Ok(PLATFORM.get_or_init(|| Platform {
         devices,
         granularity,
@@ -212,7 +208,7 @@ impl VirtualHost {
         self.node.unwrap_or_else(|| {
             Device::current()
                 .ok()
-                .and_then(Device::host_numa_node)
+                .and_then(Device::nearest_numa_node)
                 .unwrap_or(0)
         })
     }

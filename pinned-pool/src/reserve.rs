@@ -71,10 +71,13 @@ impl Reserve {
             held_bytes: AtomicUsize::new(0),
         });
         // The thread pins for the device current where the pool was told to reserve: the
-        // backends place memory near the current device.
+        // backends place memory near the current device. A new thread starts on device 0, so
+        // only another device is set (setting one starts its context, which a pool of memory
+        // unknown to CUDA should not pay for).
         let device = cuda_pinned::is_available()
             .then(cuda_pinned::Device::current)
-            .and_then(Result::ok);
+            .and_then(Result::ok)
+            .filter(|device| device.ordinal() != 0);
         let thread = {
             let shared = shared.clone();
             std::thread::Builder::new()
