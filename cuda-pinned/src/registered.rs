@@ -136,9 +136,9 @@ impl Registered {
     /// Registers blocks larger than `bytes` (rounded up to 2 MiB) as consecutive chunks of
     /// that size: the threads fault in the next chunk while the previous one registers, and
     /// the driver's lock is taken for one chunk at a time, with a 50 µs pause between chunks
-    /// so that other threads' copies get their turn (measured on an H100 host: 16 MiB chunks
-    /// kept the 99th percentile of another thread's copy near 1 ms, its worst at 1.4–3 ms,
-    /// against 20–46 ms for one registration of 1 GiB).
+    /// so that other threads' copies get their turn. Measured on an H100 host while 1 GiB
+    /// was pinned: 16 MiB chunks kept another thread's copy under 1 ms (0.6–0.7 ms) but took
+    /// 57–61 ms; 32 MiB chunks, 1.3–1.4 ms and 50–52 ms; one registration, 20 ms and 48 ms.
     ///
     /// Copies queued through this crate split at the chunk boundaries (one buffer, one
     /// [`Transfer`](crate::Transfer)). A copy queued by other code must stay within one
