@@ -14,6 +14,8 @@ pub struct PoolConfig {
     pub(crate) max_pinned_bytes: Option<usize>,
     pub(crate) max_block_cached_bytes: Option<usize>,
     pub(crate) idle_release: Option<Duration>,
+    /// Blocks to keep pinned ahead of need: `(block bytes, blocks)` per size.
+    pub(crate) reserve: Vec<(usize, usize)>,
 }
 
 /// What is wrong with a configuration string.
@@ -75,6 +77,10 @@ const KEYS: &[(&str, &str)] = &[
         "idle_release_ms",
         "blocks idle longer than this are released, in milliseconds",
     ),
+    (
+        "reserve_mb",
+        "blocks kept pinned ahead of need, as MiBxCOUNT (16x64: 64 blocks of 16 MiB); once per size",
+    ),
 ];
 
 impl PoolConfig {
@@ -111,9 +117,23 @@ impl PoolConfig {
         self
     }
 
+    /// Keeps `blocks` blocks of `block_bytes` pinned ahead of need by the pool's reserve thread
+    /// (see [`Pool::reserve`](crate::Pool::reserve)), like PyTorch's
+    /// `pinned_reserve_segment_size_mb`; give it once per size. Pools made by
+    /// [`Pool::with_config`](crate::Pool::with_config) and
+    /// [`Pool::from_env`](crate::Pool::from_env) start it at once; others when
+    /// [`Pool::start_configured_reserve`](crate::Pool::start_configured_reserve) is called.
+    pub fn reserve(mut self, block_bytes: usize, blocks: usize) -> Self {
+        self.reserve.retain(|&(bytes, _)| bytes != block_bytes);
+        self.reserve.push((block_bytes, blocks));
+        self
+    }
+
     /// Parses `key:value,key:value` (whitespace around entries is ignored).
     ///
-    /// Keys: `max_cached_mb`, `max_pinned_mb`, `max_block_cached_mb`, `idle_release_ms`.
+    /// Keys: `max_cached_mb`, `max_pinned_mb`, `max_block_cached_mb`, `idle_release_ms`, and
+    /// `reserve_mb` as `MiBxCOUNT` (`reserve_mb:16x64` keeps 64 blocks of 16 MiB ready; once
+    /// per size).
     ///
     /// # Errors
     ///
@@ -155,6 +175,24 @@ impl PoolConfig {
                         "a whole number of milliseconds",
                     )?))
                 }
+                "reserve_mb" => {
+                    let expected = "MiBxCOUNT, such as 16x64, with a block size the pool has";
+                    let bad = || ConfigError::BadValue {
+                        key: key.to_owned(),
+                        value: value.to_owned(),
+                        expected,
+                    };
+                    let (size, count) = value.split_once('x').ok_or_else(bad)?;
+                    let bytes = size
+                        .trim()
+                        .parse::<usize>()
+                        .ok()
+                        .and_then(|mib| mib.checked_mul(1 << 20))
+                        .filter(|&bytes| crate::size_class::class_of(bytes).is_some())
+                        .ok_or_else(bad)?;
+                    let blocks = count.trim().parse::<usize>().map_err(|_| bad())?;
+                    config = config.reserve(bytes, blocks);
+                }
                 _ => {
                     return Err(ConfigError::UnknownKey {
                         key: key.to_owned(),
@@ -193,6 +231,9 @@ mod tests {
         assert_eq!(config.max_block_cached_bytes, Some(8 << 20));
         assert_eq!(config.idle_release, Some(Duration::from_millis(1500)));
         assert_eq!(PoolConfig::parse("").unwrap(), PoolConfig::default());
+        let config =
+            PoolConfig::parse("reserve_mb:16x64, reserve_mb:2x8, reserve_mb:16x4").unwrap();
+        assert_eq!(config.reserve, [(2 << 20, 8), (16 << 20, 4)]);
     }
 
     #[test]
@@ -215,6 +256,17 @@ mod tests {
             PoolConfig::parse("max_cached_mb"),
             Err(ConfigError::Malformed { .. })
         ));
+        for bad in [
+            "reserve_mb:16",
+            "reserve_mb:x4",
+            "reserve_mb:16xmany",
+            "reserve_mb:999999999x1",
+        ] {
+            assert!(
+                matches!(PoolConfig::parse(bad), Err(ConfigError::BadValue { .. })),
+                "{bad}"
+            );
+        }
         let text = PoolConfig::parse("nope:1").unwrap_err().to_string();
         assert!(text.contains("known keys: max_cached_mb"), "{text}");
     }

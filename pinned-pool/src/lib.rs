@@ -99,7 +99,8 @@
 //! once).
 //!
 //! *Pinning ahead.* [`Pool::reserve`] starts a thread of the pool's own that keeps a number of
-//! blocks of a class pinned and ready, and pins another each time one is taken. An
+//! blocks of a class pinned and ready, and pins another each time one is taken (or configure
+//! it: [`PoolConfig::reserve`], `CUDA_PINNED_POOL_CONF=reserve_mb:16x64`). An
 //! allocation that finds its class empty takes a ready block before anything slower (no
 //! pause, no backend call). Pinning runs outside every pool lock; registration holds the
 //! driver's lock for its whole range, so small blocks keep other threads' copies from waiting

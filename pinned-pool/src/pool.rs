@@ -66,6 +66,8 @@ pub struct Pool<B: PinnedAllocator = DefaultPinned, C: Completion = PendingUses>
     reserved: Arc<AtomicUsize>,
     /// The thread that pins ahead of need, started by the first [`Pool::reserve`].
     ahead: OnceLock<Reserve>,
+    /// Why the configured reserve could not be started, for [`Pool::take_reserve_error`].
+    reserve_start_error: Mutex<Option<Error>>,
     pending_bytes: AtomicUsize,
     pending_requests: AtomicU64,
     /// Idle bytes in all caches, kept only under a cap on them (it costs a shared update per
@@ -160,9 +162,12 @@ impl Pool {
         Self::with_config(PoolConfig::default())
     }
 
-    /// A pool over [`DefaultPinned`] with `config`.
+    /// A pool over [`DefaultPinned`] with `config`; its configured reserve
+    /// ([`PoolConfig::reserve`]) starts at once.
     pub fn with_config(config: PoolConfig) -> Self {
-        Self::with_backend(DefaultPinned, config)
+        let pool = Self::with_backend(DefaultPinned, config);
+        pool.start_configured_reserve();
+        pool
     }
 
     /// A pool over [`DefaultPinned`] configured by `CUDA_PINNED_POOL_CONF`.
@@ -214,6 +219,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             blocks: Mutex::new(HashMap::new()),
             reserved: Arc::new(AtomicUsize::new(0)),
             ahead: OnceLock::new(),
+            reserve_start_error: Mutex::new(None),
             pending_bytes: AtomicUsize::new(0),
             pending_requests: AtomicU64::new(0),
             cached: AtomicUsize::new(0),
@@ -818,10 +824,29 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         Ok(())
     }
 
+    /// Starts what the configuration asks to keep pinned ahead ([`PoolConfig::reserve`]), as
+    /// [`reserve`](Self::reserve) would for each size. A failure to start (a size above the
+    /// largest class, no thread to be had) is kept for
+    /// [`take_reserve_error`](Self::take_reserve_error).
+    pub fn start_configured_reserve(&self)
+    where
+        B: Clone + Send + 'static,
+    {
+        for &(block_bytes, blocks) in &self.config.reserve {
+            if let Err(error) = self.reserve(block_bytes, blocks) {
+                self.reserve_start_error.lock().get_or_insert(error);
+            }
+        }
+    }
+
     /// The first error the reserve thread met since the last call (see
-    /// [`reserve`](Self::reserve)); `None` when it met none, or was never started.
+    /// [`reserve`](Self::reserve)), or why the configured reserve could not start; `None`
+    /// when there was none.
     pub fn take_reserve_error(&self) -> Option<Error> {
-        self.ahead.get().and_then(Reserve::take_error)
+        self.reserve_start_error
+            .lock()
+            .take()
+            .or_else(|| self.ahead.get().and_then(Reserve::take_error))
     }
 
     /// Releases every idle block to the backend (PyTorch's `empty_cache`). Blocks in use or

@@ -225,3 +225,34 @@ fn a_panicking_backend_is_an_error_and_gives_its_count_back() {
     pool.reserve(MIB, 1).unwrap();
     eventually("a second failure", || pool.stats().reserve_failures >= 2);
 }
+
+#[test]
+fn a_configured_reserve_starts_with_the_pool_or_on_request() {
+    // Over any backend: started on request.
+    let backend = Noting::default();
+    let config = PoolConfig::new().reserve(MIB, 2).reserve(2 * MIB, 1);
+    let pool = Pool::with_backend(backend.clone(), config.clone());
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(pool.stats().reserve_ready_bytes, 0, "started unasked");
+    pool.start_configured_reserve();
+    eventually("4 MiB ready", || {
+        pool.stats().reserve_ready_bytes == 4 * MIB as u64
+    });
+    assert!(pool.take_reserve_error().is_none());
+    drop(pool);
+
+    // The default pool (page-locked memory here) starts it at once, as from the environment.
+    let pool = Pool::with_config(PoolConfig::parse("reserve_mb:1x2").unwrap());
+    eventually("2 MiB ready", || {
+        pool.stats().reserve_ready_bytes == 2 * MIB as u64
+    });
+
+    // A size no class holds is an error kept for the caller, not a panic.
+    let pool = Pool::with_backend(backend, PoolConfig::new().reserve(usize::MAX / 2, 1));
+    pool.start_configured_reserve();
+    assert!(matches!(
+        pool.take_reserve_error(),
+        Some(Error::CapacityOverflow)
+    ));
+    assert!(pool.take_reserve_error().is_none());
+}
