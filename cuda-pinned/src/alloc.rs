@@ -193,6 +193,20 @@ pub unsafe trait PinnedAllocator {
         let _ = (allocation, layout);
         Ok(None)
     }
+
+    /// How many NUMA nodes this allocator places memory on, numbered `0..numa_nodes()`: 1
+    /// (the default) when it does not choose, or the machine has one. A caching pool keeps
+    /// blocks of each node apart.
+    fn numa_nodes(&self) -> usize {
+        1
+    }
+
+    /// The node (below [`numa_nodes`](Self::numa_nodes)) that an allocation made now, from
+    /// the calling thread, goes on: with the crate's allocators, the node nearest the
+    /// current device.
+    fn numa_node(&self) -> usize {
+        0
+    }
 }
 
 /// Work on devices that may still read or write a buffer: events recorded after its last use
@@ -364,6 +378,16 @@ unsafe impl<A: PinnedAllocator + ?Sized> PinnedAllocator for &A {
         // SAFETY: forwarded from the caller.
         unsafe { (**self).grow_in_place(allocation, layout) }
     }
+
+    #[inline]
+    fn numa_nodes(&self) -> usize {
+        (**self).numa_nodes()
+    }
+
+    #[inline]
+    fn numa_node(&self) -> usize {
+        (**self).numa_node()
+    }
 }
 
 // SAFETY: as for `&A`: every clone of the `Arc` reaches the same allocator.
@@ -393,6 +417,16 @@ unsafe impl<A: PinnedAllocator + ?Sized> PinnedAllocator for Arc<A> {
     ) -> Result<Option<Allocation>> {
         // SAFETY: forwarded from the caller.
         unsafe { (**self).grow_in_place(allocation, layout) }
+    }
+
+    #[inline]
+    fn numa_nodes(&self) -> usize {
+        (**self).numa_nodes()
+    }
+
+    #[inline]
+    fn numa_node(&self) -> usize {
+        (**self).numa_node()
     }
 }
 
@@ -464,6 +498,20 @@ unsafe impl PinnedAllocator for DefaultPinned {
                 Backend::HostAlloc(a) => a.deallocate(allocation),
                 Backend::Locked(a) => a.deallocate(allocation),
             }
+        }
+    }
+
+    fn numa_nodes(&self) -> usize {
+        match backend() {
+            Backend::Registered(a) => a.numa_nodes(),
+            _ => 1,
+        }
+    }
+
+    fn numa_node(&self) -> usize {
+        match backend() {
+            Backend::Registered(a) => a.numa_node(),
+            _ => 0,
         }
     }
 }

@@ -196,13 +196,23 @@ impl Device {
     }
 
     /// The host NUMA node nearest the device: CUDA's answer, else the kernel's (the sysfs
-    /// `numa_node` of its PCI device); `None` where neither says.
+    /// `numa_node` of its PCI device); `None` where neither says. Asked once per device (the
+    /// first 64) and remembered: allocators ask on every allocation.
     pub(crate) fn nearest_numa_node(self) -> Option<u32> {
-        self.host_numa_node().or_else(|| {
-            let bus_id = self.pci_bus_id().ok()?.to_lowercase();
-            let path = format!("/sys/bus/pci/devices/{bus_id}/numa_node");
-            std::fs::read_to_string(path).ok()?.trim().parse().ok()
-        })
+        const KNOWN: usize = 64;
+        static NODES: [std::sync::OnceLock<Option<u32>>; KNOWN] =
+            [const { std::sync::OnceLock::new() }; KNOWN];
+        let ask = || {
+            self.host_numa_node().or_else(|| {
+                let bus_id = self.pci_bus_id().ok()?.to_lowercase();
+                let path = format!("/sys/bus/pci/devices/{bus_id}/numa_node");
+                std::fs::read_to_string(path).ok()?.trim().parse().ok()
+            })
+        };
+        match NODES.get(self.ordinal()) {
+            Some(node) => *node.get_or_init(ask),
+            None => ask(),
+        }
     }
 
     fn flag(self, attribute: cudaDeviceAttr) -> Result<bool> {

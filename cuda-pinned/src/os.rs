@@ -130,32 +130,47 @@ pub(crate) unsafe fn prefer_node(ptr: NonNull<u8>, bytes: usize, node: u32) -> R
     Ok(())
 }
 
-/// How many NUMA nodes are online (1 where the kernel does not say, and under Miri, which
-/// cannot read files); read once per process.
-pub(crate) fn online_numa_nodes() -> usize {
-    static NODES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+/// The online NUMA nodes as `(how many, highest number + 1)`: `(1, 1)` where the kernel does
+/// not say, and under Miri, which cannot read files. Read once per process.
+fn numa_nodes() -> (usize, usize) {
+    static NODES: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
     *NODES.get_or_init(|| {
         if cfg!(miri) {
-            return 1;
+            return (1, 1);
         }
         std::fs::read_to_string("/sys/devices/system/node/online")
-            .map_or(1, |list| count_list(list.trim()))
-            .max(1)
+            .ok()
+            .map(|list| parse_list(list.trim()))
+            .filter(|&(count, _)| count > 0)
+            .unwrap_or((1, 1))
     })
 }
 
-/// The number of entries in a kernel CPU or node list such as `0-3,8,10-11`.
-fn count_list(list: &str) -> usize {
-    list.split(',')
-        .filter(|part| !part.is_empty())
-        .map(|part| match part.split_once('-') {
-            Some((first, last)) => match (first.parse::<usize>(), last.parse::<usize>()) {
-                (Ok(first), Ok(last)) if last >= first => last - first + 1,
-                _ => 0,
-            },
-            None => usize::from(part.parse::<usize>().is_ok()),
-        })
-        .sum()
+/// How many NUMA nodes are online.
+pub(crate) fn online_numa_nodes() -> usize {
+    numa_nodes().0
+}
+
+/// One more than the highest online NUMA node's number: node numbers lie below it.
+pub(crate) fn numa_node_bound() -> usize {
+    numa_nodes().1
+}
+
+/// A kernel CPU or node list such as `0-3,8,10-11` as `(entries, highest + 1)`.
+fn parse_list(list: &str) -> (usize, usize) {
+    let mut count = 0;
+    let mut bound = 0;
+    for part in list.split(',').filter(|part| !part.is_empty()) {
+        let range = match part.split_once('-') {
+            Some((first, last)) => first.parse::<usize>().ok().zip(last.parse().ok()),
+            None => part.parse::<usize>().ok().map(|n| (n, n)),
+        };
+        if let Some((first, last)) = range.filter(|(first, last)| last >= first) {
+            count += last - first + 1;
+            bound = bound.max(last + 1);
+        }
+    }
+    (count, bound)
 }
 
 /// Faults every page of the range in, spread over up to `threads` threads, so that
@@ -355,12 +370,13 @@ mod tests {
 
     #[test]
     fn node_lists_are_counted() {
-        assert_eq!(count_list("0"), 1);
-        assert_eq!(count_list("0-1"), 2);
-        assert_eq!(count_list("0-3,8,10-11"), 7);
-        assert_eq!(count_list(""), 0);
-        assert_eq!(count_list("x"), 0);
+        assert_eq!(parse_list("0"), (1, 1));
+        assert_eq!(parse_list("0-1"), (2, 2));
+        assert_eq!(parse_list("0-3,8,10-11"), (7, 12));
+        assert_eq!(parse_list(""), (0, 0));
+        assert_eq!(parse_list("x,3-1"), (0, 0));
         assert!(online_numa_nodes() >= 1);
+        assert!(numa_node_bound() >= online_numa_nodes());
     }
 
     #[test]

@@ -344,6 +344,23 @@ unsafe impl PinnedAllocator for Registered {
         Ok(Allocation::new(ptr, bytes, MemoryKind::Registered, 0))
     }
 
+    fn numa_nodes(&self) -> usize {
+        if os::online_numa_nodes() > 1 {
+            os::numa_node_bound()
+        } else {
+            1
+        }
+    }
+
+    fn numa_node(&self) -> usize {
+        let node = if os::online_numa_nodes() > 1 {
+            self.target_node().map_or(0, |node| node as usize)
+        } else {
+            0
+        };
+        node.min(self.numa_nodes() - 1)
+    }
+
     unsafe fn deallocate(&self, allocation: Allocation) {
         let ptr = allocation.ptr();
         let unregistered = match chunked::remove(ptr.as_ptr() as usize) {

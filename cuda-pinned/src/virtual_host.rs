@@ -296,6 +296,14 @@ unsafe impl PinnedAllocator for VirtualHost {
         ))
     }
 
+    fn numa_nodes(&self) -> usize {
+        os::numa_node_bound()
+    }
+
+    fn numa_node(&self) -> usize {
+        (self.target_node() as usize).min(self.numa_nodes() - 1)
+    }
+
     unsafe fn deallocate(&self, allocation: Allocation) {
         // SAFETY: mapped by `allocate` (and growth) over exactly `bytes`; unused, per the
         // caller. The tag holds the reserved room, given back once nothing is mapped in it.

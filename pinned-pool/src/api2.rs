@@ -35,13 +35,13 @@ unsafe impl<B: PinnedAllocator, C: Completion + From<PendingUses>> Allocator for
         if layout.size() == 0 {
             return;
         }
-        let Some((class, size)) = class_of(layout.size()) else {
+        let Some((_, size)) = class_of(layout.size()) else {
             return;
         };
-        let Some(kind) = self.block_kind(ptr) else {
+        let Some((kind, slot)) = self.block_kind(ptr) else {
             return;
         };
-        let allocation = Allocation::new(ptr, size, kind, class);
+        let allocation = Allocation::new(ptr, size, kind, slot);
         // SAFETY: the caller guarantees `ptr` came from `allocate` with a fitting layout and
         // is unused; allocator-api2 containers record no device work.
         unsafe { self.free_raw(allocation) };

@@ -10,7 +10,7 @@ use std::time::Instant;
 use cuda_pinned::{Allocation, MemoryKind};
 
 use crate::barrier::Barrier;
-use crate::size_class::{CLASSES, class_size};
+use crate::size_class::{class_size, slots};
 use crate::sync::{AtomicBool, AtomicI64, AtomicU64, Ordering, spin};
 
 /// An idle block of a class known from the list holding it and, when the pool releases idle
@@ -36,7 +36,7 @@ impl Cached {
         }
     }
 
-    /// The block as handed out: class size, class index as the tag.
+    /// The block as handed out: class size, slot (class on a NUMA node) as the tag.
     #[inline]
     pub(crate) fn into_allocation(self, class: usize) -> Allocation {
         Allocation::new(self.ptr, class_size(class), self.kind, class)
@@ -116,12 +116,14 @@ const MAGAZINE_BLOCKS: usize = 16;
 /// Most bytes of one class a thread keeps, unless that is less than one block.
 const MAGAZINE_BYTES: usize = 1 << 20;
 
-/// Bytes of the idle blocks in `lists` (indexed by class).
+/// Bytes of the idle blocks in `lists` (indexed by slot; slots between two nodes' classes
+/// stay empty).
 pub(crate) fn idle_bytes(lists: &[Vec<Cached>]) -> u64 {
     lists
         .iter()
         .enumerate()
-        .map(|(class, list)| (list.len() * class_size(class)) as u64)
+        .filter(|(_, list)| !list.is_empty())
+        .map(|(slot, list)| (list.len() * class_size(slot)) as u64)
         .sum()
 }
 
@@ -209,9 +211,10 @@ pub(crate) struct Local {
 unsafe impl Sync for Local {}
 
 impl Local {
-    /// A new cache starts paused: its first use takes the pool's lock, so a pauser that ran
-    /// while it was being created can never race with it.
-    pub(crate) fn new() -> Self {
+    /// A new cache, with a stack per slot of `nodes` NUMA nodes, starts paused: its first use
+    /// takes the pool's lock, so a pauser that ran while it was being created can never race
+    /// with it.
+    pub(crate) fn new(nodes: usize) -> Self {
         Self {
             busy: AtomicBool::new(false),
             paused: AtomicBool::new(true),
@@ -220,7 +223,7 @@ impl Local {
             wanted_bytes: AtomicI64::new(0),
             counters: Counters::default(),
             data: UnsafeCell::new(LocalData {
-                magazine: (0..CLASSES).map(|_| Vec::new()).collect(),
+                magazine: (0..slots(nodes)).map(|_| Vec::new()).collect(),
                 keep: Amount::default(),
             }),
         }
@@ -451,7 +454,7 @@ mod loom_model {
     fn loom_pause_and_owner_never_overlap() {
         loom::model(|| {
             let barrier = Barrier::fences();
-            let local = Arc::new(Local::new());
+            let local = Arc::new(Local::new(1));
             // Let out of its initial pause, as the owner's first (locked) use does.
             local.resume();
             let data = Arc::new(Witness::new(0u32));

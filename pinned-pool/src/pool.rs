@@ -19,7 +19,7 @@ use crate::completion::Completion;
 use crate::config::{ConfigError, PoolConfig};
 use crate::local::{Amount, Cached, Counted, Local, LocalData, idle_bytes, magazine_has_room};
 use crate::reserve::Reserve;
-use crate::size_class::{CLASSES, PAGE, class_of, class_size};
+use crate::size_class::{CLASSES, MAX_NODES, PAGE, SLOT_STRIDE, class_of, class_size, slots};
 use crate::stats::{DurationStat, PoolStats, Stat};
 use crate::threads::PerThread;
 
@@ -59,8 +59,12 @@ pub struct Pool<B: PinnedAllocator = DefaultPinned, C: Completion = PendingUses>
     central: Mutex<Central>,
     /// Blocks given back while device work may still use them.
     pending: Mutex<Vec<(Allocation, C)>>,
-    /// Every block pinned from the backend, by address, as the backend described it.
-    blocks: Mutex<HashMap<usize, Allocation>>,
+    /// Every block pinned from the backend, by address, as the backend described it, with
+    /// the slot it serves.
+    blocks: Mutex<HashMap<usize, (Allocation, usize)>>,
+    /// NUMA nodes whose blocks are kept apart (the backend's, at most `MAX_NODES`): the lists
+    /// are indexed by slot, a class on a node.
+    nodes: usize,
     /// Class-size bytes of all blocks pinned (in use, pending, idle, or pinned ahead by the
     /// reserve thread, which counts them too), for the pinned cap.
     reserved: Arc<AtomicUsize>,
@@ -91,9 +95,9 @@ struct Central {
 }
 
 impl Central {
-    fn new() -> Self {
+    fn new(nodes: usize) -> Self {
         Self {
-            depot: (0..CLASSES).map(|_| Vec::new()).collect(),
+            depot: (0..slots(nodes)).map(|_| Vec::new()).collect(),
             peak: Amount::default(),
             allocations: Stat::default(),
             allocated_bytes: Stat::default(),
@@ -208,15 +212,17 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// A pool pinning new memory from `backend` and told by completions of type `C` when
     /// freed blocks' device work has finished (`Pool::<_, MyCompletion>::with_completion`).
     pub fn with_completion(backend: B, config: PoolConfig) -> Self {
+        let nodes = backend.numa_nodes().clamp(1, MAX_NODES);
         Self {
             backend,
             config,
             barrier: Barrier::new(),
             locals: PerThread::new(),
-            shared: Local::new(),
-            central: Mutex::new(Central::new()),
+            shared: Local::new(nodes),
+            central: Mutex::new(Central::new(nodes)),
             pending: Mutex::new(Vec::new()),
             blocks: Mutex::new(HashMap::new()),
+            nodes,
             reserved: Arc::new(AtomicUsize::new(0)),
             ahead: OnceLock::new(),
             reserve_start_error: Mutex::new(None),
@@ -247,7 +253,18 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// are being destroyed (it is then served by the shared cache, under the lock).
     #[inline]
     fn local(&self) -> Option<&Local> {
-        self.locals.get_or(Local::new)
+        self.locals.get_or(|| Local::new(self.nodes))
+    }
+
+    /// The first slot of the NUMA node the backend would place new memory on now: blocks
+    /// are reused only for requests on their own node. Free with one node.
+    #[inline(always)]
+    fn node_slots(&self) -> usize {
+        if self.nodes == 1 {
+            0
+        } else {
+            self.backend.numa_node() % self.nodes * SLOT_STRIDE
+        }
     }
 
     /// Every cache: each thread's and the shared one.
@@ -282,7 +299,8 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     }
 
     /// A block of at least `bytes` bytes. Its [`Allocation::bytes`] is the class size and its
-    /// tag the class index; give it back with [`free_raw`](Self::free_raw) or
+    /// tag the pool's own (the class, on the NUMA node the backend places memory on for this
+    /// thread now); give it back with [`free_raw`](Self::free_raw) or
     /// [`free_raw_after`](Self::free_raw_after).
     ///
     /// # Errors
@@ -295,6 +313,8 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         let Some((class, size)) = class_of(bytes) else {
             return Err(Error::CapacityOverflow);
         };
+        // From here on `class` is a slot: the class on the node new memory would go to.
+        let class = class + self.node_slots();
         let local = self.local();
         if let Some(local) = local
             && let Some(mut data) = local.enter(self.barrier)
@@ -524,7 +544,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         let bytes = block.bytes() as u64;
         self.blocks
             .lock()
-            .insert(block.ptr().as_ptr() as usize, block);
+            .insert(block.ptr().as_ptr() as usize, (block, class));
         let mut central = self.central.lock();
         raise(&mut central.allocations, 1);
         raise(&mut central.allocated_bytes, bytes);
@@ -767,7 +787,8 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// device work has finished) takes a ready block instead of waiting for the driver. Call
     /// it again to change the count: ready blocks past it are released (0 releases them all).
     /// The thread starts on the first call, with that caller's current device (so memory is
-    /// placed near it), and is stopped and joined when the pool drops;
+    /// placed near it, and serves allocations on that device's NUMA node), and is stopped and
+    /// joined when the pool drops;
     /// blocks pinned ahead count against `max_pinned_bytes`, are released with the pool, and
     /// not by [`empty_cache`](Self::empty_cache). They enter `allocations` and
     /// `allocated_bytes` when an allocation takes them; until then they are
@@ -802,6 +823,9 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             None => {
                 let started = Reserve::start(
                     self.backend.clone(),
+                    slots(self.nodes),
+                    // The thread pins with this caller's device, so for its node.
+                    self.node_slots(),
                     self.reserved.clone(),
                     self.config.max_pinned_bytes,
                 )
@@ -815,6 +839,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
                 self.ahead.get().expect("set above")
             }
         };
+        let class = class + ahead.slot_base;
         for block in ahead.set_target(class, blocks) {
             self.reserved
                 .fetch_sub(class_size(class), Ordering::Relaxed);
@@ -876,15 +901,19 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             let cached = holders.iter().map(|lists| idle_bytes(lists)).sum();
             let mut excess = excess_of(cached);
             let mut victims = Vec::new();
-            for class in (0..CLASSES).rev() {
-                let size = class_size(class) as u64;
+            // Largest class first, on every node.
+            let slots = (0..CLASSES)
+                .rev()
+                .flat_map(|class| (0..self.nodes).map(move |node| node * SLOT_STRIDE + class));
+            for slot in slots {
+                let size = class_size(slot) as u64;
                 for lists in holders.iter_mut() {
                     while excess > 0 {
-                        let Some(cached) = lists[class].pop() else {
+                        let Some(cached) = lists[slot].pop() else {
                             break;
                         };
                         excess = excess.saturating_sub(size);
-                        victims.push(cached.into_allocation(class));
+                        victims.push(cached.into_allocation(slot));
                     }
                 }
             }
@@ -940,7 +969,8 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// Gives blocks back to the backend; takes no pool lock during the backend calls.
     fn release(&self, victims: Vec<Allocation>) {
         for handed in victims {
-            let Some(block) = self.blocks.lock().remove(&(handed.ptr().as_ptr() as usize)) else {
+            let Some((block, _)) = self.blocks.lock().remove(&(handed.ptr().as_ptr() as usize))
+            else {
                 continue;
             };
             let bytes = block.bytes() as u64;
@@ -958,12 +988,15 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         }
     }
 
-    /// The kind of the block at `ptr`, if the pool pinned it.
-    pub(crate) fn block_kind(&self, ptr: std::ptr::NonNull<u8>) -> Option<cuda_pinned::MemoryKind> {
+    /// The kind and slot of the block at `ptr`, if the pool pinned it.
+    pub(crate) fn block_kind(
+        &self,
+        ptr: std::ptr::NonNull<u8>,
+    ) -> Option<(cuda_pinned::MemoryKind, usize)> {
         self.blocks
             .lock()
             .get(&(ptr.as_ptr() as usize))
-            .map(Allocation::kind)
+            .map(|(block, slot)| (block.kind(), *slot))
     }
 
     /// A snapshot of the statistics, exact: every thread cache is paused while it is read,

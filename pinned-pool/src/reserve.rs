@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 use cuda_pinned::{Allocation, Error, PinnedAllocator};
 use parking_lot::{Condvar, Mutex};
 
-use crate::size_class::{CLASSES, PAGE, class_size};
+use crate::size_class::{PAGE, class_size};
 
 /// What the reserve thread and the pool share.
 pub(crate) struct Shared {
@@ -42,6 +42,8 @@ struct State {
 /// [`Reserve::drain`] first.
 pub(crate) struct Reserve {
     pub(crate) shared: Arc<Shared>,
+    /// The first slot of the NUMA node the thread pins on (its device's, fixed at start).
+    pub(crate) slot_base: usize,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -50,6 +52,8 @@ impl Reserve {
     /// within `limit` before pinning it.
     pub(crate) fn start<B>(
         backend: B,
+        slots: usize,
+        slot_base: usize,
         pinned: Arc<AtomicUsize>,
         limit: Option<usize>,
     ) -> std::io::Result<Self>
@@ -58,11 +62,11 @@ impl Reserve {
     {
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
-                target: vec![0; CLASSES],
-                ready: (0..CLASSES).map(|_| Vec::new()).collect(),
+                target: vec![0; slots],
+                ready: (0..slots).map(|_| Vec::new()).collect(),
                 error: None,
                 failures: 0,
-                stalled: vec![false; CLASSES],
+                stalled: vec![false; slots],
                 stop: false,
                 sleeping: false,
             }),
@@ -92,6 +96,7 @@ impl Reserve {
         };
         Ok(Self {
             shared,
+            slot_base,
             thread: Some(thread),
         })
     }
@@ -179,7 +184,7 @@ impl Shared {
                     if state.stop {
                         return;
                     }
-                    let short = (0..CLASSES).find(|&class| {
+                    let short = (0..state.target.len()).find(|&class| {
                         !state.stalled[class] && state.ready[class].len() < state.target[class]
                     });
                     match short {

@@ -13,6 +13,18 @@ pub(crate) const MAX_CLASS_BYTES: usize = 1 << 47;
 /// Number of classes.
 pub(crate) const CLASSES: usize = STEPS + STEPS * (47 - 15);
 
+/// A slot is a class on one NUMA node: `node × SLOT_STRIDE + class`. The stride is a power of
+/// two, so a slot's class is one mask away; lists indexed by slot hold [`slots`] entries.
+pub(crate) const SLOT_STRIDE: usize = 512;
+const _: () = assert!(CLASSES <= SLOT_STRIDE && SLOT_STRIDE.is_power_of_two());
+/// Nodes kept apart at most; nodes past it share slots (node numbers modulo this).
+pub(crate) const MAX_NODES: usize = 16;
+
+/// The slots for `nodes` nodes (1 to [`MAX_NODES`]): exactly the classes for one.
+pub(crate) const fn slots(nodes: usize) -> usize {
+    (nodes - 1) * SLOT_STRIDE + CLASSES
+}
+
 /// The class of a request of `bytes` (> 0): `(index, class size)`; `None` above the largest.
 #[inline]
 pub(crate) fn class_of(bytes: usize) -> Option<(usize, usize)> {
@@ -31,9 +43,10 @@ pub(crate) fn class_of(bytes: usize) -> Option<(usize, usize)> {
     Some((STEPS + (k - 15) * STEPS + steps - 9, steps << shift))
 }
 
-/// The size of class `index`.
+/// The size of class `index` (or of the class of slot `index`).
 #[inline]
 pub(crate) fn class_size(index: usize) -> usize {
+    let index = index & (SLOT_STRIDE - 1);
     if index < STEPS {
         return (index + 1) * PAGE;
     }

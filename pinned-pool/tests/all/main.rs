@@ -7,6 +7,7 @@ mod config;
 mod faults;
 mod gpu;
 mod model;
+mod numa;
 mod reserve;
 mod soundness;
 mod waste;
