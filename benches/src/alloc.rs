@@ -433,6 +433,14 @@ unsafe impl<A: PinnedAllocator> PinnedAllocator for Counted<A> {
         }
         Ok(grown)
     }
+
+    fn numa_nodes(&self) -> usize {
+        self.allocator.numa_nodes()
+    }
+
+    fn numa_node(&self) -> usize {
+        self.allocator.numa_node()
+    }
 }
 
 /// Kinds a vector is grown in, a pageable `Vec` first as the reference.

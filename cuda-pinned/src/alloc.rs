@@ -502,6 +502,11 @@ unsafe impl PinnedAllocator for DefaultPinned {
     }
 
     fn numa_nodes(&self) -> usize {
+        // Answered without choosing the backend (which starts CUDA) where there is one node:
+        // a pool asks when it is made, perhaps before a fork.
+        if crate::os::online_numa_nodes() <= 1 {
+            return 1;
+        }
         match backend() {
             Backend::Registered(a) => a.numa_nodes(),
             _ => 1,

@@ -119,12 +119,16 @@ impl PoolConfig {
 
     /// Keeps `blocks` blocks of `block_bytes` pinned ahead of need by the pool's reserve thread
     /// (see [`Pool::reserve`](crate::Pool::reserve)), like PyTorch's
-    /// `pinned_reserve_segment_size_mb`; give it once per size. Pools made by
+    /// `pinned_reserve_segment_size_mb`; give it once per size class (a later size of the
+    /// same class replaces an earlier one). Pools made by
     /// [`Pool::with_config`](crate::Pool::with_config) and
     /// [`Pool::from_env`](crate::Pool::from_env) start it at once; others when
     /// [`Pool::start_configured_reserve`](crate::Pool::start_configured_reserve) is called.
     pub fn reserve(mut self, block_bytes: usize, blocks: usize) -> Self {
-        self.reserve.retain(|&(bytes, _)| bytes != block_bytes);
+        // One entry per size class: a later size of the same class replaces an earlier one.
+        let class = |bytes| crate::size_class::class_of(bytes).map(|(class, _)| class);
+        self.reserve
+            .retain(|&(bytes, _)| bytes != block_bytes && class(bytes) != class(block_bytes));
         self.reserve.push((block_bytes, blocks));
         self
     }
@@ -188,7 +192,7 @@ impl PoolConfig {
                         .parse::<usize>()
                         .ok()
                         .and_then(|mib| mib.checked_mul(1 << 20))
-                        .filter(|&bytes| crate::size_class::class_of(bytes).is_some())
+                        .filter(|&bytes| bytes > 0 && crate::size_class::class_of(bytes).is_some())
                         .ok_or_else(bad)?;
                     let blocks = count.trim().parse::<usize>().map_err(|_| bad())?;
                     config = config.reserve(bytes, blocks);

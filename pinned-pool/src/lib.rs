@@ -43,11 +43,12 @@
 //! pre-fault, `cudaHostRegister`: about 50 ms per GiB against `cudaHostAlloc`'s 0.5 s) with
 //! CUDA, and `mlock`ed memory without, so the pool works the same on CPU-only machines.
 //!
-//! *NUMA nodes.* On a machine with several nodes the backend places new memory on the node
-//! nearest the calling thread's device, and the pool keeps each node's blocks apart: a block
-//! is reused only for a request on its own node (PyTorch's reuses any block anywhere). A freed
-//! block goes back to its node's lists whichever thread frees it. On one node nothing
-//! changes, and asking the node costs nothing. Up to 16 nodes are kept apart.
+//! *NUMA nodes.* On a machine with several nodes, `Registered` (the default backend) and
+//! `VirtualHost` place new memory on the node nearest the calling thread's device, and the
+//! pool keeps each node's blocks apart: a block is reused only for a request on its own node
+//! (PyTorch's reuses any block anywhere). A freed block goes back to its node's lists
+//! whichever thread frees it. On one node the pool never asks, and its lists are as they
+//! were. Nodes numbered below 16 are kept apart; higher numbers share lists (modulo 16).
 //!
 //! *Stream safety.* A buffer dropped while device work may still use it (a copy in flight, a
 //! recorded stream) arrives through `deallocate_after` with an event per stream, recorded at

@@ -787,8 +787,9 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// device work has finished) takes a ready block instead of waiting for the driver. Call
     /// it again to change the count: ready blocks past it are released (0 releases them all).
     /// The thread starts on the first call, with that caller's current device (so memory is
-    /// placed near it, and serves allocations on that device's NUMA node), and is stopped and
-    /// joined when the pool drops;
+    /// placed near it), and is stopped and joined when the pool drops; on a machine with
+    /// several NUMA nodes its blocks serve allocations on that device's node only, whichever
+    /// thread calls later;
     /// blocks pinned ahead count against `max_pinned_bytes`, are released with the pool, and
     /// not by [`empty_cache`](Self::empty_cache). They enter `allocations` and
     /// `allocated_bytes` when an allocation takes them; until then they are
@@ -823,9 +824,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             None => {
                 let started = Reserve::start(
                     self.backend.clone(),
-                    slots(self.nodes),
-                    // The thread pins with this caller's device, so for its node.
-                    self.node_slots(),
+                    self.nodes,
                     self.reserved.clone(),
                     self.config.max_pinned_bytes,
                 )
@@ -1197,5 +1196,13 @@ unsafe impl<B: PinnedAllocator, C: Completion + From<PendingUses>> PinnedAllocat
     unsafe fn deallocate_after(&self, allocation: Allocation, pending: PendingUses) {
         // SAFETY: forwarded from the caller; `pending` covers the device work.
         unsafe { self.free_raw_after(allocation, C::from(pending)) }
+    }
+
+    fn numa_nodes(&self) -> usize {
+        self.nodes
+    }
+
+    fn numa_node(&self) -> usize {
+        self.node_slots() / SLOT_STRIDE
     }
 }

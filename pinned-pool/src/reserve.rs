@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 use cuda_pinned::{Allocation, Error, PinnedAllocator};
 use parking_lot::{Condvar, Mutex};
 
-use crate::size_class::{PAGE, class_size};
+use crate::size_class::{PAGE, SLOT_STRIDE, class_size, slots};
 
 /// What the reserve thread and the pool share.
 pub(crate) struct Shared {
@@ -42,7 +42,7 @@ struct State {
 /// [`Reserve::drain`] first.
 pub(crate) struct Reserve {
     pub(crate) shared: Arc<Shared>,
-    /// The first slot of the NUMA node the thread pins on (its device's, fixed at start).
+    /// The first slot of the NUMA node the thread pins on (as its backend said at start).
     pub(crate) slot_base: usize,
     thread: Option<JoinHandle<()>>,
 }
@@ -52,14 +52,14 @@ impl Reserve {
     /// within `limit` before pinning it.
     pub(crate) fn start<B>(
         backend: B,
-        slots: usize,
-        slot_base: usize,
+        nodes: usize,
         pinned: Arc<AtomicUsize>,
         limit: Option<usize>,
     ) -> std::io::Result<Self>
     where
         B: PinnedAllocator + Send + 'static,
     {
+        let slots = slots(nodes);
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 target: vec![0; slots],
@@ -82,21 +82,33 @@ impl Reserve {
             .then(cuda_pinned::Device::current)
             .and_then(Result::ok)
             .filter(|device| device.ordinal() != 0);
+        // The thread says which node it pins on: its blocks serve that node's requests.
+        let (node_sender, node) = std::sync::mpsc::channel();
         let thread = {
             let shared = shared.clone();
             std::thread::Builder::new()
                 .name("pinned-pool-reserve".into())
                 .spawn(move || {
                     if let Some(device) = device {
-                        // Without it the memory goes near device 0: slower, still correct.
+                        // Should this fail, the thread pins near device 0 and says so below.
                         let _ = device.set_current();
                     }
-                    shared.run(&backend, &pinned, limit)
+                    let node = if nodes > 1 {
+                        backend.numa_node() % nodes
+                    } else {
+                        0
+                    };
+                    if node_sender.send(node).is_ok() {
+                        shared.run(&backend, &pinned, limit);
+                    }
                 })?
         };
+        let node = node
+            .recv()
+            .map_err(|_| std::io::Error::other("the reserve thread ended before it started"))?;
         Ok(Self {
             shared,
-            slot_base,
+            slot_base: node * SLOT_STRIDE,
             thread: Some(thread),
         })
     }

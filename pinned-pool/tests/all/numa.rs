@@ -147,3 +147,38 @@ proptest! {
         prop_assert_eq!(backend.heap.live(), 0);
     }
 }
+
+#[test]
+fn blocks_pinned_ahead_serve_only_the_node_they_are_on() {
+    let backend = TwoNodes::default();
+    let pool = Pool::with_backend(backend.clone(), PoolConfig::new());
+    // The reserve thread pins on its own node (here node 0: the pretend node is per thread,
+    // as a device is), whichever node the caller is on.
+    NODE.set(1);
+    pool.reserve(1 << 20, 1).unwrap();
+    let start = std::time::Instant::now();
+    while pool.stats().reserve_ready_bytes != 1 << 20 {
+        assert!(start.elapsed().as_secs() < 60, "nothing pinned ahead");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let on_one = pool.with_capacity(1 << 20).unwrap();
+    assert_eq!(backend.node_of(on_one.as_ptr()), 1);
+    NODE.set(0);
+    let on_zero = pool.with_capacity(1 << 20).unwrap();
+    assert_eq!(backend.node_of(on_zero.as_ptr()), 0);
+}
+
+#[test]
+fn a_pool_over_a_pool_keeps_nodes_apart_too() {
+    let backend = TwoNodes::default();
+    let inner = Arc::new(Pool::with_backend(backend.clone(), PoolConfig::new()));
+    let outer = Pool::with_backend(inner, PoolConfig::new());
+    NODE.set(1);
+    let on_one = outer.with_capacity(4096).unwrap();
+    let address = on_one.as_ptr();
+    drop(on_one);
+    NODE.set(0);
+    let on_zero = outer.with_capacity(4096).unwrap();
+    assert_ne!(on_zero.as_ptr(), address, "node 1's block served node 0");
+    assert_eq!(backend.node_of(on_zero.as_ptr()), 0);
+}
