@@ -135,9 +135,7 @@ pub fn run(quick: bool, cuda: bool, progress: &mut Progress) -> Vec<Section> {
             let measured = match kind {
                 "cudaHostAlloc" if cuda => direct(&CudaHost::new(), bytes, reps),
                 "registered" if cuda => direct(&Registered::new(), bytes, reps),
-                CHUNKS_32 if cuda => {
-                    direct(&Registered::new().register_in_chunks(32 << 20), bytes, reps)
-                }
+                CHUNKS_32 if cuda => direct(&chunks(32, None), bytes, reps),
                 VIRTUAL if cuda => direct(&VirtualHost::new(), bytes, reps),
                 "cudaHostAlloc" | "registered" | CHUNKS_32 | VIRTUAL => continue,
                 "mlock" => direct(&HostLocked, bytes, reps),
@@ -321,38 +319,12 @@ fn measure_stall(kind: &str) -> Result<(Duration, Vec<Duration>)> {
         let pinned = match kind {
             "cudaHostAlloc" => Some(CudaHost::new().allocate(layout)),
             "registered" => Some(Registered::new().allocate(layout)),
-            CHUNKS_16 => Some(
-                Registered::new()
-                    .register_in_chunks(16 << 20)
-                    .allocate(layout),
-            ),
-            CHUNKS_32 => Some(
-                Registered::new()
-                    .register_in_chunks(32 << 20)
-                    .allocate(layout),
-            ),
-            CHUNKS_8 => Some(
-                Registered::new()
-                    .register_in_chunks(8 << 20)
-                    .allocate(layout),
-            ),
-            CHUNKS_64 => Some(
-                Registered::new()
-                    .register_in_chunks(64 << 20)
-                    .allocate(layout),
-            ),
-            CHUNKS_16_8 => Some(
-                Registered::new()
-                    .register_in_chunks(16 << 20)
-                    .prefault_threads(8)
-                    .allocate(layout),
-            ),
-            CHUNKS_32_8 => Some(
-                Registered::new()
-                    .register_in_chunks(32 << 20)
-                    .prefault_threads(8)
-                    .allocate(layout),
-            ),
+            CHUNKS_8 => Some(chunks(8, None).allocate(layout)),
+            CHUNKS_16 => Some(chunks(16, None).allocate(layout)),
+            CHUNKS_32 => Some(chunks(32, None).allocate(layout)),
+            CHUNKS_64 => Some(chunks(64, None).allocate(layout)),
+            CHUNKS_16_8 => Some(chunks(16, Some(8)).allocate(layout)),
+            CHUNKS_32_8 => Some(chunks(32, Some(8)).allocate(layout)),
             VIRTUAL => Some(VirtualHost::new().allocate(layout)),
             RESERVE_8 => grow_in_background(&pool, 8 << 20, 128).err().map(Err),
             RESERVE_16 => grow_in_background(&pool, 16 << 20, 64).err().map(Err),
@@ -382,6 +354,16 @@ fn measure_stall(kind: &str) -> Result<(Duration, Vec<Duration>)> {
             .collect();
         Ok((end - begin, during))
     })
+}
+
+/// Registration in chunks of `mib` MiB, faulted by `threads` threads (the default crew when
+/// `None`).
+fn chunks(mib: usize, threads: Option<usize>) -> Registered {
+    let registered = Registered::new().register_in_chunks(mib << 20);
+    match threads {
+        Some(threads) => registered.prefault_threads(threads),
+        None => registered,
+    }
 }
 
 /// Gives `allocation` back to the allocator of its kind.

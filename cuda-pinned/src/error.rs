@@ -82,15 +82,19 @@ impl fmt::Debug for CudaError {
 
 impl fmt::Display for CudaError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} failed: {} ({}): {}",
-            self.call,
-            self.name(),
-            self.code.0,
-            self.description()
-        )
+        failure(f, self.call, self.name(), self.code.0, self.description())
     }
+}
+
+/// `call failed: NAME (code): description`, for runtime and driver errors alike.
+fn failure(
+    f: &mut fmt::Formatter<'_>,
+    call: &str,
+    name: &str,
+    code: u32,
+    description: &str,
+) -> fmt::Result {
+    write!(f, "{call} failed: {name} ({code}): {description}")
 }
 
 impl std::error::Error for CudaError {}
@@ -164,14 +168,7 @@ impl fmt::Debug for DriverError {
 
 impl fmt::Display for DriverError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} failed: {} ({}): {}",
-            self.call,
-            self.name(),
-            self.code.0,
-            self.description()
-        )
+        failure(f, self.call, self.name(), self.code.0, self.description())
     }
 }
 

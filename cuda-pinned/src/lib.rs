@@ -80,7 +80,7 @@
 //! allocation time sees the memory as page-locked), and [`VirtualHost`] opens each chunk to
 //! every device that supports it. No device knows [`HostLocked`] memory: copies from it are
 //! staged like pageable ones. Measured on an H100 host, getting 1 GiB takes 0.4–0.6 s with
-//! `cudaHostAlloc`, 40–55 ms registered, 0.28–0.34 s as [`VirtualHost`]; copies from all
+//! `cudaHostAlloc`, 40–55 ms registered, 0.24–0.30 s as [`VirtualHost`]; copies from all
 //! three run at 99–100% of the link's speed from 16 MiB up.
 //!
 //! They also implement allocator-api2's `Allocator`, so `allocator_api2::vec::Vec<T, _>` and

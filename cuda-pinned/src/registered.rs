@@ -183,7 +183,8 @@ impl Registered {
 
     /// Faults in and registers `ptr..ptr + bytes` in chunks of `chunk` bytes, the crew of
     /// threads faulting chunk k + 1 while this thread registers chunk k. On failure every
-    /// chunk registered here is unregistered again.
+    /// chunk registered here is unregistered again; the flag with the error says whether
+    /// that worked (if not, the mapping must be leaked, not unmapped).
     ///
     /// # Safety
     ///
@@ -195,7 +196,7 @@ impl Registered {
         bytes: usize,
         chunk: usize,
         huge: bool,
-    ) -> Result<()> {
+    ) -> Result<(), (Error, bool)> {
         let chunks = bytes.div_ceil(chunk);
         // Two cores stay free: one for this thread's registrations, one for the rest of the
         // program, whose copies would otherwise wait for a time slice.
@@ -292,11 +293,11 @@ impl Registered {
             result.map_err(|e| (e, registered))
         });
         registered.map_err(|(error, registered)| {
-            for k in 0..registered {
+            let clean = (0..registered).fold(true, |clean, k| {
                 // SAFETY: registered above, never handed out.
-                let _ = unsafe { ffi::host_unregister(ptr.add(k * chunk)) };
-            }
-            error
+                clean & unsafe { ffi::host_unregister(ptr.add(k * chunk)) }.is_ok()
+            });
+            (error, clean)
         })
     }
 }
@@ -334,11 +335,15 @@ unsafe impl PinnedAllocator for Registered {
                 unsafe { os::prefault(ptr, bytes, self.prefault_threads) };
                 // SAFETY: the mapping stays until `deallocate` unregisters it first.
                 unsafe { ffi::host_register(ptr, bytes, self.flags.bits()) }
+                    .map_err(|error| (error, true))
             }
         };
-        if let Err(error) = registered {
-            // SAFETY: nothing of it is registered any more, and it was never handed out.
-            unsafe { os::unmap(ptr, bytes) };
+        if let Err((error, clean)) = registered {
+            if clean {
+                // SAFETY: nothing of it is registered any more, and it was never handed out.
+                unsafe { os::unmap(ptr, bytes) };
+            }
+            // Otherwise the driver may still hold pages of it: the mapping is leaked.
             return Err(error);
         }
         Ok(Allocation::new(ptr, bytes, MemoryKind::Registered, 0))

@@ -15,8 +15,8 @@ use crate::{Device, ffi, os};
 ///
 /// - **Never stalls other threads.** Each chunk is created and mapped on its own, so the
 ///   driver's lock is held for one chunk at a time; on an H100 host another thread's small
-///   copy waited at most 0.05–0.4 ms while 1 GiB was created (one `cudaHostRegister` of
-///   1 GiB holds it 25–35 ms, a `cudaHostAlloc` 350–520 ms).
+///   copy waited at most 0.05–0.2 ms while 1 GiB was created (one `cudaHostRegister` of
+///   1 GiB held it 20–46 ms, a `cudaHostAlloc` 370–550 ms).
 /// - **Grows in place.** A [`PinnedVec`](crate::PinnedVec) of this kind grows by mapping more
 ///   chunks after its end: no copy, and the address stays. Each block reserves address space
 ///   to grow into (8× its size or 1 GiB, whichever is more: reserving takes microseconds and
@@ -24,11 +24,11 @@ use crate::{Device, ffi, os};
 ///   ranges); past it, growth falls back to a new block and a copy. A pool, whose blocks
 ///   never grow, should use [`fixed_size`](Self::fixed_size).
 /// - **On the GPU's NUMA node.** The memory goes on the node nearest the current device
-///   (CUDA's `HostNumaId`), or on [`node`](Self::node).
+///   (CUDA's `HostNumaId`, else the kernel's), or on [`node`](Self::node).
 /// - **One buffer, one copy.** A copy may span any number of chunks at full speed; every
 ///   device of the process that supports this kind can copy to and from it.
 ///
-/// The cost: creating it is slower than registration (about 0.28–0.34 s per GiB against
+/// The cost: creating it is slower than registration (about 0.24–0.30 s per GiB against
 /// 0.04–0.05 s), and sizes round up to the driver's granularity (2 MiB on x86-64 hosts; a
 /// pool over this kind pins 2 MiB for each block of a smaller class, though its
 /// `max_pinned_bytes` counts the class size). So [`DefaultPinned`](crate::DefaultPinned)
