@@ -15,7 +15,7 @@ use crate::{Device, ffi, os};
 ///
 /// - **Never stalls other threads.** Each chunk is created and mapped on its own, so the
 ///   driver's lock is held for one chunk at a time; on an H100 host another thread's small
-///   copy waited at most 0.05–0.2 ms while 1 GiB was created (one `cudaHostRegister` of
+///   copy waited at most 0.05–0.3 ms while 1 GiB was created (one `cudaHostRegister` of
 ///   1 GiB held it 20–46 ms, a `cudaHostAlloc` 370–550 ms).
 /// - **Grows in place.** A [`PinnedVec`](crate::PinnedVec) of this kind grows by mapping more
 ///   chunks after its end: no copy, and the address stays. Each block reserves address space

@@ -116,7 +116,7 @@
 //! against 20–31 ms for one 1 GiB registration). Over host memory from CUDA's
 //! virtual-memory API (`Pool::with_backend(VirtualHost::new().fixed_size(), ..)`), which takes the driver's
 //! lock one chunk at a time, the worst concurrent copy while the pool grew by 1 GiB was
-//! 0.04–0.46 ms in eight runs; that memory costs 0.24–0.30 s per GiB to create, which the
+//! 0.04–0.46 ms in eleven runs; that memory costs 0.24–0.30 s per GiB to create, which the
 //! background thread pays.
 //!
 //! *Failure.* A block whose device work cannot be known (a CUDA error) is never reused and,
