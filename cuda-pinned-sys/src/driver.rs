@@ -9,7 +9,9 @@ use std::sync::OnceLock;
 use crate::{Cudart, LoadError, cudaDriverEntryPointQueryResult, cudaError, cudart};
 
 /// The CUDA version whose prototypes the bindings describe, as the entry-point query takes it
-/// (major × 1000 + minor × 10): the driver returns the function as of that version.
+/// (major × 1000 + minor × 10): the driver returns the function as of that version. Every
+/// bound function has the prototype of the 13.0 header since 12.0; a function that changed
+/// later needs this raised (and drivers older than the change refuse it).
 const ABI_VERSION: u32 = 12_000;
 
 pub use crate::driver_bindings::*;
