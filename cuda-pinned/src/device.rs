@@ -215,6 +215,12 @@ impl Device {
         }
     }
 
+    /// The host NUMA node nearest the calling thread's current device; `None` without CUDA
+    /// or where neither CUDA nor the kernel says.
+    pub(crate) fn current_numa_node() -> Option<u32> {
+        Self::current().ok()?.nearest_numa_node()
+    }
+
     fn flag(self, attribute: cudaDeviceAttr) -> Result<bool> {
         ffi::device_attribute(attribute, self.ordinal).map(|v| v != 0)
     }

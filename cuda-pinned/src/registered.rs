@@ -176,7 +176,7 @@ impl Registered {
     fn target_node(&self) -> Option<u32> {
         self.node.or_else(|| {
             (os::online_numa_nodes() > 1)
-                .then(|| Device::current().ok()?.nearest_numa_node())
+                .then(Device::current_numa_node)
                 .flatten()
         })
     }

@@ -205,12 +205,7 @@ impl VirtualHost {
 
     /// The host NUMA node new memory goes on.
     fn target_node(&self) -> u32 {
-        self.node.unwrap_or_else(|| {
-            Device::current()
-                .ok()
-                .and_then(Device::nearest_numa_node)
-                .unwrap_or(0)
-        })
+        self.node.or_else(Device::current_numa_node).unwrap_or(0)
     }
 
     /// Creates and maps `bytes` at `at`, chunk by chunk, then touches the pages; on failure

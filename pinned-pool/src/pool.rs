@@ -789,9 +789,8 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// The thread starts on the first call, with that caller's current device (so memory is
     /// placed near it), and is stopped and joined when the pool drops; on a machine with
     /// several NUMA nodes its blocks serve allocations on that device's node only, whichever
-    /// thread calls later;
-    /// blocks pinned ahead count against `max_pinned_bytes`, are released with the pool, and
-    /// not by [`empty_cache`](Self::empty_cache). They enter `allocations` and
+    /// thread calls later. Blocks pinned ahead count against `max_pinned_bytes`, are released
+    /// with the pool, and not by [`empty_cache`](Self::empty_cache). They enter `allocations` and
     /// `allocated_bytes` when an allocation takes them; until then they are
     /// [`PoolStats::reserve_ready_bytes`].
     ///

@@ -47,7 +47,7 @@ fn round_trips_at_chunk_boundaries() {
 
 #[test]
 #[ignore = "needs a CUDA device"]
-fn the_kind_names_the_gpu_numa_node_and_has_a_device_address() {
+fn the_kind_shows_sizes_round_to_the_granularity_and_the_device_sees_the_host_address() {
     let v = PinnedVec::<u8, _>::with_capacity_in(1, VirtualHost::new()).unwrap();
     assert_eq!(v.memory_kind(), Some(MemoryKind::VirtualHost));
     assert!(v.capacity() >= 2 * MIB, "sizes round up to the granularity");
