@@ -107,6 +107,25 @@ fn pcie_generation(speed: &str) -> Option<u32> {
         .map(|&(_, generation)| generation)
 }
 
+/// The machine's online NUMA nodes (`/sys/devices/system/node/online`, such as `0-1`); none
+/// where the kernel does not say.
+pub fn online_numa_nodes() -> Vec<u32> {
+    std::fs::read_to_string("/sys/devices/system/node/online")
+        .map(|list| parse_node_list(list.trim()))
+        .unwrap_or_default()
+}
+
+/// `0-2,4` → `[0, 1, 2, 4]`; malformed parts are skipped.
+fn parse_node_list(list: &str) -> Vec<u32> {
+    list.split(',')
+        .filter_map(|part| match part.split_once('-') {
+            Some((a, b)) => Some((a.parse().ok()?..=b.parse().ok()?).collect::<Vec<u32>>()),
+            None => part.parse().ok().map(|n| vec![n]),
+        })
+        .flatten()
+        .collect()
+}
+
 /// Logical CPUs available to this process.
 pub fn cpus() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
@@ -115,6 +134,15 @@ pub fn cpus() -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parses_node_lists() {
+        assert_eq!(parse_node_list("0"), [0]);
+        assert_eq!(parse_node_list("0-1"), [0, 1]);
+        assert_eq!(parse_node_list("0-2,4"), [0, 1, 2, 4]);
+        assert_eq!(parse_node_list("x,3"), [3]);
+        assert!(parse_node_list("").is_empty());
+    }
 
     #[test]
     fn reads_the_selected_mode() {

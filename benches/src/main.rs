@@ -4,6 +4,7 @@
 
 mod alloc;
 mod bandwidth;
+mod devices;
 mod host;
 mod info;
 mod loader;
@@ -27,6 +28,7 @@ subcommands:
   info       the CUDA runtime, driver and devices found, and the host's memory facts
   bandwidth  H2D, D2H and both at once, 4 KiB to 1 GiB, per kind of memory, against raw CUDA;
              then the staged rows
+  devices    each GPU's H2D bandwidth alone and all GPUs at once; each GPU from each NUMA node
   staged     copies from ordinary memory through the staging ring, against the driver's path
              and page-locked memory; a sweep of chunk sizes and thread counts
   alloc      cost of getting pinned memory per kind and size; another thread's stall
@@ -72,6 +74,7 @@ fn parse(args: &[String]) -> Result<Options, String> {
                     "all",
                     "info",
                     "bandwidth",
+                    "devices",
                     "staged",
                     "alloc",
                     "pool",
@@ -150,6 +153,10 @@ fn run(options: &Options) -> Report {
     if (all || command == "bandwidth") && cuda {
         steps += bandwidth::steps(options.quick);
     }
+    let gpus = cuda_pinned::device_count().unwrap_or(0);
+    if (all || command == "devices") && cuda {
+        steps += devices::steps(gpus, host::online_numa_nodes().len());
+    }
     let staged = all || command == "bandwidth" || command == "staged";
     if staged && cuda {
         steps += staged::steps(options.quick);
@@ -167,7 +174,7 @@ fn run(options: &Options) -> Report {
         steps += loader::steps(cuda);
     }
     let mut progress = Progress::new(steps);
-    if !cuda && (staged || command == "alloc") {
+    if !cuda && (staged || command == "alloc" || command == "devices") {
         let why = match cuda_pinned::device_count() {
             Ok(_) => "the CUDA runtime found no device".to_owned(),
             Err(cuda_pinned::Error::Unavailable(cuda_pinned::LoadError::NotFound { attempts })) => {
@@ -184,6 +191,12 @@ fn run(options: &Options) -> Report {
         match bandwidth::run(options.quick, &mut progress) {
             Ok(section) => report.sections.push(section),
             Err(e) => report.skipped.push(format!("bandwidth failed: {e}")),
+        }
+    }
+    if (all || command == "devices") && cuda {
+        match devices::run(options.quick, &mut progress) {
+            Ok(section) => report.sections.push(section),
+            Err(e) => report.skipped.push(format!("devices failed: {e}")),
         }
     }
     if staged && cuda {

@@ -977,6 +977,10 @@ cudart_api! {
         pStream: *mut cudaStream_t,
         flags: ::core::ffi::c_uint,
     ) -> cudaError_t;
+    pub fn cudaStreamGetDevice(
+        hStream: cudaStream_t,
+        device: *mut ::core::ffi::c_int,
+    ) -> cudaError_t;
     pub fn cudaStreamDestroy(stream: cudaStream_t) -> cudaError_t;
     pub fn cudaStreamWaitEvent(
         stream: cudaStream_t,

@@ -6,6 +6,12 @@
 
 pub type CUdeviceptr_v2 = ::core::ffi::c_ulonglong;
 pub type CUdeviceptr = CUdeviceptr_v2;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct CUctx_st {
+    _unused: [u8; 0],
+}
+pub type CUcontext = *mut CUctx_st;
 impl CUdevice_attribute_enum {
     pub const CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: CUdevice_attribute_enum = CUdevice_attribute_enum(
         1,
@@ -852,6 +858,8 @@ driver_api! {
         error: CUresult,
         pStr: *mut *const ::core::ffi::c_char,
     ) -> CUresult;
+    pub fn cuCtxSetCurrent(ctx: CUcontext) -> CUresult;
+    pub fn cuCtxGetCurrent(pctx: *mut CUcontext) -> CUresult;
     pub fn cuMemAddressReserve(
         ptr: *mut CUdeviceptr,
         size: usize,

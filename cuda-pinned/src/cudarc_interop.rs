@@ -12,6 +12,7 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, HostSlice, SyncOnDrop}
 use crate::alloc::PinnedAllocator;
 use crate::boxed::PinnedBox;
 use crate::error::{Error, Result};
+use crate::ffi;
 use crate::registration::{RegisteredVec, Registration};
 use crate::stream::{Owner, Stream};
 use crate::transfer::{HostBuffer, Transfer};
@@ -47,6 +48,7 @@ impl Stream {
             Self::adopt(
                 stream.cu_stream().cast(),
                 Owner::Kept(Box::new(stream.clone())),
+                Some(ordinal(stream)),
             )
         }
     }
@@ -74,9 +76,9 @@ pub trait CudarcCopies {
     ///
     /// # Errors
     ///
-    /// [`Error::LengthMismatch`] when the lengths differ, [`Error::Cudarc`] when the stream's
-    /// context cannot be made current, or the CUDA error. `src` is then dropped: given back
-    /// to its allocator once nothing can still use it.
+    /// [`Error::LengthMismatch`] when the lengths differ, or the CUDA error (making the
+    /// stream's device current among them). `src` is then dropped: given back to its
+    /// allocator once nothing can still use it.
     fn copy_to_device<B, D>(&self, src: B, dst: &mut D) -> Result<Transfer<B>>
     where
         B: HostBuffer,
@@ -104,13 +106,15 @@ impl CudarcCopies for Arc<CudaStream> {
         D: DevicePtrMut<B::Elem>,
     {
         let stream = prepare(self, src.host_parts().1, dst.len())?;
-        // cudarc makes the stream wait for earlier uses of `dst`, and records this write on
-        // drop of `_written`, after the copy is queued.
-        let (address, _written) = dst.device_ptr_mut(self);
-        // SAFETY: `dst` is a live cudarc allocation of exactly the buffer's length; cudarc
-        // frees it only after the write event recorded above (on its stream), and `&mut`
-        // keeps other host-side users away while the copy is queued.
-        unsafe { stream.copy_to_device_ptr(src, address) }
+        ffi::on_device(ordinal(self), || {
+            // cudarc makes the stream wait for earlier uses of `dst`, and records this write
+            // on drop of `_written`, after the copy is queued.
+            let (address, _written) = dst.device_ptr_mut(self);
+            // SAFETY: `dst` is a live cudarc allocation of exactly the buffer's length; cudarc
+            // frees it only after the write event recorded above (on its stream), and `&mut`
+            // keeps other host-side users away while the copy is queued.
+            unsafe { stream.copy_to_device_ptr(src, address) }
+        })
     }
 
     fn copy_from_device<B, D>(&self, src: &D, mut dst: B) -> Result<Transfer<B>>
@@ -120,29 +124,38 @@ impl CudarcCopies for Arc<CudaStream> {
         D: DevicePtr<B::Elem>,
     {
         let stream = prepare(self, dst.host_parts().1, src.len())?;
-        let (address, _read) = src.device_ptr(self);
-        // SAFETY: as in `copy_to_device`, with the device range read; cudarc orders later
-        // writes of `src` after the read event recorded when `_read` drops.
-        unsafe { stream.copy_from_device_ptr(address, dst) }
+        ffi::on_device(ordinal(self), || {
+            let (address, _read) = src.device_ptr(self);
+            // SAFETY: as in `copy_to_device`, with the device range read; cudarc orders later
+            // writes of `src` after the read event recorded when `_read` drops.
+            unsafe { stream.copy_from_device_ptr(address, dst) }
+        })
     }
 }
 
-/// Checks the lengths, binds the stream's context to the thread (as cudarc does before each
-/// call) and wraps the stream for this call (its default streams included: the copy and its
-/// event are queued now, from this thread, on the bound device).
+/// Checks the lengths and wraps the stream for this call (its default streams included: the
+/// copy and its event are queued now, from this thread, with the stream's device current,
+/// where a default stream names the right one). The caller's current device is put back
+/// afterwards, where cudarc itself would leave its context bound.
 fn prepare(stream: &Arc<CudaStream>, host: usize, device: usize) -> Result<Stream> {
     if host != device {
         return Err(Error::LengthMismatch { host, device });
     }
-    stream.context().bind_to_thread()?;
-    // SAFETY: the handle is kept alive by the clone held; the wrapper lives for this call
-    // only (copies record their event at once and keep the event, not the stream).
+    // SAFETY: the handle is kept alive by the clone held, and is a stream of the context's
+    // device; the wrapper lives for this call only (copies record their event at once and
+    // keep the event, not the stream).
     Ok(unsafe {
         Stream::borrow(
             stream.cu_stream().cast(),
             Owner::Kept(Box::new(stream.clone())),
+            ordinal(stream),
         )
     })
+}
+
+/// The ordinal of the stream's device.
+fn ordinal(stream: &CudaStream) -> i32 {
+    stream.context().ordinal() as i32
 }
 
 // `stream.memcpy_htod(&pinned, &mut slice)` and `stream.memcpy_dtoh(&slice, &mut pinned)`:

@@ -129,6 +129,16 @@ impl Device {
         self.ordinal as usize
     }
 
+    /// A device known to exist (an ordinal CUDA gave back).
+    pub(crate) fn from_raw(ordinal: i32) -> Self {
+        Self { ordinal }
+    }
+
+    /// The ordinal as CUDA takes it.
+    pub(crate) fn raw(self) -> i32 {
+        self.ordinal
+    }
+
     /// The marketing name, such as `"NVIDIA H100 80GB HBM3"`.
     ///
     /// # Errors

@@ -8,12 +8,16 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use bytemuck::{AnyBitPattern, NoUninit, Zeroable};
 
+use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::ffi::{self, Direction};
 use crate::stream::{Event, Stream};
 
 /// `len` elements of `T` in device memory (`cudaMalloc`), on the device current when it was
-/// made.
+/// made or the one named ([`zeroed_on`](Self::zeroed_on)).
+///
+/// Copies into or out of a buffer go on a stream of the buffer's device; a stream of another
+/// device is refused with [`Error::DeviceMismatch`].
 ///
 /// Async copies ([`Stream::copy_to_device`], [`Stream::copy_from_device`]) take the whole
 /// buffer or a view of a range of it ([`slice`](Self::slice), [`slice_mut`](Self::slice_mut)),
@@ -36,6 +40,7 @@ use crate::stream::{Event, Stream};
 pub struct DeviceBuffer<T> {
     ptr: u64,
     len: usize,
+    device: i32,
     pending: PendingCopies,
     _owns: PhantomData<T>,
 }
@@ -93,12 +98,13 @@ impl<T> fmt::Debug for DeviceBuffer<T> {
         f.debug_struct("DeviceBuffer")
             .field("ptr", &format_args!("{:#x}", self.ptr))
             .field("len", &self.len)
+            .field("device", &self.device)
             .finish()
     }
 }
 
 impl<T: Copy> DeviceBuffer<T> {
-    /// `len` zeroed elements.
+    /// `len` zeroed elements on the calling thread's current device.
     ///
     /// # Errors
     ///
@@ -108,30 +114,48 @@ impl<T: Copy> DeviceBuffer<T> {
     where
         T: Zeroable,
     {
+        Self::zeroed_on(Device::current()?, len)
+    }
+
+    /// `len` zeroed elements on `device`, leaving the calling thread's current device as it
+    /// was.
+    ///
+    /// # Errors
+    ///
+    /// As [`zeroed`](Self::zeroed).
+    pub fn zeroed_on(device: Device, len: usize) -> Result<Self>
+    where
+        T: Zeroable,
+    {
         let bytes = len
             .checked_mul(size_of::<T>())
             .ok_or(Error::CapacityOverflow)?;
+        let device = device.raw();
         let ptr = if bytes == 0 {
             0
         } else {
-            ffi::device_malloc(bytes)?
+            ffi::on_device(device, || ffi::device_malloc(bytes))?
         };
         let buffer = Self {
             ptr,
             len,
+            device,
             pending: PendingCopies::default(),
             _owns: PhantomData,
         };
         if bytes > 0 {
-            let stream = Stream::new()?;
-            // SAFETY: `ptr` is `bytes` bytes of device memory we own; we wait for the memset.
-            unsafe { ffi::memset_async(ptr, 0, bytes, stream.as_raw())? };
+            let stream = Stream::on(buffer.device())?;
+            // SAFETY: `ptr` is `bytes` bytes of device memory we own, on the stream's device;
+            // we wait for the memset.
+            ffi::on_device(device, || unsafe {
+                ffi::memset_async(ptr, 0, bytes, stream.as_raw())
+            })?;
             stream.synchronize()?;
         }
         Ok(buffer)
     }
 
-    /// A device copy of `slice`.
+    /// A copy of `slice` on the calling thread's current device.
     ///
     /// # Errors
     ///
@@ -140,7 +164,19 @@ impl<T: Copy> DeviceBuffer<T> {
     where
         T: NoUninit + Zeroable,
     {
-        let mut buffer = Self::zeroed(slice.len())?;
+        Self::from_slice_on(Device::current()?, slice)
+    }
+
+    /// A copy of `slice` on `device`, leaving the calling thread's current device as it was.
+    ///
+    /// # Errors
+    ///
+    /// As [`zeroed`](Self::zeroed).
+    pub fn from_slice_on(device: Device, slice: &[T]) -> Result<Self>
+    where
+        T: NoUninit + Zeroable,
+    {
+        let mut buffer = Self::zeroed_on(device, slice.len())?;
         buffer.copy_from_host(slice)?;
         Ok(buffer)
     }
@@ -198,6 +234,11 @@ impl<T> DeviceBuffer<T> {
         self.ptr
     }
 
+    /// The device the memory is on.
+    pub fn device(&self) -> Device {
+        Device::from_raw(self.device)
+    }
+
     /// A view of the elements in `range`, to copy from.
     ///
     /// # Panics
@@ -250,7 +291,7 @@ impl<T> Drop for DeviceBuffer<T> {
         }
         if self.pending.wait_all() {
             // SAFETY: our allocation; the copies that used it have finished.
-            let _ = unsafe { ffi::device_free(self.ptr) };
+            let _ = ffi::on_device(self.device, || unsafe { ffi::device_free(self.ptr) });
         }
         // If waiting failed the device is in an error state; leaking is the safe choice.
     }
@@ -262,6 +303,7 @@ impl<T> Drop for DeviceBuffer<T> {
 pub(crate) struct DeviceRange<'a> {
     pub(crate) address: u64,
     pub(crate) len: usize,
+    pub(crate) device: i32,
     pub(crate) pending: &'a PendingCopies,
 }
 
@@ -271,6 +313,7 @@ impl<'a> DeviceRange<'a> {
             // In bounds of a live allocation, so the byte offset cannot overflow.
             address: buffer.ptr + (start * size_of::<T>()) as u64,
             len: end - start,
+            device: buffer.device,
             pending: &buffer.pending,
         }
     }
@@ -279,9 +322,15 @@ impl<'a> DeviceRange<'a> {
         let tail = Self {
             address: self.address + (mid * size_of::<T>()) as u64,
             len: self.len - mid,
+            device: self.device,
             pending: self.pending,
         };
         (Self { len: mid, ..self }, tail)
+    }
+
+    /// [`Error::DeviceMismatch`] unless `stream` belongs to the range's device.
+    pub(crate) fn check_stream(&self, stream: &Stream) -> Result<()> {
+        crate::stream::check_same_device("the stream", self.device, stream.device().raw())
     }
 
     /// A copy between this range and host memory of `host_len` elements, waited for.
@@ -307,7 +356,7 @@ impl<'a> DeviceRange<'a> {
         if bytes == 0 {
             return Ok(());
         }
-        let stream = Stream::new()?;
+        let stream = Stream::on(Device::from_raw(self.device))?;
         self.pending.order_before(&stream)?;
         let device = self.address as *mut std::ffi::c_void;
         let (dst, src) = match direction {
@@ -317,7 +366,9 @@ impl<'a> DeviceRange<'a> {
         // SAFETY: both sides are `bytes` long (lengths checked; the device range lies in a
         // live allocation) and the caller keeps the host side for this whole call, which
         // waits for the copy before returning.
-        let queued = unsafe { ffi::memcpy_async(dst, src, bytes, direction, stream.as_raw()) };
+        let queued = ffi::on_device(self.device, || unsafe {
+            ffi::memcpy_async(dst, src, bytes, direction, stream.as_raw())
+        });
         // A copy split at chunk boundaries may fail after its first pieces were queued: the
         // host side is borrowed only for this call, so they are waited for either way.
         let finished = stream.synchronize();
@@ -532,16 +583,20 @@ impl<'a, T> DeviceSliceMut<'a, T> {
     ///
     /// # Errors
     ///
-    /// The CUDA error.
+    /// [`Error::DeviceMismatch`] for a stream of another device, or the CUDA error.
     pub fn set_bytes_async(&mut self, value: u8, stream: &Stream) -> Result<()> {
         let bytes = self.range.len * size_of::<T>();
         if bytes == 0 {
             return Ok(());
         }
+        self.range.check_stream(stream)?;
         self.range.pending.order_before(stream)?;
-        // SAFETY: the view is `bytes` bytes of a live device allocation, borrowed uniquely;
-        // the buffer keeps the memory until the event recorded below has completed.
-        unsafe { ffi::memset_async(self.range.address, value, bytes, stream.as_raw())? };
+        // SAFETY: the view is `bytes` bytes of a live device allocation of the stream's
+        // device, borrowed uniquely; the buffer keeps the memory until the event recorded
+        // below has completed.
+        ffi::on_device(self.range.device, || unsafe {
+            ffi::memset_async(self.range.address, value, bytes, stream.as_raw())
+        })?;
         let event = Arc::new(stream.record_event_untimed()?);
         self.range.pending.track(stream, event);
         Ok(())

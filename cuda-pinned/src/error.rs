@@ -226,6 +226,17 @@ pub enum Error {
         /// Elements on the device side.
         device: usize,
     },
+    /// Two CUDA objects of different devices were used together where CUDA needs one
+    /// device: a device buffer and the stream that copies it, an event and the stream it
+    /// records.
+    DeviceMismatch {
+        /// What is on the wrong device, such as `"the stream"`.
+        what: &'static str,
+        /// The device it had to be on.
+        expected: usize,
+        /// The device it is on.
+        found: usize,
+    },
 }
 
 impl fmt::Display for Error {
@@ -266,6 +277,14 @@ impl fmt::Display for Error {
             Self::LengthMismatch { host, device } => write!(
                 f,
                 "copy between {host} host elements and {device} device elements: lengths differ"
+            ),
+            Self::DeviceMismatch {
+                what,
+                expected,
+                found,
+            } => write!(
+                f,
+                "{what} belongs to device {found}, but this needs one of device {expected}"
             ),
         }
     }

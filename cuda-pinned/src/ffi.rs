@@ -97,6 +97,57 @@ pub(crate) fn set_device(device: i32) -> Result<()> {
     cuda!(cudaSetDevice(device))
 }
 
+/// Runs `work` with `device` current on the calling thread, then makes current again what was
+/// current before. The driver's current context is what is saved and put back, so a thread
+/// that had none is left with none: working on device 1 never creates a context on device 0
+/// for a thread that only said "device 0" by default. Where the driver's context calls cannot
+/// be reached (runtimes before 12.5), the device number is put back instead.
+///
+/// Every call of this crate that touches a stream, event or buffer of a named device goes
+/// through here, so none leaves the caller's current device changed.
+pub(crate) fn on_device<R>(device: i32, work: impl FnOnce() -> Result<R>) -> Result<R> {
+    let previous = current_device()?;
+    if previous == device {
+        return work();
+    }
+    let context = current_context().ok();
+    set_device(device)?;
+    let result = work();
+    // SAFETY: the context was current on this thread a moment ago and this crate destroys
+    // none; null (no context) is allowed.
+    let restored = context.is_some_and(|context| unsafe { set_context(context) }.is_ok());
+    if !restored {
+        // Nothing better is left to do if even this fails; the work's result is what counts.
+        let _ = set_device(previous);
+    }
+    result
+}
+
+/// The calling thread's current driver context; null when it has none.
+fn current_context() -> Result<cu::CUcontext> {
+    let mut context = ptr::null_mut();
+    driver!(cuCtxGetCurrent(&mut context))?;
+    Ok(context)
+}
+
+/// # Safety
+///
+/// - `context` is null or a live context.
+unsafe fn set_context(context: cu::CUcontext) -> Result<()> {
+    driver!(cuCtxSetCurrent(context))
+}
+
+/// The device a stream belongs to (the runtime has the call from CUDA 12.8).
+///
+/// # Safety
+///
+/// - `stream` is a live stream.
+pub(crate) unsafe fn stream_device(stream: sys::cudaStream_t) -> Result<i32> {
+    let mut device = -1;
+    cuda!(cudaStreamGetDevice(stream, &mut device))?;
+    Ok(device)
+}
+
 pub(crate) fn device_attribute(attribute: sys::cudaDeviceAttr, device: i32) -> Result<i32> {
     let mut value = 0;
     cuda!(cudaDeviceGetAttribute(&mut value, attribute, device))?;

@@ -75,16 +75,50 @@
 //! | [`HostLocked`] | `mmap` + `mlock` | `RLIMIT_MEMLOCK` room |
 //! | [`VirtualHost`] | `cuMemCreate` on the GPU's NUMA node, chunks mapped into one reserved range: never stalls other threads' copies, [`PinnedVec`] grows in place | CUDA 12.5 |
 //!
-//! Every device of the process can copy to and from the CUDA kinds: `cudaHostAlloc` and
-//! registration use the portable flag by default (without it, only the device current at
-//! allocation time sees the memory as page-locked), and [`VirtualHost`] opens each chunk to
-//! every device that supports it. No device knows [`HostLocked`] memory: copies from it are
-//! staged like pageable ones. Measured on an H100 host, getting 1 GiB takes 0.4–0.6 s with
-//! `cudaHostAlloc`, 40–55 ms registered, 0.24–0.30 s as [`VirtualHost`]; copies from all
-//! three run at 99–100% of the link's speed from 16 MiB up.
+//! Measured on an H100 host, getting 1 GiB takes 0.4–0.6 s with `cudaHostAlloc`, 40–55 ms
+//! registered, 0.24–0.30 s as [`VirtualHost`]; copies from all three run at 99–100% of the
+//! link's speed from 16 MiB up.
 //!
 //! They also implement allocator-api2's `Allocator`, so `allocator_api2::vec::Vec<T, _>` and
 //! hashbrown maps can live in pinned memory.
+//!
+//! # Several GPUs
+//!
+//! Which device sees which memory:
+//!
+//! | memory | seen as page-locked by |
+//! |---|---|
+//! | [`CudaHost`], [`Registered`], [`Registration`], [`DefaultPinned`] | every device: the portable flag is on by default (without it, only the device current at allocation) |
+//! | [`VirtualHost`] | every device that supports it: each chunk is opened to all of them |
+//! | [`HostLocked`] | none: copies from it are staged by the driver like pageable ones |
+//!
+//! [`Registered`] and [`VirtualHost`] memory goes on the NUMA node of the device current
+//! when it is allocated (`cudaHostAlloc`'s where the allocating thread first touches it). A
+//! device on another node reaches it across the link between the sockets, which can cost
+//! bandwidth: `pinned-bench devices` measures each GPU from each node on machines that have
+//! several.
+//!
+//! Streams, events, device buffers and stagers belong to one device: the current one when
+//! made ([`Stream::new`], [`Event::new`], [`DeviceBuffer::zeroed`], [`Stager::new`]) or the
+//! one named ([`Stream::on`], [`Event::on`], [`DeviceBuffer::zeroed_on`], [`Stager::on`]),
+//! and each says which ([`Stream::device`]). Work on them runs on their device whichever
+//! device is current on the calling thread, and **no call leaves the thread's current device
+//! changed**; a thread that had no CUDA context is left without one. Where CUDA needs one
+//! device, mixing two is an [`Error::DeviceMismatch`]: a copy into a buffer of device 1 on a
+//! stream of device 0, an event recording another device's stream. A buffer used on
+//! several devices' streams is freed, or reused by a pool, only after every one of them has
+//! passed its work.
+//!
+//! ```no_run
+//! use cuda_pinned::{Device, DeviceBuffer, PinnedVec, Stream};
+//! for device in Device::all()? {
+//!     let stream = Stream::on(device)?;
+//!     let mut memory = DeviceBuffer::<f32>::zeroed_on(device, 1 << 20)?;
+//!     let batch = PinnedVec::from_slice(&[1.0f32; 1 << 20])?;
+//!     stream.copy_to_device(batch, &mut memory)?.wait()?;
+//! }
+//! # Ok::<(), cuda_pinned::Error>(())
+//! ```
 //!
 //! # Safety model
 //!

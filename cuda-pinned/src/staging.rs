@@ -20,10 +20,11 @@ use std::thread::JoinHandle;
 use bytemuck::{AnyBitPattern, NoUninit};
 
 use crate::alloc::{DefaultPinned, PinnedAllocator};
+use crate::device::Device;
 use crate::device_buffer::{DeviceRange, DeviceSlice, DeviceSliceMut};
 use crate::error::{Error, Result};
 use crate::ffi::{self, Direction};
-use crate::stream::{Event, Stream};
+use crate::stream::{Event, Stream, check_same_device};
 use crate::vec::PinnedVec;
 
 /// How a [`Stager`] cuts and spreads copies. The defaults come from measurements on an H100
@@ -63,7 +64,8 @@ impl Default for StagingConfig {
 /// speed for large copies, through a ring of pinned chunks (from allocator `A`, a pool for
 /// instance) and persistent copy threads. Share one stager between threads: calls from
 /// several threads (both directions at once, on two streams) split the threads between them.
-/// A stager copies on the device that was current when it was made; make one per device.
+/// A stager copies to and from one device, the one current when it was made or the one named
+/// ([`on`](Self::on)), from any thread whatever device is current there; make one per device.
 ///
 /// ```no_run
 /// use cuda_pinned::{DeviceBuffer, Stager, Stream};
@@ -94,6 +96,16 @@ impl Stager {
     pub fn new() -> Result<Self> {
         Self::with_config_in(StagingConfig::default(), DefaultPinned)
     }
+
+    /// A stager for `device`, with the default configuration and [`DefaultPinned`] memory
+    /// (on the device's NUMA node).
+    ///
+    /// # Errors
+    ///
+    /// As [`with_config_in`](Self::with_config_in).
+    pub fn on(device: Device) -> Result<Self> {
+        Self::with_config_on(device, StagingConfig::default(), DefaultPinned)
+    }
 }
 
 impl<A: PinnedAllocator> Stager<A> {
@@ -104,10 +116,26 @@ impl<A: PinnedAllocator> Stager<A> {
     /// [`Error::Unsupported`] for a configuration with zero chunk bytes, threads or slots;
     /// [`Error::Unavailable`] without CUDA; the allocator's error for the ring.
     pub fn with_config_in(config: StagingConfig, allocator: A) -> Result<Self> {
+        Self::with_config_on(Device::current()?, config, allocator)
+    }
+
+    /// As [`with_config_in`](Self::with_config_in), for `device`: the ring is allocated and
+    /// the workers run with it current. The calling thread's current device is left as it
+    /// was.
+    ///
+    /// # Errors
+    ///
+    /// As [`with_config_in`](Self::with_config_in).
+    pub fn with_config_on(device: Device, config: StagingConfig, allocator: A) -> Result<Self> {
         Ok(Self {
-            engine: Engine::new(Cuda, config, allocator)?,
+            engine: ffi::on_device(device.raw(), || Engine::new(Cuda, config, allocator))?,
             events: Mutex::new(Vec::new()),
         })
+    }
+
+    /// The device it copies to and from.
+    pub fn device(&self) -> Device {
+        Device::from_raw(self.engine.device)
     }
 
     /// The configuration in use.
@@ -126,9 +154,9 @@ impl<A: PinnedAllocator> Stager<A> {
     ///
     /// # Errors
     ///
-    /// [`Error::LengthMismatch`] when the lengths differ, [`Error::Unsupported`] when another
-    /// device is current, or the CUDA error. After an error part of `dst` may have been
-    /// written.
+    /// [`Error::LengthMismatch`] when the lengths differ, [`Error::DeviceMismatch`] when the
+    /// stream or the device buffer belongs to another device than the stager's, or the CUDA
+    /// error. After an error part of `dst` may have been written.
     pub fn copy_to_device<'d, T: NoUninit + 'd>(
         &self,
         stream: &Stream,
@@ -138,27 +166,30 @@ impl<A: PinnedAllocator> Stager<A> {
         let range = dst.into().range;
         self.prepare(stream, range, src.len())?;
         let bytes = size_of_val(src);
-        // SAFETY: `src` is readable for `bytes` and borrowed until the engine returns, which
-        // is after the last read of it; the device range is live, borrowed uniquely, and
-        // records the copies below before its memory can be freed.
-        let copied = unsafe {
-            self.engine.run(
-                Direction::HostToDevice,
-                src.as_ptr().cast_mut().cast(),
-                range.address,
-                bytes,
-                stream,
-            )
-        };
-        let ended = self.end_on(stream, range);
-        copied?;
-        Ok(StagedCopy { event: ended? })
+        ffi::on_device(self.engine.device, || {
+            // SAFETY: `src` is readable for `bytes` and borrowed until the engine returns,
+            // which is after the last read of it; the device range is live, borrowed
+            // uniquely, and records the copies below before its memory can be freed.
+            let copied = unsafe {
+                self.engine.run(
+                    Direction::HostToDevice,
+                    src.as_ptr().cast_mut().cast(),
+                    range.address,
+                    bytes,
+                    stream,
+                )
+            };
+            let ended = self.end_on(stream, range);
+            copied?;
+            Ok(StagedCopy { event: ended? })
+        })
     }
 
-    /// Checks the device and the lengths, and orders `stream` after copies of `range` on
+    /// Checks the devices and the lengths, and orders `stream` after copies of `range` on
     /// other streams.
     fn prepare(&self, stream: &Stream, range: DeviceRange<'_>, host: usize) -> Result<()> {
-        self.on_its_device()?;
+        check_same_device("the stream", self.engine.device, stream.device().raw())?;
+        check_same_device("the device buffer", self.engine.device, range.device)?;
         if range.len != host {
             return Err(Error::LengthMismatch {
                 host,
@@ -181,18 +212,6 @@ impl<A: PinnedAllocator> Stager<A> {
             let _ = stream.synchronize();
         }
         ended
-    }
-
-    /// Its events belong to the device current when it was made; so must the stream.
-    fn on_its_device(&self) -> Result<()> {
-        if ffi::current_device()? == self.engine.device {
-            Ok(())
-        } else {
-            Err(Error::Unsupported(
-                "a stager copies on the device that was current when it was made; \
-                 make one per device",
-            ))
-        }
     }
 
     /// An event nobody else holds (a handle or a device buffer), or a new one.
@@ -225,24 +244,27 @@ impl<A: PinnedAllocator> Stager<A> {
         let range = src.into().range;
         self.prepare(stream, range, dst.len())?;
         let bytes = size_of_val(dst);
-        // SAFETY: `dst` is writable for `bytes`, borrowed uniquely until the engine returns
-        // (after its last write), and any bytes are a valid `T`; the device range is live and
-        // records the reads below before its memory can be freed.
-        let copied = unsafe {
-            self.engine.run(
-                Direction::DeviceToHost,
-                dst.as_mut_ptr().cast(),
-                range.address,
-                bytes,
-                stream,
-            )
-        };
-        if copied.is_err() {
-            // Pieces still in flight may read the device range: it must know when they end.
-            let _ = self.end_on(stream, range);
-        }
-        // On success every piece's copy was waited for: nothing is left to track.
-        copied
+        ffi::on_device(self.engine.device, || {
+            // SAFETY: `dst` is writable for `bytes`, borrowed uniquely until the engine
+            // returns (after its last write), and any bytes are a valid `T`; the device range
+            // is live and records the reads below before its memory can be freed.
+            let copied = unsafe {
+                self.engine.run(
+                    Direction::DeviceToHost,
+                    dst.as_mut_ptr().cast(),
+                    range.address,
+                    bytes,
+                    stream,
+                )
+            };
+            if copied.is_err() {
+                // Pieces still in flight may read the device range: it must know when they
+                // end.
+                let _ = self.end_on(stream, range);
+            }
+            // On success every piece's copy was waited for: nothing is left to track.
+            copied
+        })
     }
 }
 

@@ -6,12 +6,14 @@ use std::sync::Arc;
 
 use cuda_pinned_sys::{self as sys, cudaEvent_t, cudaStream_t};
 
+use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::ffi;
 
 struct StreamHandle {
     raw: cudaStream_t,
     owner: Owner,
+    device: i32,
 }
 
 /// Who answers for a stream's life.
@@ -38,13 +40,17 @@ impl Drop for StreamHandle {
             // SAFETY: the last reference to a stream this crate created is going; the runtime
             // releases its resources once its pending work is done, so destroying it with
             // work queued is allowed.
-            let _ = unsafe { ffi::stream_destroy(self.raw) };
+            let _ = ffi::on_device(self.device, || unsafe { ffi::stream_destroy(self.raw) });
         }
     }
 }
 
-/// A CUDA stream: one this crate created ([`Stream::new`]) or one adopted from other code
-/// ([`Stream::from_raw`], `Stream::from_cudarc` with the `cudarc` feature).
+/// A CUDA stream: one this crate created ([`Stream::new`], [`Stream::on`]) or one adopted
+/// from other code ([`Stream::from_raw`], `Stream::from_cudarc` with the `cudarc` feature).
+///
+/// A stream belongs to one device ([`device`](Self::device)), and work queued through it runs
+/// there whichever device is current on the calling thread: the crate makes the stream's
+/// device current for the calls that need it and puts the caller's back before returning.
 ///
 /// Cloning is cheap and gives another handle to the same stream; a stream this crate created
 /// is destroyed when the last handle goes, so buffers that recorded a use on it can still
@@ -56,7 +62,10 @@ pub struct Stream {
 
 impl fmt::Debug for Stream {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("Stream").field(&self.handle.raw).finish()
+        f.debug_struct("Stream")
+            .field("raw", &self.handle.raw)
+            .field("device", &self.handle.device)
+            .finish()
     }
 }
 
@@ -75,13 +84,31 @@ impl Stream {
     ///
     /// [`Error::Unavailable`](crate::Error::Unavailable) without CUDA, or the CUDA error.
     pub fn new() -> Result<Self> {
-        let raw = ffi::stream_create(sys::cudaStreamNonBlocking)?;
+        Self::on(Device::current()?)
+    }
+
+    /// Creates a non-blocking stream on `device`, leaving the calling thread's current
+    /// device as it was.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unavailable`](crate::Error::Unavailable) without CUDA, or the CUDA error
+    /// (`cudaErrorInvalidDevice` for an ordinal past the last device).
+    pub fn on(device: Device) -> Result<Self> {
+        let device = device.raw();
+        let raw = ffi::on_device(device, || ffi::stream_create(sys::cudaStreamNonBlocking))?;
         Ok(Self {
             handle: Arc::new(StreamHandle {
                 raw,
                 owner: Owner::Crate,
+                device,
             }),
         })
+    }
+
+    /// The device the stream belongs to.
+    pub fn device(&self) -> Device {
+        Device::from_raw(self.handle.device)
     }
 
     /// Adopts a stream created by other code (a `cudaStream_t` or a driver API `CUstream`:
@@ -98,8 +125,10 @@ impl Stream {
     ///
     /// # Safety
     ///
-    /// - `raw` is a live stream of the device's primary context (the one the runtime API and
-    ///   cudarc's `CudaContext::new` use);
+    /// - `raw` is a live stream of a device's primary context (the one the runtime API and
+    ///   cudarc's `CudaContext::new` use). Its device is asked of the runtime (CUDA 12.8 and
+    ///   later); older runtimes cannot say, and the stream is taken to be the current
+    ///   device's;
     /// - it stays live as long as the returned handle, or any clone of it, lives. Buffers and
     ///   device buffers that were used on it keep clones until they drop.
     ///
@@ -107,13 +136,18 @@ impl Stream {
     /// [`Error::Unsupported`]: crate::Error::Unsupported
     pub unsafe fn from_raw(raw: cudaStream_t) -> Result<Self> {
         // SAFETY: forwarded from the caller.
-        unsafe { Self::adopt(raw, Owner::Borrowed) }
+        unsafe { Self::adopt(raw, Owner::Borrowed, None) }
     }
 
     /// # Safety
     ///
-    /// As [`from_raw`](Self::from_raw), with `owner` keeping `raw` live when it is `Kept`.
-    pub(crate) unsafe fn adopt(raw: cudaStream_t, owner: Owner) -> Result<Self> {
+    /// As [`from_raw`](Self::from_raw), with `owner` keeping `raw` live when it is `Kept`;
+    /// `device`, when given, is the stream's.
+    pub(crate) unsafe fn adopt(
+        raw: cudaStream_t,
+        owner: Owner,
+        device: Option<i32>,
+    ) -> Result<Self> {
         // The default streams are macros in the headers: null and `cudaStreamLegacy` (1) name
         // the legacy stream of whichever device is current, `cudaStreamPerThread` (2) the
         // calling thread's. A use recorded on one would be looked for later on another device
@@ -127,8 +161,18 @@ impl Stream {
                 "the per-thread default stream is a different stream on every thread; \
                  adopt a stream created for the purpose",
             )),
-            // SAFETY: forwarded from the caller.
-            _ => Ok(unsafe { Self::borrow(raw, owner) }),
+            _ => {
+                let device = match device {
+                    Some(device) => device,
+                    None => {
+                        // SAFETY: the caller vouches that `raw` is live.
+                        let asked = unsafe { ffi::stream_device(raw) };
+                        asked.or_else(|_| ffi::current_device())?
+                    }
+                };
+                // SAFETY: forwarded from the caller.
+                Ok(unsafe { Self::borrow(raw, owner, device) })
+            }
         }
     }
 
@@ -138,11 +182,11 @@ impl Stream {
     ///
     /// # Safety
     ///
-    /// `raw` is live (or a default stream) while the returned stream lives, and the stream is
-    /// not kept beyond the call (no buffer records a use on it).
-    pub(crate) unsafe fn borrow(raw: cudaStream_t, owner: Owner) -> Self {
+    /// `raw` is a stream of `device`, live (or a default stream) while the returned stream
+    /// lives, and the stream is not kept beyond the call (no buffer records a use on it).
+    pub(crate) unsafe fn borrow(raw: cudaStream_t, owner: Owner, device: i32) -> Self {
         Self {
-            handle: Arc::new(StreamHandle { raw, owner }),
+            handle: Arc::new(StreamHandle { raw, owner, device }),
         }
     }
 
@@ -184,19 +228,31 @@ impl Stream {
     ///
     /// A CUDA error from creating or recording the event.
     pub fn record_event(&self) -> Result<Event> {
-        let event = Event::new()?;
-        event.record(self)?;
-        Ok(event)
+        self.record_new_event(sys::cudaEventDefault)
     }
 
     /// Like [`record_event`](Self::record_event), without timing (cheaper).
     pub(crate) fn record_event_untimed(&self) -> Result<Event> {
-        let event = Event::untimed()?;
-        event.record(self)?;
-        Ok(event)
+        self.record_new_event(sys::cudaEventDisableTiming)
     }
 
-    /// Makes future work on this stream wait (on the device) for `event`.
+    /// An event created on the stream's device (CUDA records an event only on a stream of its
+    /// own device) and recorded here.
+    fn record_new_event(&self, flags: u32) -> Result<Event> {
+        let device = self.handle.device;
+        ffi::on_device(device, || {
+            let event = Event {
+                raw: ffi::event_create(flags)?,
+                device,
+            };
+            // SAFETY: both handles are live, and of the same device.
+            unsafe { ffi::event_record(event.raw, self.as_raw())? };
+            Ok(event)
+        })
+    }
+
+    /// Makes future work on this stream wait (on the device) for `event`, which may belong
+    /// to another device.
     ///
     /// # Errors
     ///
@@ -224,7 +280,9 @@ impl Stream {
         let data = Box::into_raw(Box::new(function));
         // SAFETY: the stream is live; the trampoline takes ownership of `data` exactly once;
         // `F: Send + 'static`, so running it later on another thread is sound.
-        let queued = unsafe { ffi::launch_host_func(self.as_raw(), trampoline::<F>, data.cast()) };
+        let queued = ffi::on_device(self.handle.device, || unsafe {
+            ffi::launch_host_func(self.as_raw(), trampoline::<F>, data.cast())
+        });
         if queued.is_err() {
             // SAFETY: the driver did not take the function; we still own the box.
             drop(unsafe { Box::from_raw(data) });
@@ -265,33 +323,39 @@ impl Stream {
         if copies.is_empty() {
             return Ok(());
         }
-        if copies.len() > 1 && ffi::has_memcpy_batch() {
-            let dsts: Vec<_> = copies.iter().map(|c| c.dst as *mut c_void).collect();
-            let srcs: Vec<_> = copies.iter().map(|c| c.src as *const c_void).collect();
-            let sizes: Vec<_> = copies.iter().map(|c| c.bytes).collect();
-            // SAFETY: one length for the three lists, the batch call exists with this
-            // signature (checked), and the caller vouches for every range.
-            return unsafe { ffi::memcpy_batch_async(&dsts, &srcs, &sizes, self.as_raw()) };
-        }
-        for copy in copies {
-            // SAFETY: the caller vouches for the ranges; the default kind lets unified
-            // addressing tell the direction.
-            unsafe {
-                ffi::memcpy_async_any(
-                    copy.dst as *mut c_void,
-                    copy.src as *const c_void,
-                    copy.bytes,
-                    self.as_raw(),
-                )?
-            };
-        }
-        Ok(())
+        ffi::on_device(self.handle.device, || {
+            if copies.len() > 1 && ffi::has_memcpy_batch() {
+                let dsts: Vec<_> = copies.iter().map(|c| c.dst as *mut c_void).collect();
+                let srcs: Vec<_> = copies.iter().map(|c| c.src as *const c_void).collect();
+                let sizes: Vec<_> = copies.iter().map(|c| c.bytes).collect();
+                // SAFETY: one length for the three lists, the batch call exists with this
+                // signature (checked), and the caller vouches for every range.
+                return unsafe { ffi::memcpy_batch_async(&dsts, &srcs, &sizes, self.as_raw()) };
+            }
+            for copy in &copies {
+                // SAFETY: the caller vouches for the ranges; the default kind lets unified
+                // addressing tell the direction.
+                unsafe {
+                    ffi::memcpy_async_any(
+                        copy.dst as *mut c_void,
+                        copy.src as *const c_void,
+                        copy.bytes,
+                        self.as_raw(),
+                    )?
+                };
+            }
+            Ok(())
+        })
     }
 }
 
 /// A CUDA event: a marker in a stream's work that can be waited for and timed.
+///
+/// An event belongs to one device and records only streams of that device; it can be waited
+/// for, queried and waited on by streams of any device.
 pub struct Event {
     raw: cudaEvent_t,
+    device: i32,
 }
 
 // SAFETY: event handles may be used from any thread; destroyed once, in Drop.
@@ -301,7 +365,10 @@ unsafe impl Sync for Event {}
 
 impl fmt::Debug for Event {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("Event").field(&self.raw).finish()
+        f.debug_struct("Event")
+            .field("raw", &self.raw)
+            .field("device", &self.device)
+            .finish()
     }
 }
 
@@ -309,37 +376,59 @@ impl Drop for Event {
     fn drop(&mut self) {
         // SAFETY: the event is ours; destroying an event whose work is pending is allowed
         // (the runtime releases it when the work completes).
-        let _ = unsafe { ffi::event_destroy(self.raw) };
+        let _ = ffi::on_device(self.device, || unsafe { ffi::event_destroy(self.raw) });
     }
 }
 
 impl Event {
-    /// Creates an event that can be timed.
+    /// Creates an event that can be timed, on the calling thread's current device.
     ///
     /// # Errors
     ///
     /// [`Error::Unavailable`](crate::Error::Unavailable) without CUDA, or the CUDA error.
     pub fn new() -> Result<Self> {
-        Ok(Self {
-            raw: ffi::event_create(sys::cudaEventDefault)?,
-        })
+        Self::on(Device::current()?)
     }
 
-    /// An event for ordering only, without timing (cheaper to record and query).
+    /// Creates an event that can be timed on `device`, leaving the calling thread's current
+    /// device as it was.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unavailable`](crate::Error::Unavailable) without CUDA, or the CUDA error.
+    pub fn on(device: Device) -> Result<Self> {
+        Self::create(device.raw(), sys::cudaEventDefault)
+    }
+
+    /// An event for ordering only, without timing (cheaper to record and query), on the
+    /// current device.
     pub(crate) fn untimed() -> Result<Self> {
-        Ok(Self {
-            raw: ffi::event_create(sys::cudaEventDisableTiming)?,
-        })
+        Self::create(ffi::current_device()?, sys::cudaEventDisableTiming)
+    }
+
+    fn create(device: i32, flags: u32) -> Result<Self> {
+        let raw = ffi::on_device(device, || ffi::event_create(flags))?;
+        Ok(Self { raw, device })
+    }
+
+    /// The device the event belongs to.
+    pub fn device(&self) -> Device {
+        Device::from_raw(self.device)
     }
 
     /// Captures the work queued on `stream` so far.
     ///
     /// # Errors
     ///
-    /// A CUDA error.
+    /// [`Error::DeviceMismatch`] when the stream belongs to another device (CUDA records
+    /// only there; [`Stream::record_event`] makes an event on the stream's device), or a
+    /// CUDA error.
     pub fn record(&self, stream: &Stream) -> Result<()> {
-        // SAFETY: both handles are live while borrowed.
-        unsafe { ffi::event_record(self.raw, stream.as_raw()) }
+        check_same_device("the stream", self.device, stream.handle.device)?;
+        // SAFETY: both handles are live while borrowed, and of the same device.
+        ffi::on_device(self.device, || unsafe {
+            ffi::event_record(self.raw, stream.as_raw())
+        })
     }
 
     /// Whether the captured work has finished.
@@ -366,9 +455,12 @@ impl Event {
     ///
     /// # Errors
     ///
-    /// A CUDA error (`cudaErrorNotReady` if either has not finished).
+    /// [`Error::DeviceMismatch`] when the events belong to different devices (CUDA times
+    /// only events of one device), or a CUDA error (`cudaErrorNotReady` if either has not
+    /// finished).
     pub fn elapsed_ms_since(&self, start: &Event) -> Result<f32> {
-        // SAFETY: both handles are live and were created with timing enabled (`new`).
+        check_same_device("the start event", self.device, start.device)?;
+        // SAFETY: both handles are live and were created with timing enabled (`new`, `on`).
         unsafe { ffi::event_elapsed_ms(start.raw, self.raw) }
     }
 
@@ -376,4 +468,16 @@ impl Event {
     pub fn as_raw(&self) -> cudaEvent_t {
         self.raw
     }
+}
+
+/// [`Error::DeviceMismatch`] unless `found` is `expected`.
+pub(crate) fn check_same_device(what: &'static str, expected: i32, found: i32) -> Result<()> {
+    if expected == found {
+        return Ok(());
+    }
+    Err(Error::DeviceMismatch {
+        what,
+        expected: expected as usize,
+        found: found as usize,
+    })
 }

@@ -184,8 +184,9 @@ impl Stream {
     ///
     /// # Errors
     ///
-    /// [`Error::LengthMismatch`] when the lengths differ, or the CUDA error. `src` is then
-    /// dropped: given back to its allocator once nothing can still use it.
+    /// [`Error::LengthMismatch`] when the lengths differ, [`Error::DeviceMismatch`] when the
+    /// device buffer is not on the stream's device, or the CUDA error. `src` is then dropped:
+    /// given back to its allocator once nothing can still use it.
     pub fn copy_to_device<'d, B>(
         &self,
         src: B,
@@ -215,8 +216,9 @@ impl Stream {
     ///
     /// # Errors
     ///
-    /// [`Error::LengthMismatch`] when the lengths differ, or the CUDA error. `dst` is then
-    /// dropped: given back to its allocator once nothing can still use it.
+    /// [`Error::LengthMismatch`] when the lengths differ, [`Error::DeviceMismatch`] when the
+    /// device buffer is not on the stream's device, or the CUDA error. `dst` is then dropped:
+    /// given back to its allocator once nothing can still use it.
     pub fn copy_from_device<'d, B>(
         &self,
         src: impl Into<DeviceSlice<'d, B::Elem>>,
@@ -301,13 +303,14 @@ impl Stream {
             .checked_mul(size_of::<B::Elem>())
             .ok_or(Error::CapacityOverflow)?;
         if let Some(range) = tracked {
+            range.check_stream(self)?;
             range.pending.order_before(self)?;
         }
         let (dst, src) = match direction {
             Direction::HostToDevice => (device as *mut _, host_ptr.cast_const().cast()),
             _ => (host_ptr.cast(), device as *const _),
         };
-        let queued = (|| {
+        let queued = ffi::on_device(self.device().raw(), || {
             if bytes > 0 {
                 // SAFETY: the host side is `bytes` long and owned by `host`, which the
                 // returned `Transfer` keeps (or leaks) until the copy has finished; the
@@ -315,7 +318,7 @@ impl Stream {
                 unsafe { ffi::memcpy_async(dst, src, bytes, direction, self.as_raw())? };
             }
             Ok(Arc::new(self.record_event_untimed()?))
-        })();
+        });
         match queued {
             Ok(event) => {
                 if let Some(range) = tracked {

@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use cuda_pinned::Device;
 use pinned_pool::Pool;
 
 use crate::error::LoaderError;
@@ -20,6 +21,7 @@ use crate::sampler::Sampler;
 /// | `DistributedSampler(rank, num_replicas)` | [`shard(rank, world_size)`](Self::shard) |
 /// | `in_order` | [`in_order`](Self::in_order) (`true` by default) |
 /// | `pin_memory=True` | always: batches are written straight into pinned memory |
+/// | `pin_memory_device` | [`device`](Self::device): the GPU the batches are for |
 #[derive(Clone, Debug)]
 pub struct LoaderConfig {
     pub(crate) batch_size: usize,
@@ -32,6 +34,7 @@ pub struct LoaderConfig {
     pub(crate) in_order: bool,
     pub(crate) max_pinned_fraction: f64,
     pub(crate) pool: Option<Arc<Pool>>,
+    pub(crate) device: Option<Device>,
 }
 
 impl LoaderConfig {
@@ -50,6 +53,7 @@ impl LoaderConfig {
             in_order: true,
             max_pinned_fraction: 0.5,
             pool: None,
+            device: None,
         }
     }
 
@@ -109,6 +113,16 @@ impl LoaderConfig {
     /// pool of the loader's own.
     pub fn pool(mut self, pool: Arc<Pool>) -> Self {
         self.pool = Some(pool);
+        self
+    }
+
+    /// The GPU the batches are for (by default the device current on the thread that makes
+    /// a [`DeviceLoader`](crate::DeviceLoader)). The loader's threads make it current, so
+    /// its pinned memory goes on that GPU's NUMA node, and a device loader uploads to it.
+    /// With one loader per GPU in a process, give each its device and a
+    /// [`shard`](Self::shard).
+    pub fn device(mut self, device: Device) -> Self {
+        self.device = Some(device);
         self
     }
 

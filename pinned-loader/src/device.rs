@@ -6,7 +6,7 @@ use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use cuda_pinned::{DeviceBuffer, Event, RawCopy, Stream};
+use cuda_pinned::{Device, DeviceBuffer, Event, RawCopy, Stream};
 
 use crate::batch::{HostBatch, Region};
 use crate::dataset::Dataset;
@@ -73,7 +73,9 @@ pub struct DeviceLoader<D: Dataset> {
 
 impl<D: Dataset> DeviceLoader<D> {
     /// A device loader over `loader`, with its own copy stream and device memory for the
-    /// batches it uploads ahead (two) and those the consumer holds (two more).
+    /// batches it uploads ahead (two) and those the consumer holds (two more), on the
+    /// loader's [`device`](crate::LoaderConfig::device), else the calling thread's current
+    /// one. The calling thread's current device is left as it was.
     ///
     /// # Errors
     ///
@@ -83,11 +85,15 @@ impl<D: Dataset> DeviceLoader<D> {
         if assembly == Assembly::DeviceGather {
             gathered_storage(&loader.shared)?;
         }
-        let stream = Stream::new()?;
+        let device = match loader.shared.device {
+            Some(device) => device,
+            None => Device::current()?,
+        };
+        let stream = Stream::on(device)?;
         let ahead = 2;
         let slots = Arc::new(Mutex::new(Vec::new()));
         for _ in 0..ahead + 2 {
-            let slot = new_slot(&loader)?;
+            let slot = new_slot(&loader.shared, device)?;
             slots
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
@@ -105,6 +111,11 @@ impl<D: Dataset> DeviceLoader<D> {
     /// The stream the uploads run on.
     pub fn stream(&self) -> &Stream {
         &self.stream
+    }
+
+    /// The device the batches go to.
+    pub fn device(&self) -> Device {
+        self.stream.device()
     }
 
     /// The host loader behind it.
@@ -182,12 +193,14 @@ fn gathered_storage<D: Dataset>(
     Ok(storage)
 }
 
-fn new_slot<D: Dataset>(loader: &Loader<D>) -> Result<DeviceSlot, LoaderError> {
-    let buffers = loader
-        .shared
+fn new_slot<D: Dataset>(
+    shared: &crate::loader::Shared<D>,
+    device: Device,
+) -> Result<DeviceSlot, LoaderError> {
+    let buffers = shared
         .region_bytes
         .iter()
-        .map(|&bytes| DeviceBuffer::zeroed(bytes))
+        .map(|&bytes| DeviceBuffer::zeroed_on(device, bytes))
         .collect::<Result<_, _>>()?;
     Ok(DeviceSlot {
         buffers,
@@ -228,19 +241,7 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
             .pop();
         let mut slot = match free {
             Some(slot) => slot,
-            None => {
-                let buffers = self
-                    .shared
-                    .region_bytes
-                    .iter()
-                    .map(|&bytes| DeviceBuffer::zeroed(bytes))
-                    .collect::<Result<_, _>>()?;
-                DeviceSlot {
-                    buffers,
-                    released: Vec::new(),
-                    timing: None,
-                }
-            }
+            None => new_slot(&self.shared, self.stream.device())?,
         };
         for event in &slot.released {
             if let Err(error) = self.stream.wait_event(event) {
@@ -497,14 +498,28 @@ impl<F: Fields> DeviceBatch<F> {
         &self.ready
     }
 
+    /// The device the batch is on.
+    pub fn device(&self) -> Device {
+        self.ready.device()
+    }
+
     /// Makes `stream` wait (on the device, the host does not block) until the batch is
     /// there, and returns its fields for work queued on `stream`. Use them on no other
     /// stream unless it too was passed here.
     ///
     /// # Errors
     ///
-    /// The CUDA error.
+    /// [`cuda_pinned::Error::DeviceMismatch`] for a stream of another device than the
+    /// batch's, or the CUDA error.
     pub fn ready_on(&mut self, stream: &Stream) -> Result<F::Device<'_>, LoaderError> {
+        if stream.device() != self.device() {
+            return Err(cuda_pinned::Error::DeviceMismatch {
+                what: "the consumer's stream",
+                expected: self.device().ordinal(),
+                found: stream.device().ordinal(),
+            }
+            .into());
+        }
         stream.wait_event(&self.ready)?;
         if !self.streams.contains(stream) {
             self.streams.push(stream.clone());

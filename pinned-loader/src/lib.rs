@@ -50,6 +50,7 @@
 //! | `DataLoader(batch_size, num_workers, prefetch_factor, shuffle, drop_last, persistent_workers, in_order)` | [`LoaderConfig`] |
 //! | `DistributedSampler(rank, num_replicas)` | [`LoaderConfig::shard`] |
 //! | `pin_memory=True` | always |
+//! | `pin_memory_device` / one process per GPU | [`LoaderConfig::device`]: one loader per GPU, sharing a pool |
 //! | `.to(device, non_blocking=True)` | [`DeviceLoader`], [`DeviceBatch::ready_on`] |
 //!
 //! # Design note
@@ -76,6 +77,11 @@
 //! `cudaMemcpyBatchAsync`. Either way the batch's readiness is an event the consumer's
 //! stream waits on, and its device memory is reused only after the consumer's streams have
 //! passed their work on it.
+//!
+//! *Several GPUs.* Give each GPU its own loader, with [`LoaderConfig::device`], its rank in
+//! [`LoaderConfig::shard`] and one shared [`pinned_pool::Pool`]: its workers pin on that
+//! GPU's NUMA node, its stream and device memory are on that GPU, and a consumer's stream of
+//! another device is refused. The `several_gpus` example runs one training thread per GPU.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 

@@ -60,6 +60,8 @@ pub(crate) struct Shared<D: Dataset> {
     pub(crate) region_bytes: Vec<usize>,
     pub(crate) pool: Arc<Pool>,
     pub(crate) slots: Arc<SlotPool>,
+    /// Made current on the loader's threads (the pinned memory's NUMA node follows it).
+    pub(crate) device: Option<cuda_pinned::Device>,
     state: Mutex<State>,
     /// Work was queued, or the workers should stop.
     work: Condvar,
@@ -236,7 +238,10 @@ impl<D: Dataset> Shared<D> {
                 let shared = self.clone();
                 std::thread::Builder::new()
                     .name(format!("pinned-loader-{i}"))
-                    .spawn(move || shared.work())
+                    .spawn(move || {
+                        use_device(shared.device);
+                        shared.work();
+                    })
                     .ok()
             })
             .collect()
@@ -249,6 +254,14 @@ impl<D: Dataset> Shared<D> {
             let _ = worker.join();
         }
         self.state().shutdown = false;
+    }
+}
+
+/// Makes the loader's device current on one of its own threads. A failure is not fatal: the
+/// memory then lands on another node, and uploads name their device anyway.
+fn use_device(device: Option<cuda_pinned::Device>) {
+    if let Some(device) = device {
+        let _ = device.set_current();
     }
 }
 
@@ -316,8 +329,10 @@ impl<D: Dataset> Loader<D> {
                 .map(|m| {
                     let (pool, region_bytes) = (&pool, &region_bytes);
                     let count = (m..slots).step_by(makers).count();
+                    let device = config.device;
                     std::thread::Builder::new()
                         .spawn_scoped(scope, move || {
+                            use_device(device);
                             (0..count).map(|_| Slot::new(pool, region_bytes)).collect()
                         })
                         .map_err(|_| count)
@@ -348,6 +363,7 @@ impl<D: Dataset> Loader<D> {
             region_bytes,
             pool,
             slots: free,
+            device: config.device,
             state: Mutex::new(State {
                 generation: 0,
                 tasks: VecDeque::new(),

@@ -50,6 +50,11 @@
 //! whichever thread frees it. On one node the pool never asks, and its lists are as they
 //! were. Nodes numbered below 16 are kept apart; higher numbers share lists (modulo 16).
 //!
+//! *Several GPUs.* One pool serves every device of the process: its memory is portable (any
+//! device copies from any block), blocks stay with the node they were pinned on, and a block
+//! used on several devices' streams waits for all of them before reuse, each use recorded as
+//! an event on its own stream's device.
+//!
 //! *Stream safety.* A buffer dropped while device work may still use it (a copy in flight, a
 //! recorded stream) arrives through `deallocate_after` with an event per stream, recorded at
 //! free time as PyTorch does. The block waits in a pending list and becomes reusable as soon

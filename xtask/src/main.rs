@@ -46,6 +46,7 @@ const FUNCTIONS: &[&str] = &[
     "cudaSetDevice",
     "cudaStreamCreateWithFlags",
     "cudaStreamDestroy",
+    "cudaStreamGetDevice",
     "cudaStreamQuery",
     "cudaStreamSynchronize",
     "cudaStreamWaitEvent",
@@ -55,8 +56,11 @@ const FUNCTIONS: &[&str] = &[
 const CONSTANTS: &str = "CUDART_VERSION|cudaHostAlloc[A-Za-z]+|cudaHostRegister[A-Za-z]+|\
 cudaStream(Default|NonBlocking)|cudaEvent(Default|BlockingSync|DisableTiming|Interprocess)";
 
-/// Driver API functions bound (the virtual-memory calls for host memory). Keep sorted.
+/// Driver API functions bound (the current context, and the virtual-memory calls for host
+/// memory). Keep sorted.
 const DRIVER_FUNCTIONS: &[&str] = &[
+    "cuCtxGetCurrent",
+    "cuCtxSetCurrent",
     "cuGetErrorName",
     "cuGetErrorString",
     "cuMemAddressFree",

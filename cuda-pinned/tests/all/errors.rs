@@ -128,3 +128,33 @@ fn the_legacy_default_stream_cannot_be_adopted() {
         );
     }
 }
+
+#[test]
+fn a_device_mismatch_names_both_devices() {
+    let error = Error::DeviceMismatch {
+        what: "the stream",
+        expected: 1,
+        found: 0,
+    };
+    assert_eq!(
+        error.to_string(),
+        "the stream belongs to device 0, but this needs one of device 1"
+    );
+}
+
+#[test]
+fn streams_events_and_device_memory_without_cuda_say_so() {
+    if cuda_pinned::is_available() {
+        return;
+    }
+    let unavailable = |result: cuda_pinned::Result<()>| {
+        assert!(
+            matches!(result, Err(Error::Unavailable(_))),
+            "{result:?}"
+        );
+    };
+    unavailable(cuda_pinned::Stream::new().map(drop));
+    unavailable(cuda_pinned::Event::new().map(drop));
+    unavailable(cuda_pinned::DeviceBuffer::<u8>::zeroed(16).map(drop));
+    unavailable(cuda_pinned::Stager::new().map(drop));
+}

@@ -7,6 +7,7 @@ mod api2;
 mod boxed;
 mod errors;
 mod gpu;
+mod gpu_devices;
 mod gpu_views;
 mod gpu_virtual;
 mod pin;

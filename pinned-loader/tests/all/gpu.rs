@@ -183,3 +183,49 @@ fn host_batches_of_a_loader_copy_to_the_device() {
     }
     drop(stream);
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn one_loader_per_device_sharing_a_pool_delivers_every_sample_once() {
+    let devices = cuda_pinned::Device::all().unwrap();
+    let world = devices.len();
+    let pool = Arc::new(pinned_pool::Pool::new());
+    // The consumer thread stays on device 0 whichever device each loader feeds.
+    devices[0].set_current().unwrap();
+    for assembly in [Assembly::HostCollate, Assembly::DeviceGather] {
+        let mut seen = Vec::new();
+        for (rank, &device) in devices.iter().enumerate() {
+            let dataset = PinnedSamples::from_dataset(&Images { len: 250 }).unwrap();
+            let config = LoaderConfig::new(16)
+                .workers(2)
+                .shuffle(5)
+                .shard(rank, world)
+                .drop_last(true)
+                .pool(pool.clone())
+                .device(device);
+            let mut loader =
+                DeviceLoader::new(Loader::new(dataset, config).unwrap(), assembly).unwrap();
+            assert_eq!(loader.device(), device);
+            let consumer = Stream::on(device).unwrap();
+            for batch in loader.epoch(1) {
+                let mut batch = batch.unwrap();
+                assert_eq!(batch.device(), device);
+                let fields = batch.ready_on(&consumer).unwrap();
+                seen.extend(check_batch(&consumer, fields));
+            }
+            assert_eq!(cuda_pinned::Device::current().unwrap(), devices[0]);
+        }
+        // Each rank gets 250 / world samples (drop_last), all distinct, none damaged.
+        let per_rank = 250 / world;
+        let before = seen.len();
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(
+            before,
+            seen.len(),
+            "{assembly:?}: a sample went to two devices"
+        );
+        assert_eq!(seen.len(), per_rank / 16 * 16 * world, "{assembly:?}");
+    }
+    assert_eq!(pool.stats().active_requests.current, 0);
+}

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use cuda_pinned::{
-    DeviceBuffer, MemoryKind, PinnedAllocator, PinnedVec, Registered, Stream, VirtualHost,
+    Device, DeviceBuffer, MemoryKind, PinnedAllocator, PinnedVec, Registered, Stream, VirtualHost,
 };
 use pinned_pool::{Pool, PoolConfig};
 
@@ -27,17 +27,45 @@ fn virtual_pool() -> Pool<VirtualHost> {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_block_in_flight_is_not_reused_until_its_copy_ends() {
-    in_flight_block_waits(Pool::new(), |kind| kind == MemoryKind::Registered);
-    in_flight_block_waits(virtual_pool(), |kind| kind == MemoryKind::VirtualHost);
+    let device = Device::current().unwrap();
+    in_flight_block_waits(Pool::new(), device, |kind| kind == MemoryKind::Registered);
+    in_flight_block_waits(virtual_pool(), device, |kind| {
+        kind == MemoryKind::VirtualHost
+    });
     // Blocks registered in 2 MiB chunks: the copy is split, the block still waits for all of it.
     let chunks = Registered::new().register_in_chunks(2 << 20);
-    in_flight_block_waits(Pool::with_backend(chunks, PoolConfig::default()), |kind| {
-        kind == MemoryKind::Registered
-    });
+    in_flight_block_waits(
+        Pool::with_backend(chunks, PoolConfig::default()),
+        device,
+        |kind| kind == MemoryKind::Registered,
+    );
 }
 
-fn in_flight_block_waits<B: PinnedAllocator>(pool: Pool<B>, kind: fn(MemoryKind) -> bool) {
-    let stream = Stream::new().unwrap();
+/// The last device, and the first made current meanwhile: on a machine with two GPUs, a
+/// block used on device 1 from a thread on device 0.
+fn last_device_from_the_first() -> Device {
+    let all = Device::all().unwrap();
+    all[0].set_current().unwrap();
+    *all.last().unwrap()
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_block_used_on_another_device_is_not_reused_until_its_copy_ends() {
+    let device = last_device_from_the_first();
+    in_flight_block_waits(Pool::new(), device, |kind| kind == MemoryKind::Registered);
+    in_flight_block_waits(virtual_pool(), device, |kind| {
+        kind == MemoryKind::VirtualHost
+    });
+    assert_eq!(Device::current().unwrap().ordinal(), 0);
+}
+
+fn in_flight_block_waits<B: PinnedAllocator>(
+    pool: Pool<B>,
+    on: Device,
+    kind: fn(MemoryKind) -> bool,
+) {
+    let stream = Stream::on(on).unwrap();
     let data = pattern(LEN);
     let mut block = pool.with_capacity(LEN).unwrap();
     block.extend_from_slice(&data);
@@ -47,7 +75,7 @@ fn in_flight_block_waits<B: PinnedAllocator>(pool: Pool<B>, kind: fn(MemoryKind)
         block.memory_kind()
     );
     let address = block.as_ptr();
-    let mut device = DeviceBuffer::<u8>::zeroed(LEN).unwrap();
+    let mut device = DeviceBuffer::<u8>::zeroed_on(on, LEN).unwrap();
 
     block_stream(&stream, 300);
     block.record_stream(&stream); // as PyTorch's record_stream; the copy records itself too
@@ -91,17 +119,30 @@ fn in_flight_block_waits<B: PinnedAllocator>(pool: Pool<B>, kind: fn(MemoryKind)
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_block_used_on_two_streams_waits_for_both() {
-    used_on_two_streams(Pool::new());
-    used_on_two_streams(virtual_pool());
+    let device = Device::current().unwrap();
+    used_on_two_streams(Pool::new(), [device; 2]);
+    used_on_two_streams(virtual_pool(), [device; 2]);
 }
 
-fn used_on_two_streams<B: PinnedAllocator>(pool: Pool<B>) {
-    let (copy_stream, other_stream) = (Stream::new().unwrap(), Stream::new().unwrap());
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_block_used_on_two_devices_waits_for_both() {
+    let last = last_device_from_the_first();
+    let first = Device::new(0).unwrap();
+    used_on_two_streams(Pool::new(), [first, last]);
+    used_on_two_streams(Pool::new(), [last, first]);
+    used_on_two_streams(virtual_pool(), [last, first]);
+}
+
+/// A block copied on a stream of `devices[0]` and used on one of `devices[1]`.
+fn used_on_two_streams<B: PinnedAllocator>(pool: Pool<B>, devices: [Device; 2]) {
+    let copy_stream = Stream::on(devices[0]).unwrap();
+    let other_stream = Stream::on(devices[1]).unwrap();
     let data = pattern(LEN);
     let mut block = pool.with_capacity(LEN).unwrap();
     block.extend_from_slice(&data);
     let address = block.as_ptr();
-    let mut device = DeviceBuffer::<u8>::zeroed(LEN).unwrap();
+    let mut device = DeviceBuffer::<u8>::zeroed_on(devices[0], LEN).unwrap();
 
     block_stream(&copy_stream, 100);
     block.record_stream(&other_stream); // e.g. a kernel reading it through its device pointer

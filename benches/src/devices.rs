@@ -1,0 +1,206 @@
+//! `devices`: every GPU's H2D bandwidth alone, then all of them at once (does one GPU's copy
+//! slow another's, and what do they reach together?), and, on machines with several NUMA
+//! nodes, each GPU from memory on every node.
+
+use std::sync::Barrier;
+use std::time::Instant;
+
+use cuda_pinned::{Device, DeviceBuffer, PinnedVec, Registered, Result, Stream};
+
+use crate::host;
+use crate::progress::Progress;
+use crate::report::{Section, Spread, Value, size_label};
+
+fn bytes(quick: bool) -> usize {
+    if quick { 64 << 20 } else { 256 << 20 }
+}
+
+fn reps(quick: bool) -> usize {
+    if quick { 5 } else { 15 }
+}
+
+/// Work items, for the progress bar: each device alone, all together, each node.
+pub fn steps(devices: usize, nodes: usize) -> usize {
+    devices + 1 + if nodes > 1 { devices * nodes } else { 0 }
+}
+
+/// The NUMA node nearest `device`: CUDA's answer, else sysfs's.
+fn node_of(device: Device) -> Option<u32> {
+    device.host_numa_node().or_else(|| {
+        device
+            .pci_bus_id()
+            .ok()
+            .and_then(|bus| host::pci_facts(&bus).numa_node)
+    })
+}
+
+/// `reps` timed H2D copies of `bytes` on `device` from pinned memory of `memory`, after one
+/// untimed copy; every thread given the same `start` begins its timed copies together. Runs
+/// on the calling thread with `device` current (the memory then lands on its node unless
+/// `memory` names another). GB/s of each copy, and the seconds from `start` to the last.
+fn h2d(
+    device: Device,
+    memory: Registered,
+    bytes: usize,
+    reps: usize,
+    start: &Barrier,
+) -> Result<(Vec<f64>, f64)> {
+    device.set_current()?;
+    let stream = Stream::on(device)?;
+    let mut source = PinnedVec::with_capacity_in(bytes, memory)?;
+    source.resize(bytes, 7);
+    let mut target = DeviceBuffer::<u8>::zeroed_on(device, bytes)?;
+    source = stream.copy_to_device(source, &mut target)?.wait()?;
+    let (begin, end) = (
+        cuda_pinned::Event::on(device)?,
+        cuda_pinned::Event::on(device)?,
+    );
+    start.wait();
+    let started = Instant::now();
+    let mut gbps = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        begin.record(&stream)?;
+        let upload = stream.copy_to_device(source, &mut target)?;
+        end.record(&stream)?;
+        source = upload.wait()?;
+        let ms = f64::from(end.elapsed_ms_since(&begin)?);
+        gbps.push(bytes as f64 / (ms * 1e-3) / 1e9);
+    }
+    Ok((gbps, started.elapsed().as_secs_f64()))
+}
+
+/// One device's copies on a thread of its own (its current device is its own business).
+fn alone(device: Device, memory: Registered, bytes: usize, reps: usize) -> Result<Vec<f64>> {
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| h2d(device, memory, bytes, reps, &Barrier::new(1)).map(|(gbps, _)| gbps))
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    })
+}
+
+pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
+    let (bytes, reps) = (bytes(quick), reps(quick));
+    let devices = Device::all()?;
+    let nodes = host::online_numa_nodes();
+    let mut section = Section::new(
+        "devices",
+        &format!(
+            "Each GPU alone and all at once: H2D copies of {} from page-locked memory (GB/s per \
+             copy, {reps} copies)",
+            size_label(bytes as u64)
+        ),
+        &[
+            "device",
+            "gpu node",
+            "memory",
+            "run",
+            "min",
+            "median",
+            "max",
+            "% of alone",
+        ],
+    );
+    let node_label = |node: Option<u32>| node.map_or("-".to_owned(), |n| n.to_string());
+    let mut alone_medians = Vec::new();
+    for &device in &devices {
+        progress.step(&format!("device {} alone", device.ordinal()));
+        let spread = Spread::of(alone(device, Registered::new(), bytes, reps)?);
+        alone_medians.push(spread.median);
+        let mut row = vec![
+            Value::Int(device.ordinal() as u64),
+            Value::Text(node_label(node_of(device))),
+            Value::Text("its node".into()),
+            Value::Text("alone".into()),
+        ];
+        row.extend(spread.cells(1));
+        row.push(Value::Missing);
+        section.row(row);
+    }
+
+    progress.step("all devices at once");
+    let start = Barrier::new(devices.len());
+    let together: Vec<Result<(Vec<f64>, f64)>> = std::thread::scope(|scope| {
+        let threads: Vec<_> = devices
+            .iter()
+            .map(|&device| {
+                let start = &start;
+                scope.spawn(move || h2d(device, Registered::new(), bytes, reps, start))
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| t.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    let mut slowest = 0.0f64;
+    for ((&device, result), alone) in devices.iter().zip(together).zip(&alone_medians) {
+        let (gbps, seconds) = result?;
+        slowest = slowest.max(seconds);
+        let spread = Spread::of(gbps);
+        let mut row = vec![
+            Value::Int(device.ordinal() as u64),
+            Value::Text(node_label(node_of(device))),
+            Value::Text("its node".into()),
+            Value::Text("together".into()),
+        ];
+        row.extend(spread.cells(1));
+        row.push(Value::Num(100.0 * spread.median / alone, 1));
+        section.row(row);
+    }
+    let aggregate = (devices.len() * reps * bytes) as f64 / slowest / 1e9;
+    let sum_alone: f64 = alone_medians.iter().sum();
+    section.row(vec![
+        Value::Text("all".into()),
+        Value::Missing,
+        Value::Text("its node".into()),
+        Value::Text("together, aggregate".into()),
+        Value::Missing,
+        Value::Num(aggregate, 1),
+        Value::Missing,
+        Value::Num(100.0 * aggregate / sum_alone, 1),
+    ]);
+    section.notes.push(
+        "Each GPU's copies run on a thread of their own; the aggregate is all bytes over the \
+         time from the common start to the last copy's end, against the sum of the alone \
+         medians (host clock, so slightly under the device's)."
+            .into(),
+    );
+    if devices.len() == 1 {
+        section
+            .notes
+            .push("One GPU here: \"together\" is the same GPU run again.".into());
+    }
+
+    if nodes.len() > 1 {
+        for &device in &devices {
+            for &node in &nodes {
+                progress.step(&format!("device {} from node {node}", device.ordinal()));
+                let measured = alone(device, Registered::new().node(node), bytes, reps);
+                let mut row = vec![
+                    Value::Int(device.ordinal() as u64),
+                    Value::Text(node_label(node_of(device))),
+                    Value::Text(format!("node {node}")),
+                    Value::Text("alone".into()),
+                ];
+                match measured {
+                    Ok(gbps) => row.extend(Spread::of(gbps).cells(1)),
+                    Err(e) => {
+                        section
+                            .notes
+                            .push(format!("device {device:?} from node {node}: {e}"));
+                        row.extend([Value::Missing, Value::Missing, Value::Missing]);
+                    }
+                }
+                row.push(Value::Missing);
+                section.row(row);
+            }
+        }
+    } else {
+        section.notes.push(
+            "One NUMA node here: memory on another node than the GPU's could not be measured."
+                .into(),
+        );
+    }
+    Ok(section)
+}
