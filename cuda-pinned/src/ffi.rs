@@ -110,17 +110,34 @@ pub(crate) fn on_device<R>(device: i32, work: impl FnOnce() -> Result<R>) -> Res
     if previous == device {
         return work();
     }
-    let context = current_context().ok();
+    let _restore = Restore {
+        context: current_context().ok(),
+        device: previous,
+    };
     set_device(device)?;
-    let result = work();
-    // SAFETY: the context was current on this thread a moment ago and this crate destroys
-    // none; null (no context) is allowed.
-    let restored = context.is_some_and(|context| unsafe { set_context(context) }.is_ok());
-    if !restored {
-        // Nothing better is left to do if even this fails; the work's result is what counts.
-        let _ = set_device(previous);
+    work()
+}
+
+/// Puts back the context (or device) current before [`on_device`], also when its work
+/// unwinds.
+struct Restore {
+    context: Option<cu::CUcontext>,
+    device: i32,
+}
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        // SAFETY: the context was current on this thread a moment ago and this crate destroys
+        // none; null (no context) is allowed.
+        let restored = self
+            .context
+            .is_some_and(|context| unsafe { set_context(context) }.is_ok());
+        if !restored {
+            // Nothing better is left to do if even this fails; the work's result is what
+            // counts.
+            let _ = set_device(self.device);
+        }
     }
-    result
 }
 
 /// The calling thread's current driver context; null when it has none.

@@ -366,11 +366,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
                 return Ok(cached);
             }
             if let Some(block) = ahead.take(class) {
-                let allocation = self.adopt(block, class, size);
-                let mut central = self.central.lock();
-                // SAFETY: this thread owns `local`, is outside `enter` and holds the lock.
-                let data = unsafe { self.own(local) };
-                self.hand_out(&mut central, local, data, size, false, None);
+                let allocation = self.adopt(local, block, class, size);
                 return Ok(Cached::new(&allocation, None));
             }
         }
@@ -397,11 +393,8 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
                 return Ok(cached);
             }
         }
-        let allocation = self.pin_new(class, size)?;
-        let mut central = self.central.lock();
-        // SAFETY: this thread owns `local`, is outside `enter` and holds the lock.
-        let data = unsafe { self.own(local) };
-        self.hand_out(&mut central, local, data, size, false, None);
+        let block = self.pin_from_backend(size)?;
+        let allocation = self.adopt(local, block, class, size);
         Ok(Cached::new(&allocation, None))
     }
 
@@ -530,16 +523,9 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         Paused { pool: self }
     }
 
-    /// Pins a new block from the backend, within the limit, retrying once after releasing
-    /// the idle cache.
-    fn pin_new(&self, class: usize, size: usize) -> Result<Allocation> {
-        let block = self.pin_from_backend(size)?;
-        Ok(self.adopt(block, class, size))
-    }
-
-    /// Makes `block` (pinned for `class`, counted against the cap) one of the pool's blocks,
-    /// and returns it as handed out.
-    fn adopt(&self, block: Allocation, class: usize, size: usize) -> Allocation {
+    /// Makes `block` (new, pinned for `class` and counted against the cap) one of the pool's
+    /// blocks, and hands it out to `local`'s thread: one pass under the lock counts both.
+    fn adopt(&self, local: &Local, block: Allocation, class: usize, size: usize) -> Allocation {
         let handed = Allocation::new(block.ptr(), size, block.kind(), class);
         let bytes = block.bytes() as u64;
         self.blocks
@@ -548,6 +534,10 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         let mut central = self.central.lock();
         raise(&mut central.allocations, 1);
         raise(&mut central.allocated_bytes, bytes);
+        // SAFETY: this thread owns `local` (the allocating thread's cache, or the shared one),
+        // is outside `enter` and holds the lock.
+        let data = unsafe { self.own(local) };
+        self.hand_out(&mut central, local, data, size, false, None);
         handed
     }
 

@@ -148,10 +148,7 @@ fn streams_events_and_device_memory_without_cuda_say_so() {
         return;
     }
     let unavailable = |result: cuda_pinned::Result<()>| {
-        assert!(
-            matches!(result, Err(Error::Unavailable(_))),
-            "{result:?}"
-        );
+        assert!(matches!(result, Err(Error::Unavailable(_))), "{result:?}");
     };
     unavailable(cuda_pinned::Stream::new().map(drop));
     unavailable(cuda_pinned::Event::new().map(drop));
