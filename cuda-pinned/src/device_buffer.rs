@@ -45,20 +45,20 @@ pub struct DeviceBuffer<T> {
     _owns: PhantomData<T>,
 }
 
-/// The latest async copy event per stream (by raw handle) of one device buffer: stream order
-/// covers the earlier ones.
+/// The latest async copy event per stream of one device buffer: stream order covers the
+/// earlier ones. Each entry keeps its stream alive, so that a stream created later cannot
+/// take the handle of a finished one and pass for it.
 #[derive(Default)]
-pub(crate) struct PendingCopies(Mutex<Vec<(usize, Arc<Event>)>>);
+pub(crate) struct PendingCopies(Mutex<Vec<(Stream, Arc<Event>)>>);
 
 impl PendingCopies {
     /// Makes `stream` wait (on the device) for unfinished copies on other streams; its own
     /// earlier copies are ordered by the stream already.
     pub(crate) fn order_before(&self, stream: &Stream) -> Result<()> {
         let mut pending = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        let own = stream.as_raw() as usize;
         let mut result = Ok(());
         pending.retain(|(other, event)| {
-            if *other == own || result.is_err() {
+            if other == stream || result.is_err() {
                 return true;
             }
             match event.query() {
@@ -79,10 +79,9 @@ impl PendingCopies {
     /// Remembers an async copy's event as the latest on `stream`.
     pub(crate) fn track(&self, stream: &Stream, event: Arc<Event>) {
         let mut pending = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        let own = stream.as_raw() as usize;
-        match pending.iter_mut().find(|(other, _)| *other == own) {
+        match pending.iter_mut().find(|(other, _)| other == stream) {
             Some(slot) => slot.1 = event,
-            None => pending.push((own, event)),
+            None => pending.push((stream.clone(), event)),
         }
     }
 
