@@ -5,7 +5,7 @@
 use std::sync::Barrier;
 use std::time::Instant;
 
-use cuda_pinned::{Device, DeviceBuffer, PinnedVec, Registered, Result, Stream};
+use cuda_pinned::{Device, DeviceBuffer, Event, PinnedVec, Registered, Result, Stream};
 
 use crate::host;
 use crate::progress::Progress;
@@ -35,9 +35,10 @@ fn node_of(device: Device) -> Option<u32> {
 }
 
 /// `reps` timed H2D copies of `bytes` on `device` from pinned memory of `memory`, after one
-/// untimed copy; every thread given the same `start` begins its timed copies together. Runs
-/// on the calling thread with `device` current (the memory then lands on its node unless
-/// `memory` names another). GB/s of each copy, and the seconds from `start` to the last.
+/// untimed copy; every thread given the same `start` begins its timed copies together (and
+/// waits there even when its setup failed, so that none waits forever). Runs on the calling
+/// thread with `device` current (the memory then lands on its node unless `memory` names
+/// another). GB/s of each copy, and the seconds from `start` to the last.
 fn h2d(
     device: Device,
     memory: Registered,
@@ -45,17 +46,18 @@ fn h2d(
     reps: usize,
     start: &Barrier,
 ) -> Result<(Vec<f64>, f64)> {
-    device.set_current()?;
-    let stream = Stream::on(device)?;
-    let mut source = PinnedVec::with_capacity_in(bytes, memory)?;
-    source.resize(bytes, 7);
-    let mut target = DeviceBuffer::<u8>::zeroed_on(device, bytes)?;
-    source = stream.copy_to_device(source, &mut target)?.wait()?;
-    let (begin, end) = (
-        cuda_pinned::Event::on(device)?,
-        cuda_pinned::Event::on(device)?,
-    );
+    let setup = (|| -> Result<_> {
+        device.set_current()?;
+        let stream = Stream::on(device)?;
+        let mut source = PinnedVec::with_capacity_in(bytes, memory)?;
+        source.resize(bytes, 7);
+        let mut target = DeviceBuffer::<u8>::zeroed_on(device, bytes)?;
+        source = stream.copy_to_device(source, &mut target)?.wait()?;
+        let events = (Event::on(device)?, Event::on(device)?);
+        Ok((stream, source, target, events))
+    })();
     start.wait();
+    let (stream, mut source, mut target, (begin, end)) = setup?;
     let started = Instant::now();
     let mut gbps = Vec::with_capacity(reps);
     for _ in 0..reps {

@@ -6,6 +6,8 @@
 
 pub type CUdeviceptr_v2 = ::core::ffi::c_ulonglong;
 pub type CUdeviceptr = CUdeviceptr_v2;
+pub type CUdevice_v1 = ::core::ffi::c_int;
+pub type CUdevice = CUdevice_v1;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct CUctx_st {
@@ -858,6 +860,8 @@ driver_api! {
         error: CUresult,
         pStr: *mut *const ::core::ffi::c_char,
     ) -> CUresult;
+    pub fn cuDeviceGet(device: *mut CUdevice, ordinal: ::core::ffi::c_int) -> CUresult;
+    pub fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult;
     pub fn cuCtxSetCurrent(ctx: CUcontext) -> CUresult;
     pub fn cuCtxGetCurrent(pctx: *mut CUcontext) -> CUresult;
     pub fn cuMemAddressReserve(

@@ -76,8 +76,9 @@ pub trait CudarcCopies {
     ///
     /// # Errors
     ///
-    /// [`Error::LengthMismatch`] when the lengths differ, or the CUDA error (making the
-    /// stream's device current among them). `src` is then dropped: given back to its
+    /// [`Error::LengthMismatch`] when the lengths differ, [`Error::DeviceMismatch`] when the
+    /// device memory belongs to another context than the stream, or the CUDA error (making
+    /// the stream's device current among them). `src` is then dropped: given back to its
     /// allocator once nothing can still use it.
     fn copy_to_device<B, D>(&self, src: B, dst: &mut D) -> Result<Transfer<B>>
     where
@@ -105,7 +106,7 @@ impl CudarcCopies for Arc<CudaStream> {
         B::Elem: NoUninit,
         D: DevicePtrMut<B::Elem>,
     {
-        let stream = prepare(self, src.host_parts().1, dst.len())?;
+        let stream = prepare(self, src.host_parts().1, dst.len(), dst.stream())?;
         ffi::on_device(ordinal(self), || {
             // cudarc makes the stream wait for earlier uses of `dst`, and records this write
             // on drop of `_written`, after the copy is queued.
@@ -123,7 +124,7 @@ impl CudarcCopies for Arc<CudaStream> {
         B::Elem: AnyBitPattern,
         D: DevicePtr<B::Elem>,
     {
-        let stream = prepare(self, dst.host_parts().1, src.len())?;
+        let stream = prepare(self, dst.host_parts().1, src.len(), src.stream())?;
         ffi::on_device(ordinal(self), || {
             let (address, _read) = src.device_ptr(self);
             // SAFETY: as in `copy_to_device`, with the device range read; cudarc orders later
@@ -133,13 +134,27 @@ impl CudarcCopies for Arc<CudaStream> {
     }
 }
 
-/// Checks the lengths and wraps the stream for this call (its default streams included: the
+/// Checks the lengths and that the device memory lives in the stream's context (cudarc could
+/// not record its use on the stream otherwise, and would free it while the copy runs), and
+/// wraps the stream for this call (its default streams included: the
 /// copy and its event are queued now, from this thread, with the stream's device current,
 /// where a default stream names the right one). The caller's current device is put back
 /// afterwards, where cudarc itself would leave its context bound.
-fn prepare(stream: &Arc<CudaStream>, host: usize, device: usize) -> Result<Stream> {
+fn prepare(
+    stream: &Arc<CudaStream>,
+    host: usize,
+    device: usize,
+    memory: &Arc<CudaStream>,
+) -> Result<Stream> {
     if host != device {
         return Err(Error::LengthMismatch { host, device });
+    }
+    if memory.context().cu_ctx() != stream.context().cu_ctx() {
+        return Err(Error::DeviceMismatch {
+            what: "the cudarc device memory",
+            expected: stream.context().ordinal(),
+            found: memory.context().ordinal(),
+        });
     }
     // SAFETY: the handle is kept alive by the clone held, and is a stream of the context's
     // device; the wrapper lives for this call only (copies record their event at once and

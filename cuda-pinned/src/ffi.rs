@@ -7,6 +7,7 @@
 
 use std::ffi::{c_int, c_void};
 use std::ptr::{self, NonNull};
+use std::sync::OnceLock;
 
 use cuda_pinned_sys::{self as sys, cudaError, cudart};
 
@@ -97,46 +98,52 @@ pub(crate) fn set_device(device: i32) -> Result<()> {
     cuda!(cudaSetDevice(device))
 }
 
-/// Runs `work` with `device` current on the calling thread, then makes current again what was
-/// current before. The driver's current context is what is saved and put back, so a thread
-/// that had none is left with none: working on device 1 never creates a context on device 0
-/// for a thread that only said "device 0" by default. Where the driver's context calls cannot
-/// be reached (runtimes before 12.5), the device number is put back instead.
+/// Runs `work` with `device`'s primary context current on the calling thread, then makes
+/// current again whatever context was current before: none, another device's, or a context
+/// of the user's own. The switch goes through the driver (`cuCtxSetCurrent`), never through
+/// `cudaSetDevice`, so the runtime's idea of the thread's device is untouched, and a thread
+/// that had no context is left with none (working on device 1 does not create a context on
+/// device 0). Where the driver's entry points cannot be reached (runtimes before 12.5), the
+/// runtime's device is switched and put back instead.
 ///
 /// Every call of this crate that touches a stream, event or buffer of a named device goes
-/// through here, so none leaves the caller's current device changed.
+/// through here, so none leaves the caller's current device changed, even when `work`
+/// unwinds.
 pub(crate) fn on_device<R>(device: i32, work: impl FnOnce() -> Result<R>) -> Result<R> {
+    if let (Ok(current), Ok(target)) = (current_context(), primary_context(device)) {
+        if current == target {
+            return work();
+        }
+        // SAFETY: `target` is a primary context this crate retained and never releases.
+        unsafe { set_context(target)? };
+        let _restore = Restore::Context(current);
+        return work();
+    }
     let previous = current_device()?;
     if previous == device {
         return work();
     }
-    let _restore = Restore {
-        context: current_context().ok(),
-        device: previous,
-    };
     set_device(device)?;
+    let _restore = Restore::Device(previous);
     work()
 }
 
-/// Puts back the context (or device) current before [`on_device`], also when its work
-/// unwinds.
-struct Restore {
-    context: Option<cu::CUcontext>,
-    device: i32,
+/// What [`on_device`] puts back when its work returns or unwinds.
+enum Restore {
+    Context(cu::CUcontext),
+    Device(i32),
 }
 
 impl Drop for Restore {
     fn drop(&mut self) {
-        // SAFETY: the context was current on this thread a moment ago and this crate destroys
-        // none; null (no context) is allowed.
-        let restored = self
-            .context
-            .is_some_and(|context| unsafe { set_context(context) }.is_ok());
-        if !restored {
-            // Nothing better is left to do if even this fails; the work's result is what
-            // counts.
-            let _ = set_device(self.device);
-        }
+        // Nothing better is left to do if this fails; the work's result is what counts.
+        let _ = match *self {
+            // SAFETY: the context was current on this thread a moment ago, and whoever owns
+            // it cannot have destroyed it while it was not current here; null (no context)
+            // is allowed.
+            Self::Context(context) => unsafe { set_context(context) },
+            Self::Device(device) => set_device(device),
+        };
     }
 }
 
@@ -152,6 +159,27 @@ fn current_context() -> Result<cu::CUcontext> {
 /// - `context` is null or a live context.
 unsafe fn set_context(context: cu::CUcontext) -> Result<()> {
     driver!(cuCtxSetCurrent(context))
+}
+
+/// The primary context of `device` (the runtime's, and cudarc's), retained once per process
+/// and kept: its handle is asked for on every switch.
+fn primary_context(device: i32) -> Result<cu::CUcontext> {
+    const KNOWN: usize = 64;
+    static RETAINED: [OnceLock<usize>; KNOWN] = [const { OnceLock::new() }; KNOWN];
+    let slot = usize::try_from(device).ok().and_then(|d| RETAINED.get(d));
+    if let Some(&context) = slot.and_then(OnceLock::get) {
+        return Ok(context as cu::CUcontext);
+    }
+    let mut handle = 0;
+    driver!(cuDeviceGet(&mut handle, device))?;
+    let mut context = ptr::null_mut();
+    // Retained for good: the crate's streams, events and memory live in it. (Two threads
+    // racing here retain it twice; the count only keeps it alive.)
+    driver!(cuDevicePrimaryCtxRetain(&mut context, handle))?;
+    if let Some(slot) = slot {
+        let _ = slot.set(context as usize);
+    }
+    Ok(context)
 }
 
 /// The device a stream belongs to (the runtime has the call from CUDA 12.8).

@@ -101,20 +101,23 @@
 //! Streams, events, device buffers and stagers belong to one device: the current one when
 //! made ([`Stream::new`], [`Event::new`], [`DeviceBuffer::zeroed`], [`Stager::new`]) or the
 //! one named ([`Stream::on`], [`Event::on`], [`DeviceBuffer::zeroed_on`], [`Stager::on`]),
-//! and each says which ([`Stream::device`]). Work on them runs on their device whichever
-//! device is current on the calling thread, and **no call leaves the thread's current device
-//! changed**; a thread that had no CUDA context is left without one. Where CUDA needs one
-//! device, mixing two is an [`Error::DeviceMismatch`]: a copy into a buffer of device 1 on a
-//! stream of device 0, an event recording another device's stream. A buffer used on
-//! several devices' streams is freed, or reused by a pool, only after every one of them has
-//! passed its work.
+//! and each says which ([`Stream::device`]). Work on them runs on their device's primary
+//! context whichever device is current on the calling thread, and **no call leaves the
+//! thread's current device changed**: the context current before is put back, and a thread
+//! that had none is left with none (with CUDA 12.5 or later; older runtimes put the device
+//! number back, which makes that device's context current). Getting pinned memory is the
+//! exception CUDA makes: `cudaHostRegister` and `cudaHostAlloc` work in the current device's
+//! context, device 0's on a thread that never chose one. Where CUDA needs one device, mixing
+//! two is an [`Error::DeviceMismatch`]: a copy into a buffer of device 1 on a stream of
+//! device 0, an event recording another device's stream. A buffer used on several devices'
+//! streams is freed, or reused by a pool, only after every one of them has passed its work.
 //!
 //! ```no_run
 //! use cuda_pinned::{Device, DeviceBuffer, PinnedVec, Stream};
 //! for device in Device::all()? {
 //!     let stream = Stream::on(device)?;
 //!     let mut memory = DeviceBuffer::<f32>::zeroed_on(device, 1 << 20)?;
-//!     let batch = PinnedVec::from_slice(&[1.0f32; 1 << 20])?;
+//!     let batch = PinnedVec::from_slice(&vec![1.0f32; 1 << 20])?;
 //!     stream.copy_to_device(batch, &mut memory)?.wait()?;
 //! }
 //! # Ok::<(), cuda_pinned::Error>(())

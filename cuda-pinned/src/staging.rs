@@ -128,7 +128,9 @@ impl<A: PinnedAllocator> Stager<A> {
     /// As [`with_config_in`](Self::with_config_in).
     pub fn with_config_on(device: Device, config: StagingConfig, allocator: A) -> Result<Self> {
         Ok(Self {
-            engine: ffi::on_device(device.raw(), || Engine::new(Cuda, config, allocator))?,
+            engine: ffi::on_device(device.raw(), || {
+                Engine::new(Cuda { device }, config, allocator)
+            })?,
             events: Mutex::new(Vec::new()),
         })
     }
@@ -222,7 +224,7 @@ impl<A: PinnedAllocator> Stager<A> {
         if let Some(event) = events.iter().find(|event| Arc::strong_count(event) == 1) {
             return Ok(event.clone());
         }
-        let event = Arc::new(Event::untimed()?);
+        let event = Arc::new(Event::untimed_on(self.device())?);
         if events.len() < KEPT {
             events.push(event.clone());
         }
@@ -377,15 +379,17 @@ pub(crate) trait Dma: Send + Sync + 'static {
     fn set_device(&self, device: i32) -> Result<()>;
 }
 
-/// The CUDA runtime.
-pub(crate) struct Cuda;
+/// The CUDA runtime, on one device.
+pub(crate) struct Cuda {
+    device: Device,
+}
 
 impl Dma for Cuda {
     type Stream = Stream;
     type Event = Event;
 
     fn event(&self) -> Result<Event> {
-        Event::untimed()
+        Event::untimed_on(self.device)
     }
 
     unsafe fn queue(

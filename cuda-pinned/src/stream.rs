@@ -119,6 +119,7 @@ impl Stream {
     ///
     /// # Errors
     ///
+    /// The CUDA error when the runtime cannot tell the stream's device (an invalid handle);
     /// [`Error::Unsupported`] for the default streams (null, `cudaStreamLegacy`,
     /// `cudaStreamPerThread`): they name a different stream on every device or thread, so a
     /// use recorded from one thread could be looked for on another stream later.
@@ -164,11 +165,13 @@ impl Stream {
             _ => {
                 let device = match device {
                     Some(device) => device,
-                    None => {
-                        // SAFETY: the caller vouches that `raw` is live.
-                        let asked = unsafe { ffi::stream_device(raw) };
-                        asked.or_else(|_| ffi::current_device())?
-                    }
+                    // SAFETY: the caller vouches that `raw` is live.
+                    None => match unsafe { ffi::stream_device(raw) } {
+                        Ok(device) => device,
+                        // A runtime before 12.8 cannot say: the documented assumption.
+                        Err(Error::Unavailable(_)) => ffi::current_device()?,
+                        Err(error) => return Err(error),
+                    },
                 };
                 // SAFETY: forwarded from the caller.
                 Ok(unsafe { Self::borrow(raw, owner, device) })
@@ -208,8 +211,11 @@ impl Stream {
     ///
     /// A CUDA error, including errors of earlier asynchronous work.
     pub fn synchronize(&self) -> Result<()> {
-        // SAFETY: the handle is live while `self` exists.
-        unsafe { ffi::stream_synchronize(self.as_raw()) }
+        // SAFETY: the handle is live while `self` exists. (On a thread without a context the
+        // runtime would make its default device's current: the stream's own is used.)
+        ffi::on_device(self.handle.device, || unsafe {
+            ffi::stream_synchronize(self.as_raw())
+        })
     }
 
     /// Whether all work queued on the stream has finished, without blocking.
@@ -219,7 +225,9 @@ impl Stream {
     /// A CUDA error, including errors of earlier asynchronous work.
     pub fn query(&self) -> Result<bool> {
         // SAFETY: the handle is live while `self` exists.
-        unsafe { ffi::stream_query(self.as_raw()) }
+        ffi::on_device(self.handle.device, || unsafe {
+            ffi::stream_query(self.as_raw())
+        })
     }
 
     /// Records a new event capturing all work queued on the stream so far.
@@ -259,7 +267,9 @@ impl Stream {
     /// A CUDA error.
     pub fn wait_event(&self, event: &Event) -> Result<()> {
         // SAFETY: both handles are live while borrowed.
-        unsafe { ffi::stream_wait_event(self.as_raw(), event.raw) }
+        ffi::on_device(self.handle.device, || unsafe {
+            ffi::stream_wait_event(self.as_raw(), event.raw)
+        })
     }
 
     /// Queues `function` to run on a driver thread once the work before it has finished;
@@ -400,10 +410,10 @@ impl Event {
         Self::create(device.raw(), sys::cudaEventDefault)
     }
 
-    /// An event for ordering only, without timing (cheaper to record and query), on the
-    /// current device.
-    pub(crate) fn untimed() -> Result<Self> {
-        Self::create(ffi::current_device()?, sys::cudaEventDisableTiming)
+    /// An event for ordering only, without timing (cheaper to record and query), on
+    /// `device`.
+    pub(crate) fn untimed_on(device: Device) -> Result<Self> {
+        Self::create(device.raw(), sys::cudaEventDisableTiming)
     }
 
     fn create(device: i32, flags: u32) -> Result<Self> {

@@ -117,9 +117,9 @@ impl LoaderConfig {
     }
 
     /// The GPU the batches are for (by default the device current on the thread that makes
-    /// a [`DeviceLoader`](crate::DeviceLoader)). The loader's threads make it current, so
-    /// its pinned memory goes on that GPU's NUMA node, and a device loader uploads to it.
-    /// With one loader per GPU in a process, give each its device and a
+    /// the [`Loader`](crate::Loader)). The loader's threads make it current, so its pinned
+    /// memory goes on that GPU's NUMA node, and a [`DeviceLoader`](crate::DeviceLoader)
+    /// uploads to it. With one loader per GPU in a process, give each its device and a
     /// [`shard`](Self::shard).
     pub fn device(mut self, device: Device) -> Self {
         self.device = Some(device);

@@ -74,8 +74,8 @@ pub struct DeviceLoader<D: Dataset> {
 impl<D: Dataset> DeviceLoader<D> {
     /// A device loader over `loader`, with its own copy stream and device memory for the
     /// batches it uploads ahead (two) and those the consumer holds (two more), on the
-    /// loader's [`device`](crate::LoaderConfig::device), else the calling thread's current
-    /// one. The calling thread's current device is left as it was.
+    /// loader's [`device`](crate::LoaderConfig::device). The calling thread's current device
+    /// is left as it was.
     ///
     /// # Errors
     ///
@@ -510,7 +510,9 @@ impl<F: Fields> DeviceBatch<F> {
     /// # Errors
     ///
     /// [`cuda_pinned::Error::DeviceMismatch`] for a stream of another device than the
-    /// batch's, or the CUDA error.
+    /// batch's (CUDA would let it wait, but its work could read the batch only through peer
+    /// access, which this crate does not set up: a batch per device is the way), or the
+    /// CUDA error.
     pub fn ready_on(&mut self, stream: &Stream) -> Result<F::Device<'_>, LoaderError> {
         if stream.device() != self.device() {
             return Err(cuda_pinned::Error::DeviceMismatch {

@@ -320,6 +320,10 @@ impl<D: Dataset> Loader<D> {
             });
         }
         let pool = config.pool.clone().unwrap_or_else(|| Arc::new(Pool::new()));
+        // Without CUDA there is none, and nothing to choose.
+        let device = config
+            .device
+            .or_else(|| cuda_pinned::Device::current().ok());
         let free = Arc::new(SlotPool::default());
         // Pinned by several threads: the pre-faulting and zeroing of each slot run in
         // parallel (the driver serialises only the registrations).
@@ -329,7 +333,6 @@ impl<D: Dataset> Loader<D> {
                 .map(|m| {
                     let (pool, region_bytes) = (&pool, &region_bytes);
                     let count = (m..slots).step_by(makers).count();
-                    let device = config.device;
                     std::thread::Builder::new()
                         .spawn_scoped(scope, move || {
                             use_device(device);
@@ -363,7 +366,7 @@ impl<D: Dataset> Loader<D> {
             region_bytes,
             pool,
             slots: free,
-            device: config.device,
+            device,
             state: Mutex::new(State {
                 generation: 0,
                 tasks: VecDeque::new(),

@@ -50,8 +50,9 @@
 //! whichever thread frees it. On one node the pool never asks, and its lists are as they
 //! were. Nodes numbered below 16 are kept apart; higher numbers share lists (modulo 16).
 //!
-//! *Several GPUs.* One pool serves every device of the process: its memory is portable (any
-//! device copies from any block), blocks stay with the node they were pinned on, and a block
+//! *Several GPUs.* One pool serves every device of the process: with the default backends
+//! its memory is portable (any device copies from any block; `HostLocked` memory is no
+//! device's), blocks stay with the node they were pinned on, and a block
 //! used on several devices' streams waits for all of them before reuse, each use recorded as
 //! an event on its own stream's device.
 //!

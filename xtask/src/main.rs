@@ -61,6 +61,8 @@ cudaStream(Default|NonBlocking)|cudaEvent(Default|BlockingSync|DisableTiming|Int
 const DRIVER_FUNCTIONS: &[&str] = &[
     "cuCtxGetCurrent",
     "cuCtxSetCurrent",
+    "cuDeviceGet",
+    "cuDevicePrimaryCtxRetain",
     "cuGetErrorName",
     "cuGetErrorString",
     "cuMemAddressFree",

@@ -174,33 +174,35 @@ fn has_context() -> bool {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_thread_without_a_context_is_left_without_one() {
-    let all = devices();
-    let Some(&last) = all.last().filter(|d| d.ordinal() != 0) else {
-        // Device 0 is the default: using it makes its context current, as the runtime does.
-        eprintln!("one device: nothing to check");
-        return;
-    };
-    std::thread::spawn(move || {
+    let last = *devices().last().unwrap();
+    // Getting pinned memory needs the current device's context (CUDA's rule): done here.
+    let host = PinnedVec::from_slice(&[3u8; 16]).unwrap();
+    let host = std::thread::spawn(move || {
         assert!(!has_context());
         let stream = Stream::on(last).unwrap();
         let mut memory = DeviceBuffer::<u8>::zeroed_on(last, 16).unwrap();
-        let host = PinnedVec::from_slice(&[3u8; 16]).unwrap();
-        drop(
-            stream
-                .copy_to_device(host, &mut memory)
-                .unwrap()
-                .wait()
-                .unwrap(),
-        );
+        let host = stream
+            .copy_to_device(host, &mut memory)
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!(memory.to_vec().unwrap(), [3u8; 16]);
+        stream.synchronize().unwrap();
+        assert!(stream.query().unwrap());
+        stream.wait_event(&stream.record_event().unwrap()).unwrap();
         drop((memory, stream));
         assert!(
             !has_context(),
             "working on device {} left a context current",
             last.ordinal()
         );
+        // The runtime's own choice for the thread is untouched: still its default, device 0.
+        assert_eq!(Device::current().unwrap().ordinal(), 0);
+        host
     })
     .join()
     .unwrap();
+    drop(host);
 }
 
 #[test]

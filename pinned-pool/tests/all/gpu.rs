@@ -1,6 +1,8 @@
 //! PyTorch's caching-pinned-memory semantics on a real device (ignored without one).
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use cuda_pinned::{
     Device, DeviceBuffer, MemoryKind, PinnedAllocator, PinnedVec, Registered, Stream, VirtualHost,
@@ -11,6 +13,31 @@ fn block_stream(stream: &Stream, ms: u64) {
     stream
         .launch_host_fn(move || std::thread::sleep(Duration::from_millis(ms)))
         .unwrap();
+}
+
+/// Holds `stream` until the returned flag is raised (or 10 s pass, so that a failing test
+/// cannot hang): until then nothing queued on it after this runs, whatever the timing.
+fn hold(stream: &Stream) -> Arc<AtomicBool> {
+    let open = Arc::new(AtomicBool::new(false));
+    let flag = open.clone();
+    stream
+        .launch_host_fn(move || {
+            let start = Instant::now();
+            while !flag.load(Ordering::Acquire) && start.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        })
+        .unwrap();
+    open
+}
+
+/// Taken by every test here: a test that holds a stream must not run beside one whose CUDA
+/// calls wait for the whole device (`cudaFree` does) while holding the driver's lock, or
+/// each waits for the other until the hold gives up.
+fn exclusive() -> std::sync::MutexGuard<'static, ()> {
+    static GPU: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    GPU.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 fn pattern(len: usize) -> Vec<u8> {
@@ -27,6 +54,7 @@ fn virtual_pool() -> Pool<VirtualHost> {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_block_in_flight_is_not_reused_until_its_copy_ends() {
+    let _gpu = exclusive();
     let device = Device::current().unwrap();
     in_flight_block_waits(Pool::new(), device, |kind| kind == MemoryKind::Registered);
     in_flight_block_waits(virtual_pool(), device, |kind| {
@@ -52,6 +80,7 @@ fn last_device_from_the_first() -> Device {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_block_used_on_another_device_is_not_reused_until_its_copy_ends() {
+    let _gpu = exclusive();
     let device = last_device_from_the_first();
     in_flight_block_waits(Pool::new(), device, |kind| kind == MemoryKind::Registered);
     in_flight_block_waits(virtual_pool(), device, |kind| {
@@ -77,24 +106,24 @@ fn in_flight_block_waits<B: PinnedAllocator>(
     let address = block.as_ptr();
     let mut device = DeviceBuffer::<u8>::zeroed_on(on, LEN).unwrap();
 
-    block_stream(&stream, 300);
+    let open = hold(&stream);
     block.record_stream(&stream); // as PyTorch's record_stream; the copy records itself too
     drop(stream.copy_to_device(block, &mut device).unwrap());
 
-    // The copy waits behind the blocked stream: the pool must hand out other memory. (Only if
-    // something delayed this thread until the stream had finished may it hand back the block.)
+    // The copy waits behind the held stream: the pool must hand out other memory and keep
+    // the block pending. (Had the drop waited for the stream instead of recording an event on
+    // it, it would have returned only when the hold gave up, with the stream idle.)
+    assert!(!stream.query().unwrap(), "the drop waited for the stream");
     let mut other = pool.with_capacity(LEN).unwrap();
-    let reused_early = other.as_ptr() == address;
-    if reused_early {
-        assert!(
-            stream.query().unwrap(),
-            "reused a block whose copy is pending"
-        );
-    }
+    assert_ne!(
+        other.as_ptr(),
+        address,
+        "reused a block whose copy is pending"
+    );
     other.resize(LEN, 0xEE); // scribbling here must not reach the device
-    let pending = pool.stats().pending_requests;
-    assert!(pending == 1 || stream.query().unwrap());
+    assert_eq!(pool.stats().pending_requests, 1);
 
+    open.store(true, Ordering::Release);
     stream.synchronize().unwrap();
     assert_eq!(
         device.to_vec().unwrap(),
@@ -103,15 +132,11 @@ fn in_flight_block_waits<B: PinnedAllocator>(
     );
     drop(other);
 
-    // Every block is reusable now: the next allocations are hits, one of them the original
-    // (two blocks exist unless the original was already reused above).
-    let blocks = if reused_early { 1 } else { 2 };
+    // Both blocks are reusable now: the next allocations are hits, one of them the original.
     let before = pool.stats();
-    let held: Vec<_> = (0..blocks)
-        .map(|_| pool.with_capacity(LEN).unwrap())
-        .collect();
+    let held: Vec<_> = (0..2).map(|_| pool.with_capacity(LEN).unwrap()).collect();
     let after = pool.stats();
-    assert_eq!(after.cache_hits - before.cache_hits, blocks as u64);
+    assert_eq!(after.cache_hits - before.cache_hits, 2);
     assert_eq!(after.cache_misses, before.cache_misses);
     assert!(held.iter().any(|b| b.as_ptr() == address));
 }
@@ -119,6 +144,7 @@ fn in_flight_block_waits<B: PinnedAllocator>(
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_block_used_on_two_streams_waits_for_both() {
+    let _gpu = exclusive();
     let device = Device::current().unwrap();
     used_on_two_streams(Pool::new(), [device; 2]);
     used_on_two_streams(virtual_pool(), [device; 2]);
@@ -127,6 +153,7 @@ fn a_block_used_on_two_streams_waits_for_both() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_block_used_on_two_devices_waits_for_both() {
+    let _gpu = exclusive();
     let last = last_device_from_the_first();
     let first = Device::new(0).unwrap();
     used_on_two_streams(Pool::new(), [first, last]);
@@ -144,30 +171,34 @@ fn used_on_two_streams<B: PinnedAllocator>(pool: Pool<B>, devices: [Device; 2]) 
     let address = block.as_ptr();
     let mut device = DeviceBuffer::<u8>::zeroed_on(devices[0], LEN).unwrap();
 
-    block_stream(&copy_stream, 100);
+    let open_copy = hold(&copy_stream);
     block.record_stream(&other_stream); // e.g. a kernel reading it through its device pointer
     let transfer = copy_stream.copy_to_device(block, &mut device).unwrap();
-    // Blocked after the copy was queued: streams can share a hardware queue, and a copy queued
-    // behind this block would wait for it too.
-    block_stream(&other_stream, 600);
+    // Held after the copy was queued: streams can share a hardware queue, and a copy queued
+    // behind this hold would wait for it too.
+    let open_other = hold(&other_stream);
     drop(transfer);
+    assert_eq!(pool.stats().pending_requests, 1);
 
+    open_copy.store(true, Ordering::Release);
     copy_stream.synchronize().unwrap();
-    // The copy is done but the other stream is not: still not reusable.
+    // The copy is done but the other stream is held: still not reusable.
     let early = pool.with_capacity(LEN).unwrap();
-    if early.as_ptr() == address {
-        assert!(
-            other_stream.query().unwrap(),
-            "reused while the second stream was busy"
-        );
-    }
+    assert_ne!(
+        early.as_ptr(),
+        address,
+        "reused while the second stream was busy"
+    );
+    assert!(!other_stream.query().unwrap());
 
+    open_other.store(true, Ordering::Release);
     other_stream.synchronize().unwrap();
     assert_eq!(device.to_vec().unwrap(), data);
-    // Both streams are done: the original is reusable (unless it was reused already, above).
+    // Both streams are done: the original is the block the next allocation gets.
     let late = pool.with_capacity(LEN).unwrap();
-    assert!(
-        early.as_ptr() == address || late.as_ptr() == address,
+    assert_eq!(
+        late.as_ptr(),
+        address,
         "not reused after both streams finished"
     );
     assert_eq!(pool.stats().pending_requests, 0);
@@ -179,6 +210,7 @@ fn used_on_two_streams<B: PinnedAllocator>(pool: Pool<B>, devices: [Device; 2]) 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn pool_buffers_round_trip_and_hit_the_cache() {
+    let _gpu = exclusive();
     let pool = Pool::new();
     let stream = Stream::new().unwrap();
     let mut device = DeviceBuffer::<f32>::zeroed(1 << 20).unwrap();
@@ -206,6 +238,7 @@ fn pool_buffers_round_trip_and_hit_the_cache() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn an_arc_pool_feeds_copies_from_worker_threads_and_gets_every_block_back() {
+    let _gpu = exclusive();
     let pool = std::sync::Arc::new(Pool::new());
     let stream = Stream::new().unwrap();
     let data = pattern(1 << 20);
@@ -239,6 +272,7 @@ fn an_arc_pool_feeds_copies_from_worker_threads_and_gets_every_block_back() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_block_recorded_on_a_cudarc_stream_waits_for_it() {
+    let _gpu = exclusive();
     use cuda_pinned::CudarcCopies;
     let pool = Pool::new();
     let cudarc_stream = cudarc::driver::CudaContext::new(0)
@@ -281,6 +315,7 @@ fn a_block_recorded_on_a_cudarc_stream_waits_for_it() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn blocks_pinned_ahead_copy_and_wait_like_any_other() {
+    let _gpu = exclusive();
     let pool = Pool::new();
     pool.reserve(LEN, 2).unwrap();
     while pool.approximate_stats().reserve_ready_bytes < 2 * LEN as u64 {
