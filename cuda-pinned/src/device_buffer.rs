@@ -596,9 +596,17 @@ impl<'a, T> DeviceSliceMut<'a, T> {
         ffi::on_device(self.range.device, || unsafe {
             ffi::memset_async(self.range.address, value, bytes, stream.as_raw())
         })?;
-        let event = Arc::new(stream.record_event_untimed()?);
-        self.range.pending.track(stream, event);
-        Ok(())
+        match stream.record_event_untimed() {
+            Ok(event) => {
+                self.range.pending.track(stream, Arc::new(event));
+                Ok(())
+            }
+            Err(error) => {
+                // The memset is queued but cannot be tracked: it is waited for instead.
+                stream.synchronize()?;
+                Err(error)
+            }
+        }
     }
 
     /// Copies `src` (any host memory) into the view and waits for it.

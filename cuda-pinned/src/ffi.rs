@@ -110,14 +110,19 @@ pub(crate) fn set_device(device: i32) -> Result<()> {
 /// through here, so none leaves the caller's current device changed, even when `work`
 /// unwinds.
 pub(crate) fn on_device<R>(device: i32, work: impl FnOnce() -> Result<R>) -> Result<R> {
-    if let (Ok(current), Ok(target)) = (current_context(), primary_context(device)) {
-        if current == target {
+    match current_context() {
+        Ok(current) => {
+            let target = primary_context(device)?;
+            if current == target {
+                return work();
+            }
+            // SAFETY: `target` is a primary context this crate retained and never releases.
+            unsafe { set_context(target)? };
+            let _restore = Restore::Context(current);
             return work();
         }
-        // SAFETY: `target` is a primary context this crate retained and never releases.
-        unsafe { set_context(target)? };
-        let _restore = Restore::Context(current);
-        return work();
+        Err(Error::Unavailable(_)) => {}
+        Err(error) => return Err(error),
     }
     let previous = current_device()?;
     if previous == device {
@@ -162,12 +167,22 @@ unsafe fn set_context(context: cu::CUcontext) -> Result<()> {
 }
 
 /// The primary context of `device` (the runtime's, and cudarc's), retained once per process
-/// and kept: its handle is asked for on every switch.
+/// and kept: its handle is asked for on every switch. (The driver hands back the same handle
+/// after a `cudaDeviceReset`.)
 fn primary_context(device: i32) -> Result<cu::CUcontext> {
-    const KNOWN: usize = 64;
-    static RETAINED: [OnceLock<usize>; KNOWN] = [const { OnceLock::new() }; KNOWN];
-    let slot = usize::try_from(device).ok().and_then(|d| RETAINED.get(d));
-    if let Some(&context) = slot.and_then(OnceLock::get) {
+    static RETAINED: OnceLock<Box<[OnceLock<usize>]>> = OnceLock::new();
+    let retained = RETAINED.get_or_init(|| {
+        let devices = device_count().unwrap_or(0).max(0) as usize;
+        (0..devices).map(|_| OnceLock::new()).collect()
+    });
+    let Some(slot) = usize::try_from(device).ok().and_then(|d| retained.get(d)) else {
+        // What the runtime says of an ordinal past the last device.
+        return Err(Error::Cuda(CudaError::new(
+            "cudaSetDevice",
+            cudaError::cudaErrorInvalidDevice,
+        )));
+    };
+    if let Some(&context) = slot.get() {
         return Ok(context as cu::CUcontext);
     }
     let mut handle = 0;
@@ -176,9 +191,7 @@ fn primary_context(device: i32) -> Result<cu::CUcontext> {
     // Retained for good: the crate's streams, events and memory live in it. (Two threads
     // racing here retain it twice; the count only keeps it alive.)
     driver!(cuDevicePrimaryCtxRetain(&mut context, handle))?;
-    if let Some(slot) = slot {
-        let _ = slot.set(context as usize);
-    }
+    let _ = slot.set(context as usize);
     Ok(context)
 }
 
@@ -235,9 +248,19 @@ fn c_chars_to_string(chars: &[std::ffi::c_char]) -> String {
 
 // ---- host memory ---------------------------------------------------------------------------
 
+// These calls work in the current device's context, which the runtime would make current
+// (and leave so) on a thread that had none: `on_current_device` leaves such a thread as it
+// was.
+
+/// Runs `work` in the calling thread's current device's context (device 0's on a thread that
+/// never chose one) and leaves the thread's context as it was.
+fn on_current_device<R>(work: impl FnOnce() -> Result<R>) -> Result<R> {
+    on_device(current_device()?, work)
+}
+
 pub(crate) fn host_alloc(bytes: usize, flags: u32) -> Result<NonNull<u8>> {
     let mut ptr = ptr::null_mut();
-    cuda!(cudaHostAlloc(&mut ptr, bytes, flags))?;
+    on_current_device(|| cuda!(cudaHostAlloc(&mut ptr, bytes, flags)))?;
     NonNull::new(ptr.cast()).ok_or(Error::OutOfMemory { requested: bytes })
 }
 
@@ -245,7 +268,7 @@ pub(crate) fn host_alloc(bytes: usize, flags: u32) -> Result<NonNull<u8>> {
 ///
 /// - `ptr` came from [`host_alloc`] and is not used afterwards.
 pub(crate) unsafe fn free_host(ptr: NonNull<u8>) -> Result<()> {
-    cuda!(cudaFreeHost(ptr.as_ptr().cast()))
+    on_current_device(|| cuda!(cudaFreeHost(ptr.as_ptr().cast())))
 }
 
 /// # Safety
@@ -253,7 +276,7 @@ pub(crate) unsafe fn free_host(ptr: NonNull<u8>) -> Result<()> {
 /// - `ptr..ptr + bytes` is memory this process has mapped and keeps mapped until
 ///   [`host_unregister`] is called on `ptr`.
 pub(crate) unsafe fn host_register(ptr: NonNull<u8>, bytes: usize, flags: u32) -> Result<()> {
-    cuda!(cudaHostRegister(ptr.as_ptr().cast(), bytes, flags))
+    on_current_device(|| cuda!(cudaHostRegister(ptr.as_ptr().cast(), bytes, flags)))
 }
 
 /// # Safety
@@ -261,17 +284,19 @@ pub(crate) unsafe fn host_register(ptr: NonNull<u8>, bytes: usize, flags: u32) -
 /// - `ptr` is the start of a range registered with [`host_register`] and no copy on any
 ///   stream still uses it.
 pub(crate) unsafe fn host_unregister(ptr: NonNull<u8>) -> Result<()> {
-    cuda!(cudaHostUnregister(ptr.as_ptr().cast()))
+    on_current_device(|| cuda!(cudaHostUnregister(ptr.as_ptr().cast())))
 }
 
 pub(crate) fn host_device_pointer(ptr: NonNull<u8>) -> Result<u64> {
     let mut device = ptr::null_mut();
     // cudaHostGetDevicePointer only looks the address up; it never dereferences it.
-    cuda!(cudaHostGetDevicePointer(
-        &mut device,
-        ptr.as_ptr().cast(),
-        0
-    ))?;
+    on_current_device(|| {
+        cuda!(cudaHostGetDevicePointer(
+            &mut device,
+            ptr.as_ptr().cast(),
+            0
+        ))
+    })?;
     Ok(device as u64)
 }
 

@@ -375,8 +375,10 @@ pub(crate) trait Dma: Send + Sync + 'static {
     fn record(&self, event: &Self::Event, stream: &Self::Stream) -> Result<()>;
     fn wait(&self, event: &Self::Event) -> Result<()>;
     fn wait_stream(&self, stream: &Self::Stream) -> Result<()>;
-    fn current_device(&self) -> Result<i32>;
-    fn set_device(&self, device: i32) -> Result<()>;
+    /// The device the copies go to.
+    fn device(&self) -> Result<i32>;
+    /// Makes that device current on one of the engine's own threads.
+    fn use_device(&self) -> Result<()>;
 }
 
 /// The CUDA runtime, on one device.
@@ -421,12 +423,12 @@ impl Dma for Cuda {
         stream.synchronize()
     }
 
-    fn current_device(&self) -> Result<i32> {
-        ffi::current_device()
+    fn device(&self) -> Result<i32> {
+        Ok(self.device.raw())
     }
 
-    fn set_device(&self, device: i32) -> Result<()> {
-        ffi::set_device(device)
+    fn use_device(&self) -> Result<()> {
+        self.device.set_current()
     }
 }
 
@@ -617,7 +619,7 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
             })
             .collect::<Result<VecDeque<_>>>()?;
         let mut memory = PinnedVec::with_capacity_in(bytes, allocator)?;
-        let device = dma.current_device()?;
+        let device = dma.device()?;
         let shared = Arc::new(Shared {
             dma,
             base: Address(memory.as_mut_ptr()),
@@ -643,7 +645,7 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
                 std::thread::Builder::new()
                     .name(format!("pinned-staging-{index}"))
                     .spawn(move || {
-                        if shared.dma.set_device(device).is_ok() {
+                        if shared.dma.use_device().is_ok() {
                             shared.work(index);
                         }
                     })

@@ -229,11 +229,11 @@ impl Dma for Fake {
         Ok(())
     }
 
-    fn current_device(&self) -> Result<i32> {
+    fn device(&self) -> Result<i32> {
         Ok(0)
     }
 
-    fn set_device(&self, _device: i32) -> Result<()> {
+    fn use_device(&self) -> Result<()> {
         Ok(())
     }
 }

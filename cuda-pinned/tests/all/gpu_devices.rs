@@ -175,14 +175,16 @@ fn has_context() -> bool {
 #[ignore = "needs a CUDA device"]
 fn a_thread_without_a_context_is_left_without_one() {
     let last = *devices().last().unwrap();
-    // Getting pinned memory needs the current device's context (CUDA's rule): done here.
-    let host = PinnedVec::from_slice(&[3u8; 16]).unwrap();
-    let host = std::thread::spawn(move || {
+    std::thread::spawn(move || {
         assert!(!has_context());
+        // Pinned memory of every CUDA kind, got, mapped and given back.
+        let registered = PinnedVec::from_slice_in(&[3u8; 16], Registered::new()).unwrap();
+        assert_ne!(registered.device_ptr().unwrap(), 0);
+        drop(PinnedVec::from_slice_in(&[1u8; 16], CudaHost::new()).unwrap());
         let stream = Stream::on(last).unwrap();
         let mut memory = DeviceBuffer::<u8>::zeroed_on(last, 16).unwrap();
-        let host = stream
-            .copy_to_device(host, &mut memory)
+        let registered = stream
+            .copy_to_device(registered, &mut memory)
             .unwrap()
             .wait()
             .unwrap();
@@ -190,7 +192,7 @@ fn a_thread_without_a_context_is_left_without_one() {
         stream.synchronize().unwrap();
         assert!(stream.query().unwrap());
         stream.wait_event(&stream.record_event().unwrap()).unwrap();
-        drop((memory, stream));
+        drop((memory, stream, registered));
         assert!(
             !has_context(),
             "working on device {} left a context current",
@@ -198,11 +200,9 @@ fn a_thread_without_a_context_is_left_without_one() {
         );
         // The runtime's own choice for the thread is untouched: still its default, device 0.
         assert_eq!(Device::current().unwrap().ordinal(), 0);
-        host
     })
     .join()
     .unwrap();
-    drop(host);
 }
 
 #[test]

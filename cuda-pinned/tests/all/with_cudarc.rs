@@ -199,3 +199,32 @@ fn adopted_streams_order_work_and_record_uses() {
         assert_eq!(stream.clone_dtoh(&device).unwrap(), data);
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn tracked_copies_refuse_memory_of_another_device_and_keep_the_current_one() {
+    let devices = CudaContext::device_count().unwrap();
+    let last = (devices - 1) as usize;
+    let here = cudarc_stream();
+    let there = CudaContext::new(last).unwrap().new_stream().unwrap();
+    let mut memory = there.alloc_zeros::<u8>(16).unwrap();
+    // The calling thread is on device 0 whichever device the copy goes to.
+    cuda_pinned::Device::new(0).unwrap().set_current().unwrap();
+    let upload = there
+        .copy_to_device(PinnedVec::from_slice(&[7u8; 16]).unwrap(), &mut memory)
+        .unwrap();
+    drop(upload.wait().unwrap());
+    assert_eq!(cuda_pinned::Device::current().unwrap().ordinal(), 0);
+    assert_eq!(there.clone_dtoh(&memory).unwrap(), [7u8; 16]);
+    if devices < 2 {
+        eprintln!("one device: nothing to mix");
+        return;
+    }
+    let error = here
+        .copy_to_device(PinnedVec::from_slice(&[1u8; 16]).unwrap(), &mut memory)
+        .unwrap_err();
+    assert!(
+        matches!(error, Error::DeviceMismatch { expected: 0, found, .. } if found == last),
+        "{error:?}"
+    );
+}
