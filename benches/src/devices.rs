@@ -103,18 +103,21 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
             "% of alone",
         ],
     );
-    let node_label = |node: Option<u32>| node.map_or("-".to_owned(), |n| n.to_string());
+    // The first cells of a device's row: which GPU, its node, where the memory was, which run.
+    let head = |device: Device, memory: String, run: &str| {
+        vec![
+            Value::Int(device.ordinal() as u64),
+            Value::Text(node_of(device).map_or("-".to_owned(), |n| n.to_string())),
+            Value::Text(memory),
+            Value::Text(run.into()),
+        ]
+    };
     let mut alone_medians = Vec::new();
     for &device in &devices {
         progress.step(&format!("device {} alone", device.ordinal()));
         let spread = Spread::of(alone(device, Registered::new(), bytes, reps)?);
         alone_medians.push(spread.median);
-        let mut row = vec![
-            Value::Int(device.ordinal() as u64),
-            Value::Text(node_label(node_of(device))),
-            Value::Text("its node".into()),
-            Value::Text("alone".into()),
-        ];
+        let mut row = head(device, "its node".into(), "alone");
         row.extend(spread.cells(1));
         row.push(Value::Missing);
         section.row(row);
@@ -140,12 +143,7 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
         let (gbps, seconds) = result?;
         slowest = slowest.max(seconds);
         let spread = Spread::of(gbps);
-        let mut row = vec![
-            Value::Int(device.ordinal() as u64),
-            Value::Text(node_label(node_of(device))),
-            Value::Text("its node".into()),
-            Value::Text("together".into()),
-        ];
+        let mut row = head(device, "its node".into(), "together");
         row.extend(spread.cells(1));
         row.push(Value::Num(100.0 * spread.median / alone, 1));
         section.row(row);
@@ -179,12 +177,7 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
             for &node in &nodes {
                 progress.step(&format!("device {} from node {node}", device.ordinal()));
                 let measured = alone(device, Registered::new().node(node), bytes, reps);
-                let mut row = vec![
-                    Value::Int(device.ordinal() as u64),
-                    Value::Text(node_label(node_of(device))),
-                    Value::Text(format!("node {node}")),
-                    Value::Text("alone".into()),
-                ];
+                let mut row = head(device, format!("node {node}"), "alone");
                 match measured {
                     Ok(gbps) => row.extend(Spread::of(gbps).cells(1)),
                     Err(e) => {

@@ -136,10 +136,10 @@ impl CudarcCopies for Arc<CudaStream> {
 
 /// Checks the lengths and that the device memory lives in the stream's context (cudarc could
 /// not record its use on the stream otherwise, and would free it while the copy runs), and
-/// wraps the stream for this call (its default streams included: the
-/// copy and its event are queued now, from this thread, with the stream's device current,
-/// where a default stream names the right one). The caller's current device is put back
-/// afterwards, where cudarc itself would leave its context bound.
+/// wraps the stream for this call, its default streams included: the copy and its event are
+/// queued now, from this thread, with the stream's device current, where a default stream
+/// names the right one. The caller's current device is put back afterwards, where cudarc
+/// itself would leave its context bound.
 fn prepare(
     stream: &Arc<CudaStream>,
     host: usize,
