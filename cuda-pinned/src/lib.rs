@@ -102,12 +102,12 @@
 //! made ([`Stream::new`], [`Event::new`], [`DeviceBuffer::zeroed`], [`Stager::new`]) or the
 //! one named ([`Stream::on`], [`Event::on`], [`DeviceBuffer::zeroed_on`], [`Stager::on`]),
 //! and each says which ([`Stream::device`]). Work on them runs on their device's primary
-//! context whichever device is current on the calling thread, and **no call leaves the
-//! thread's current device changed**: the context current before is put back, and a thread
-//! that had none is left with none (with CUDA 12.5 or later; older runtimes put the device
-//! number back, which makes that device's context current). Pinned memory is allocated and
-//! freed in the current device's context (device 0's on a thread that never chose one), and
-//! that too leaves the thread's context as it was. Where CUDA needs one device, mixing two is
+//! context whichever device is current on the calling thread, and **no call but
+//! [`Device::set_current`] leaves the thread's current device changed**: the context current
+//! before is put back, and a thread that had none is left with none (with CUDA 12.5 or
+//! later; older runtimes put the device number back, which makes that device's context
+//! current). Pinned memory is allocated and freed in the current device's context (device
+//! 0's on a thread that never chose one), and that too leaves the thread's context as it was. Where CUDA needs one device, mixing two is
 //! an [`Error::DeviceMismatch`]: a copy into a buffer of device 1 on a stream of device 0, an
 //! event recording another device's stream. A buffer used on several devices' streams is
 //! freed, or reused by a pool, only after every one of them has passed its work. The crate
