@@ -59,10 +59,18 @@ pub fn facts() -> Vec<(String, String)> {
         ),
     );
     fact("cpus", host::cpus().to_string());
+    let nodes = host::online_numa_nodes();
     fact(
         "numa nodes",
-        std::fs::read_to_string("/sys/devices/system/node/online")
-            .map_or("unknown".into(), |nodes| nodes.trim().to_owned()),
+        if nodes.is_empty() {
+            "unknown".into()
+        } else {
+            nodes
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        },
     );
     fact(
         "pinned memory goes to",

@@ -205,10 +205,14 @@ impl Device {
             .and_then(|node| u32::try_from(node).ok())
     }
 
-    /// The host NUMA node nearest the device: CUDA's answer, else the kernel's (the sysfs
-    /// `numa_node` of its PCI device); `None` where neither says. Asked once per device (the
-    /// first 64) and remembered: allocators ask on every allocation.
-    pub(crate) fn nearest_numa_node(self) -> Option<u32> {
+    /// The host NUMA node nearest the device: CUDA's answer ([`host_numa_node`]), else the
+    /// kernel's (the sysfs `numa_node` of its PCI device); `None` where neither says. The
+    /// node [`Registered`](crate::Registered) and [`VirtualHost`](crate::VirtualHost) place
+    /// memory on. Asked once per device (the first 64) and remembered: allocators ask on
+    /// every allocation.
+    ///
+    /// [`host_numa_node`]: Self::host_numa_node
+    pub fn nearest_numa_node(self) -> Option<u32> {
         const KNOWN: usize = 64;
         static NODES: [std::sync::OnceLock<Option<u32>>; KNOWN] =
             [const { std::sync::OnceLock::new() }; KNOWN];

@@ -216,7 +216,8 @@ pub enum Error {
         /// The cap.
         limit: usize,
     },
-    /// A cudarc driver call failed (with the `cudarc` feature).
+    /// A cudarc driver call failed (with the `cudarc` feature): this crate's calls do not
+    /// return it, but `?` turns cudarc's errors into it in code that uses both.
     #[cfg(feature = "cudarc")]
     Cudarc(cudarc::driver::DriverError),
     /// A copy between buffers of different lengths (in elements).

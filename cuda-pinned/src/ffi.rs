@@ -110,19 +110,16 @@ pub(crate) fn set_device(device: i32) -> Result<()> {
 /// through here, so none leaves the caller's current device changed, even when `work`
 /// unwinds.
 pub(crate) fn on_device<R>(device: i32, work: impl FnOnce() -> Result<R>) -> Result<R> {
-    match current_context() {
-        Ok(current) => {
-            let target = primary_context(device)?;
-            if current == target {
-                return work();
-            }
-            // SAFETY: `target` is a primary context this crate retained and never releases.
-            unsafe { set_context(target)? };
-            let _restore = Restore::Context(current);
+    if has_context_calls() {
+        let current = current_context()?;
+        let target = primary_context(device)?;
+        if current == target {
             return work();
         }
-        Err(Error::Unavailable(_)) => {}
-        Err(error) => return Err(error),
+        // SAFETY: `target` is a primary context this crate retained and never releases.
+        unsafe { set_context(target)? };
+        let _restore = Restore::Context(current);
+        return work();
     }
     let previous = current_device()?;
     if previous == device {
@@ -152,6 +149,20 @@ impl Drop for Restore {
     }
 }
 
+/// Whether the driver's context calls can be reached (asked once: `on_device` runs on every
+/// copy).
+fn has_context_calls() -> bool {
+    static REACHABLE: OnceLock<bool> = OnceLock::new();
+    *REACHABLE.get_or_init(|| {
+        cu::driver().is_ok_and(|driver| {
+            driver.cuCtxGetCurrent().is_ok()
+                && driver.cuCtxSetCurrent().is_ok()
+                && driver.cuDeviceGet().is_ok()
+                && driver.cuDevicePrimaryCtxRetain().is_ok()
+        })
+    })
+}
+
 /// The calling thread's current driver context; null when it has none.
 fn current_context() -> Result<cu::CUcontext> {
     let mut context = ptr::null_mut();
@@ -171,18 +182,16 @@ unsafe fn set_context(context: cu::CUcontext) -> Result<()> {
 /// after a `cudaDeviceReset`.)
 fn primary_context(device: i32) -> Result<cu::CUcontext> {
     static RETAINED: OnceLock<Box<[OnceLock<usize>]>> = OnceLock::new();
-    let retained = RETAINED.get_or_init(|| {
-        let devices = device_count().unwrap_or(0).max(0) as usize;
-        (0..devices).map(|_| OnceLock::new()).collect()
-    });
-    let Some(slot) = usize::try_from(device).ok().and_then(|d| retained.get(d)) else {
-        // What the runtime says of an ordinal past the last device.
-        return Err(Error::Cuda(CudaError::new(
-            "cudaSetDevice",
-            cudaError::cudaErrorInvalidDevice,
-        )));
+    let retained = match RETAINED.get() {
+        Some(retained) => retained,
+        None => {
+            let devices = device_count()?.max(0) as usize;
+            RETAINED.get_or_init(|| (0..devices).map(|_| OnceLock::new()).collect())
+        }
     };
-    if let Some(&context) = slot.get() {
+    // An ordinal past the last device has no slot; `cuDeviceGet` refuses it below.
+    let slot = usize::try_from(device).ok().and_then(|d| retained.get(d));
+    if let Some(&context) = slot.and_then(OnceLock::get) {
         return Ok(context as cu::CUcontext);
     }
     let mut handle = 0;
@@ -191,7 +200,9 @@ fn primary_context(device: i32) -> Result<cu::CUcontext> {
     // Retained for good: the crate's streams, events and memory live in it. (Two threads
     // racing here retain it twice; the count only keeps it alive.)
     driver!(cuDevicePrimaryCtxRetain(&mut context, handle))?;
-    let _ = slot.set(context as usize);
+    if let Some(slot) = slot {
+        let _ = slot.set(context as usize);
+    }
     Ok(context)
 }
 

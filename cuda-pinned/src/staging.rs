@@ -376,7 +376,7 @@ pub(crate) trait Dma: Send + Sync + 'static {
     fn wait(&self, event: &Self::Event) -> Result<()>;
     fn wait_stream(&self, stream: &Self::Stream) -> Result<()>;
     /// The device the copies go to.
-    fn device(&self) -> Result<i32>;
+    fn device(&self) -> i32;
     /// Makes that device current on one of the engine's own threads.
     fn use_device(&self) -> Result<()>;
 }
@@ -423,8 +423,8 @@ impl Dma for Cuda {
         stream.synchronize()
     }
 
-    fn device(&self) -> Result<i32> {
-        Ok(self.device.raw())
+    fn device(&self) -> i32 {
+        self.device.raw()
     }
 
     fn use_device(&self) -> Result<()> {
@@ -619,7 +619,7 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
             })
             .collect::<Result<VecDeque<_>>>()?;
         let mut memory = PinnedVec::with_capacity_in(bytes, allocator)?;
-        let device = dma.device()?;
+        let device = dma.device();
         let shared = Arc::new(Shared {
             dma,
             base: Address(memory.as_mut_ptr()),

@@ -92,8 +92,7 @@ impl Stream {
     ///
     /// # Errors
     ///
-    /// [`Error::Unavailable`](crate::Error::Unavailable) without CUDA, or the CUDA error
-    /// (`cudaErrorInvalidDevice` for an ordinal past the last device).
+    /// [`Error::Unavailable`](crate::Error::Unavailable) without CUDA, or the CUDA error.
     pub fn on(device: Device) -> Result<Self> {
         let device = device.raw();
         let raw = ffi::on_device(device, || ffi::stream_create(sys::cudaStreamNonBlocking))?;

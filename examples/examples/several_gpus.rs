@@ -114,7 +114,7 @@ fn main() -> Result<(), LoaderError> {
     for (rank, handle) in ranks.into_iter().enumerate() {
         let report = handle.join().expect("a rank panicked")?;
         let node = devices[rank]
-            .host_numa_node()
+            .nearest_numa_node()
             .map_or("unknown".to_string(), |n| n.to_string());
         println!(
             "device {rank} (NUMA node {node}): {} batches in {:.2} s ({:.0} batches/s), \

@@ -52,9 +52,9 @@
 //!
 //! *Several GPUs.* One pool serves every device of the process: with the default backends
 //! its memory is portable (any device copies from any block; `HostLocked` memory is no
-//! device's), blocks stay with the node they were pinned on, and a block
-//! used on several devices' streams waits for all of them before reuse, each use recorded as
-//! an event on its own stream's device.
+//! device's), blocks stay with the node they were pinned on, and a block used on several
+//! devices' streams waits for all of them before reuse, each use recorded as an event on its
+//! own stream's device.
 //!
 //! *Stream safety.* A buffer dropped while device work may still use it (a copy in flight, a
 //! recorded stream) arrives through `deallocate_after` with an event per stream, recorded at

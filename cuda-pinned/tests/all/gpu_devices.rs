@@ -181,6 +181,9 @@ fn a_thread_without_a_context_is_left_without_one() {
         let registered = PinnedVec::from_slice_in(&[3u8; 16], Registered::new()).unwrap();
         assert_ne!(registered.device_ptr().unwrap(), 0);
         drop(PinnedVec::from_slice_in(&[1u8; 16], CudaHost::new()).unwrap());
+        if last.supports_virtual_host_memory().unwrap() {
+            drop(PinnedVec::from_slice_in(&[2u8; 16], VirtualHost::new()).unwrap());
+        }
         let stream = Stream::on(last).unwrap();
         let mut memory = DeviceBuffer::<u8>::zeroed_on(last, 16).unwrap();
         let registered = stream
