@@ -349,86 +349,56 @@ pub(crate) unsafe fn release<A: PinnedAllocator + ?Sized>(
     }
 }
 
-// SAFETY: every call goes to the allocator behind the reference, so an allocation is given
-// back to the allocator that made it, under that allocator's own contract.
-unsafe impl<A: PinnedAllocator + ?Sized> PinnedAllocator for &A {
-    #[inline]
-    fn allocate(&self, layout: Layout) -> Result<Allocation> {
-        (**self).allocate(layout)
-    }
+/// Implements [`PinnedAllocator`] for a pointer to an allocator by forwarding every method
+/// to the allocator it points to.
+macro_rules! forward_allocator {
+    ($pointer:ty) => {
+        // SAFETY: every call goes to the one allocator the pointer reaches (the referent of a
+        // `&A`, the shared value of every clone of an `Arc<A>`), so an allocation is given
+        // back to the allocator that made it, under that allocator's own contract.
+        unsafe impl<A: PinnedAllocator + ?Sized> PinnedAllocator for $pointer {
+            #[inline]
+            fn allocate(&self, layout: Layout) -> Result<Allocation> {
+                (**self).allocate(layout)
+            }
 
-    #[inline]
-    unsafe fn deallocate(&self, allocation: Allocation) {
-        // SAFETY: forwarded from the caller.
-        unsafe { (**self).deallocate(allocation) }
-    }
+            #[inline]
+            unsafe fn deallocate(&self, allocation: Allocation) {
+                // SAFETY: forwarded from the caller.
+                unsafe { (**self).deallocate(allocation) }
+            }
 
-    #[inline]
-    unsafe fn deallocate_after(&self, allocation: Allocation, pending: PendingUses) {
-        // SAFETY: forwarded from the caller.
-        unsafe { (**self).deallocate_after(allocation, pending) }
-    }
+            #[inline]
+            unsafe fn deallocate_after(&self, allocation: Allocation, pending: PendingUses) {
+                // SAFETY: forwarded from the caller.
+                unsafe { (**self).deallocate_after(allocation, pending) }
+            }
 
-    #[inline]
-    unsafe fn grow_in_place(
-        &self,
-        allocation: &Allocation,
-        layout: Layout,
-    ) -> Result<Option<Allocation>> {
-        // SAFETY: forwarded from the caller.
-        unsafe { (**self).grow_in_place(allocation, layout) }
-    }
+            #[inline]
+            unsafe fn grow_in_place(
+                &self,
+                allocation: &Allocation,
+                layout: Layout,
+            ) -> Result<Option<Allocation>> {
+                // SAFETY: forwarded from the caller.
+                unsafe { (**self).grow_in_place(allocation, layout) }
+            }
 
-    #[inline]
-    fn numa_nodes(&self) -> usize {
-        (**self).numa_nodes()
-    }
+            #[inline]
+            fn numa_nodes(&self) -> usize {
+                (**self).numa_nodes()
+            }
 
-    #[inline]
-    fn numa_node(&self) -> usize {
-        (**self).numa_node()
-    }
+            #[inline]
+            fn numa_node(&self) -> usize {
+                (**self).numa_node()
+            }
+        }
+    };
 }
 
-// SAFETY: as for `&A`: every clone of the `Arc` reaches the same allocator.
-unsafe impl<A: PinnedAllocator + ?Sized> PinnedAllocator for Arc<A> {
-    #[inline]
-    fn allocate(&self, layout: Layout) -> Result<Allocation> {
-        (**self).allocate(layout)
-    }
-
-    #[inline]
-    unsafe fn deallocate(&self, allocation: Allocation) {
-        // SAFETY: forwarded from the caller.
-        unsafe { (**self).deallocate(allocation) }
-    }
-
-    #[inline]
-    unsafe fn deallocate_after(&self, allocation: Allocation, pending: PendingUses) {
-        // SAFETY: forwarded from the caller.
-        unsafe { (**self).deallocate_after(allocation, pending) }
-    }
-
-    #[inline]
-    unsafe fn grow_in_place(
-        &self,
-        allocation: &Allocation,
-        layout: Layout,
-    ) -> Result<Option<Allocation>> {
-        // SAFETY: forwarded from the caller.
-        unsafe { (**self).grow_in_place(allocation, layout) }
-    }
-
-    #[inline]
-    fn numa_nodes(&self) -> usize {
-        (**self).numa_nodes()
-    }
-
-    #[inline]
-    fn numa_node(&self) -> usize {
-        (**self).numa_node()
-    }
-}
+forward_allocator!(&A);
+forward_allocator!(Arc<A>);
 
 /// The allocator containers use unless told otherwise: the fast registration path
 /// ([`Registered`]) where CUDA and a device are present and support it, `cudaHostAlloc`
