@@ -311,6 +311,22 @@ pub(crate) fn host_device_pointer(ptr: NonNull<u8>) -> Result<u64> {
     Ok(device as u64)
 }
 
+/// Whether CUDA sees `ptr` as ordinary host memory: not page-locked, device or managed
+/// memory, so that a copy from it is staged by the driver before the call returns. `false`
+/// when the runtime cannot say.
+pub(crate) fn is_pageable(ptr: *const c_void) -> bool {
+    let mut attributes = sys::cudaPointerAttributes {
+        type_: sys::cudaMemoryType::cudaMemoryTypeDevice,
+        device: 0,
+        devicePointer: ptr::null_mut(),
+        hostPointer: ptr::null_mut(),
+        reserved: [0; 8],
+    };
+    // cudaPointerGetAttributes only looks the address up; it never dereferences it.
+    let looked_up = (|| cuda!(cudaPointerGetAttributes(&mut attributes, ptr)))();
+    looked_up.is_ok() && attributes.type_ == sys::cudaMemoryType::cudaMemoryTypeUnregistered
+}
+
 // ---- host memory through the virtual-memory API -------------------------------------------
 
 /// What `cuMemCreate` is asked for: page-locked host memory on NUMA node `node`.

@@ -9,10 +9,16 @@
 //! - device → host: the DMA fills the chunk, then a thread copies it out.
 //!
 //! Persistent worker threads and the calling thread take pieces in parallel; a copy of at
-//! most [`StagingConfig::single_thread_bytes`] runs on the calling thread alone.
+//! most [`StagingConfig::single_thread_bytes`] runs on the calling thread alone. Copies of
+//! the sizes where the driver's own path was measured as fast
+//! ([`StagingConfig::driver_uploads`], [`StagingConfig::driver_downloads`]) take that path,
+//! with ordinary memory only: from or into page-locked memory the driver's call would return
+//! before the DMA has touched it. Downloads write the destination with non-temporal stores:
+//! its old contents are not read into the caches first.
 
 use std::collections::VecDeque;
 use std::mem::ManuallyDrop;
+use std::ops::RangeInclusive;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
@@ -43,6 +49,24 @@ pub struct StagingConfig {
     /// The smallest piece a larger copy is cut into. Copies are cut into about two pieces
     /// per thread, smaller at both ends: the DMA engine starts early and drains a short tail.
     pub min_piece_bytes: usize,
+    /// Uploads of these sizes (in bytes) from ordinary memory take the driver's own path:
+    /// one `cudaMemcpyAsync` from the source, which the runtime copies into its own staging
+    /// memory before it returns. The defaults are where the ring was not reliably faster on
+    /// an H100 host: up to 16 KiB (a chunk's event calls cost more than they save) and from
+    /// 128 KiB to 4 MiB (the driver overlaps its one-thread copy with the DMA, which one
+    /// chunk cannot, and the ring's gain there hangs on how fast sleeping workers wake: 1.2–
+    /// 1.5× on some virtual machines, 0.65–0.9× on others). Around 64 KiB the driver's path
+    /// is slow and one chunk 1.6× faster. Empty: every upload goes through the ring.
+    pub driver_uploads: Vec<RangeInclusive<usize>>,
+    /// Downloads of these sizes into ordinary memory take the driver's own path: one
+    /// `cudaMemcpyAsync`, which returns once a pageable destination is filled. The default,
+    /// up to 16 KiB, is where one chunk of the ring (a copy, an event, a wait) was measured
+    /// slower; from 64 KiB up the ring is faster.
+    pub driver_downloads: Vec<RangeInclusive<usize>>,
+    /// Downloads write the destination with non-temporal stores (past the CPU's caches)
+    /// where the CPU has them (AVX2): the destination's cache lines are not read first,
+    /// which saves memory bandwidth on large downloads.
+    pub streaming_stores: bool,
 }
 
 impl Default for StagingConfig {
@@ -56,6 +80,9 @@ impl Default for StagingConfig {
             slots: 2 * threads,
             single_thread_bytes: 256 << 10,
             min_piece_bytes: 512 << 10,
+            driver_uploads: vec![0..=(16 << 10), (128 << 10)..=(4 << 20)],
+            driver_downloads: vec![0..=(16 << 10)],
+            streaming_stores: true,
         }
     }
 }
@@ -169,17 +196,35 @@ impl<A: PinnedAllocator> Stager<A> {
         self.prepare(stream, range, src.len())?;
         let bytes = size_of_val(src);
         ffi::on_device(self.engine.device, || {
-            // SAFETY: `src` is readable for `bytes` and borrowed until the engine returns,
-            // which is after the last read of it; the device range is live, borrowed
-            // uniquely, and records the copies below before its memory can be freed.
-            let copied = unsafe {
-                self.engine.run(
-                    Direction::HostToDevice,
-                    src.as_ptr().cast_mut().cast(),
-                    range.address,
-                    bytes,
-                    stream,
-                )
+            let direct = driver_path(&self.config().driver_uploads, bytes, src.as_ptr().cast());
+            let copied = if direct {
+                // SAFETY: the runtime copies a pageable source into its own staging memory
+                // before `cudaMemcpyAsync` returns (page-locked memory, which it would read
+                // later, was ruled out above), so `src` is not read after this call; the
+                // device range is live, borrowed uniquely, and records the copy below.
+                unsafe {
+                    ffi::memcpy_async(
+                        range.address as *mut std::ffi::c_void,
+                        src.as_ptr().cast(),
+                        bytes,
+                        Direction::HostToDevice,
+                        stream.as_raw(),
+                    )
+                }
+            } else {
+                // SAFETY: `src` is readable for `bytes` and borrowed until the engine
+                // returns, which is after the last read of it; the device range is live,
+                // borrowed uniquely, and records the copies below before its memory can be
+                // freed.
+                unsafe {
+                    self.engine.run(
+                        Direction::HostToDevice,
+                        src.as_ptr().cast_mut().cast(),
+                        range.address,
+                        bytes,
+                        stream,
+                    )
+                }
             };
             let ended = self.end_on(stream, range);
             copied?;
@@ -247,17 +292,34 @@ impl<A: PinnedAllocator> Stager<A> {
         self.prepare(stream, range, dst.len())?;
         let bytes = size_of_val(dst);
         ffi::on_device(self.engine.device, || {
-            // SAFETY: `dst` is writable for `bytes`, borrowed uniquely until the engine
-            // returns (after its last write), and any bytes are a valid `T`; the device range
-            // is live and records the reads below before its memory can be freed.
-            let copied = unsafe {
-                self.engine.run(
-                    Direction::DeviceToHost,
-                    dst.as_mut_ptr().cast(),
-                    range.address,
-                    bytes,
-                    stream,
-                )
+            let direct = driver_path(&self.config().driver_downloads, bytes, dst.as_ptr().cast());
+            let copied = if direct {
+                // SAFETY: `cudaMemcpyAsync` into pageable memory (page-locked memory, which it
+                // would fill later, was ruled out above) returns once the copy has completed,
+                // so nothing writes `dst` after this call and nothing reads the device range;
+                // `dst` is writable for `bytes` and any bytes are a valid `T`.
+                unsafe {
+                    ffi::memcpy_async(
+                        dst.as_mut_ptr().cast(),
+                        range.address as *const std::ffi::c_void,
+                        bytes,
+                        Direction::DeviceToHost,
+                        stream.as_raw(),
+                    )
+                }
+            } else {
+                // SAFETY: `dst` is writable for `bytes`, borrowed uniquely until the engine
+                // returns (after its last write), and any bytes are a valid `T`; the device
+                // range is live and records the reads below before its memory can be freed.
+                unsafe {
+                    self.engine.run(
+                        Direction::DeviceToHost,
+                        dst.as_mut_ptr().cast(),
+                        range.address,
+                        bytes,
+                        stream,
+                    )
+                }
             };
             if copied.is_err() {
                 // Pieces still in flight may read the device range: it must know when they
@@ -277,6 +339,17 @@ impl<A: PinnedAllocator> std::fmt::Debug for Stager<A> {
             .field("workers", &self.workers())
             .finish()
     }
+}
+
+/// Whether a copy of `bytes` with host side `host` takes the driver's own path: its size is
+/// in `sizes` and CUDA sees `host` as ordinary memory (from or into page-locked memory the
+/// call would return before the DMA has touched it).
+fn driver_path(
+    sizes: &[RangeInclusive<usize>],
+    bytes: usize,
+    host: *const std::ffi::c_void,
+) -> bool {
+    bytes > 0 && sizes.iter().any(|r| r.contains(&bytes)) && ffi::is_pageable(host)
 }
 
 /// A staged host → device copy whose DMA may still run: the source was read already.
@@ -344,6 +417,56 @@ fn cut(bytes: usize, config: &StagingConfig, spread: bool) -> Vec<(usize, usize)
         offset += size;
     }
     cuts
+}
+
+/// Copies `bytes` from `src` to `dst` with non-temporal stores where the CPU has AVX2, else
+/// as `copy_nonoverlapping` does. The stores are fenced before returning: whatever the caller
+/// does next (releasing a lock) is seen after them.
+///
+/// # Safety
+///
+/// As `copy_nonoverlapping`: `src` readable and `dst` writable for `bytes`, not overlapping.
+unsafe fn copy_streaming(src: *const u8, dst: *mut u8, bytes: usize) {
+    #[cfg(all(target_arch = "x86_64", not(miri)))]
+    if bytes >= 4096 && std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked above); the ranges as the caller promised.
+        return unsafe { copy_streaming_avx2(src, dst, bytes) };
+    }
+    // SAFETY: as the caller promised.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, bytes) }
+}
+
+/// [`copy_streaming`] on a CPU with AVX2: unaligned loads, aligned 32-byte non-temporal
+/// stores, plain copies for the unaligned head and the tail.
+///
+/// # Safety
+///
+/// As [`copy_streaming`], on a CPU with AVX2.
+#[cfg(all(target_arch = "x86_64", not(miri)))]
+#[target_feature(enable = "avx2")]
+unsafe fn copy_streaming_avx2(src: *const u8, dst: *mut u8, bytes: usize) {
+    use std::arch::x86_64::{__m256i, _mm_sfence, _mm256_loadu_si256, _mm256_stream_si256};
+    let head = dst.align_offset(32).min(bytes);
+    // SAFETY: both ranges hold `bytes` ≥ `head` bytes and do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
+    let body = (bytes - head) / 128 * 128;
+    let (src_body, dst_body) = (src.wrapping_add(head), dst.wrapping_add(head));
+    let mut at = 0;
+    while at < body {
+        for lane in (0..128).step_by(32) {
+            // SAFETY: `head + at + lane + 32 <= bytes`: in bounds of both ranges; the store
+            // is 32-byte aligned (`dst + head` is, and every offset is a multiple of 32).
+            unsafe {
+                let value = _mm256_loadu_si256(src_body.add(at + lane).cast::<__m256i>());
+                _mm256_stream_si256(dst_body.add(at + lane).cast::<__m256i>(), value);
+            }
+        }
+        at += 128;
+    }
+    let done = head + body;
+    // SAFETY: the tail lies inside both ranges.
+    unsafe { std::ptr::copy_nonoverlapping(src.add(done), dst.add(done), bytes - done) };
+    _mm_sfence();
 }
 
 /// How long an idle worker watches for the next job before it sleeps: waking a sleeping
@@ -821,7 +944,13 @@ impl<D: Dma> Shared<D> {
                 .map(|()| {
                     // SAFETY: the DMA into the chunk has finished; the host range is
                     // writable and this piece's alone until every piece has finished.
-                    unsafe { std::ptr::copy_nonoverlapping(chunk.cast_const(), host, bytes) }
+                    unsafe {
+                        if self.config.streaming_stores {
+                            copy_streaming(chunk.cast_const(), host, bytes);
+                        } else {
+                            std::ptr::copy_nonoverlapping(chunk.cast_const(), host, bytes);
+                        }
+                    }
                 })
             }
         };

@@ -16,7 +16,24 @@ fn round_trips_at_chunk_edges_and_a_gibibyte() {
     let stager = Stager::new().unwrap();
     let stream = Stream::new().unwrap();
     let chunk = stager.config().chunk_bytes;
-    for len in [0, 1, chunk - 1, chunk + 1, 3 * chunk + 17, 1 << 30] {
+    // Both sides of each edge of the driver's path (16 KiB, 128 KiB, 4 MiB) and of the
+    // ring's chunks.
+    let sizes = [
+        0,
+        1,
+        16 << 10,
+        (16 << 10) + 1,
+        64 << 10,
+        (128 << 10) - 1,
+        128 << 10,
+        4 << 20,
+        (4 << 20) + 1,
+        chunk - 1,
+        chunk + 1,
+        3 * chunk + 17,
+        1 << 30,
+    ];
+    for len in sizes {
         let data = pattern(len, len as u8);
         let mut device = DeviceBuffer::<u8>::zeroed(len).unwrap();
         stager
@@ -46,6 +63,10 @@ fn typed_elements_and_odd_configurations() {
         slots: 2,
         single_thread_bytes: 0,
         min_piece_bytes: 1000,
+        driver_uploads: Vec::new(),
+        driver_downloads: Vec::new(),
+        // Chunks of 4104 bytes: downloads start their streaming stores unaligned.
+        streaming_stores: true,
     };
     let stager = Stager::with_config_in(config, cuda_pinned::CudaHost::new()).unwrap();
     let data: Vec<f64> = (0..100_003).map(|i| i as f64 * 0.5).collect();
@@ -77,7 +98,8 @@ fn typed_elements_and_odd_configurations() {
 fn the_source_may_change_as_soon_as_the_upload_returns() {
     let stager = Stager::new().unwrap();
     let stream = Stream::new().unwrap();
-    for len in [1000, 64 << 20] {
+    // The driver's path (4 KiB, 256 KiB) and the ring (1000 bytes, 64 MiB).
+    for len in [1000, 4096, 256 << 10, 64 << 20] {
         let original = pattern(len, 9);
         let mut source = original.clone();
         let mut device = DeviceBuffer::<u8>::zeroed(len).unwrap();
@@ -95,6 +117,66 @@ fn the_source_may_change_as_soon_as_the_upload_returns() {
         }
         upload.wait().unwrap();
         assert!(device.to_vec().unwrap() == original, "{len} bytes");
+    }
+}
+
+/// A page-locked source of a size the driver's path takes: a `cudaMemcpyAsync` from it would
+/// return before reading it, so it goes through the ring, and changing it right after the
+/// upload returns still does not change what arrives.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_page_locked_source_is_read_before_the_upload_returns() {
+    let stager = Stager::new().unwrap();
+    let stream = Stream::new().unwrap();
+    let len = 256 << 10;
+    assert!(
+        stager
+            .config()
+            .driver_uploads
+            .iter()
+            .any(|r| r.contains(&len))
+    );
+    let original = pattern(len, 3);
+    let mut source = cuda_pinned::PinnedVec::<u8>::with_capacity(len).unwrap();
+    source.extend_from_slice(&original);
+    let mut device = DeviceBuffer::<u8>::zeroed(len).unwrap();
+    stream
+        .launch_host_fn(|| std::thread::sleep(Duration::from_millis(200)))
+        .unwrap();
+    let upload = stager
+        .copy_to_device(&stream, &source, &mut device)
+        .unwrap();
+    source.fill(0xFF);
+    upload.wait().unwrap();
+    assert!(device.to_vec().unwrap() == original);
+}
+
+/// A download returns with the destination filled, behind other work on the stream: into
+/// ordinary memory of a size the driver's path takes, and into page-locked memory of that
+/// size (which goes through the ring: the driver's call would return before filling it).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_download_returns_with_the_destination_filled() {
+    let stager = Stager::new().unwrap();
+    let stream = Stream::new().unwrap();
+    let len = 4096;
+    assert!(
+        stager
+            .config()
+            .driver_downloads
+            .iter()
+            .any(|r| r.contains(&len))
+    );
+    let original = pattern(len, 5);
+    let device = DeviceBuffer::from_slice(&original).unwrap();
+    let mut ordinary = vec![0u8; len];
+    let mut locked = cuda_pinned::PinnedVec::<u8>::zeroed(len).unwrap();
+    for into in [&mut ordinary[..], &mut locked[..]] {
+        stream
+            .launch_host_fn(|| std::thread::sleep(Duration::from_millis(200)))
+            .unwrap();
+        stager.copy_from_device(&stream, &device, into).unwrap();
+        assert!(into == &original[..]);
     }
 }
 
