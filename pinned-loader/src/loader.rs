@@ -63,6 +63,9 @@ pub(crate) struct Shared<D: Dataset> {
     /// Made current on the loader's threads (the pinned memory's NUMA node follows it).
     pub(crate) device: Option<cuda_pinned::Device>,
     state: Mutex<State>,
+    /// `state.generation`, for the check a worker makes before each sample without taking
+    /// the lock (written under it).
+    generation: AtomicU64,
     /// Work was queued, or the workers should stop.
     work: Condvar,
     /// A batch was finished.
@@ -104,7 +107,17 @@ impl<D: Dataset> Shared<D> {
     }
 
     fn generation(&self) -> u64 {
-        self.state().generation
+        self.generation.load(Ordering::Relaxed)
+    }
+
+    /// Ends the current generation: older tasks and results are dropped. Returns the new
+    /// generation and the results nobody claimed.
+    fn next_generation(&self) -> (u64, Vec<Finished>) {
+        let mut state = self.state();
+        state.generation += 1;
+        self.generation.store(state.generation, Ordering::Relaxed);
+        state.tasks.clear();
+        (state.generation, std::mem::take(&mut state.finished))
     }
 
     /// A free slot, or a new one (pinned on the hot path: counted) when the consumer holds
@@ -373,6 +386,7 @@ impl<D: Dataset> Loader<D> {
                 finished: Vec::new(),
                 shutdown: false,
             }),
+            generation: AtomicU64::new(0),
             work: Condvar::new(),
             done: Condvar::new(),
             counters: Counters::default(),
@@ -423,12 +437,7 @@ impl<D: Dataset> Loader<D> {
         let indices = Arc::new(self.sampler.indices(epoch));
         let batches = self.sampler.batches(indices.len());
         // A generation of its own, even if an earlier epoch was leaked without its drop.
-        let (generation, stale) = {
-            let mut state = self.shared.state();
-            state.generation += 1;
-            state.tasks.clear();
-            (state.generation, std::mem::take(&mut state.finished))
-        };
+        let (generation, stale) = self.shared.next_generation();
         for finished in stale {
             if let Ok((slot, _)) = finished.result {
                 self.shared.slots.give(slot);
@@ -510,15 +519,17 @@ impl<D: Dataset> Epoch<'_, D> {
     /// Queues batches until each worker has `prefetch` in the making.
     fn dispatch(&mut self) {
         let limit = self.workers() * self.loader.config.prefetch;
-        let mut queued = false;
+        let mut queued = 0;
         while self.dispatched < self.batches.len() && self.dispatched - self.delivered < limit {
             let task = self.task(self.dispatched);
             self.shared().state().tasks.push_back(task);
             self.dispatched += 1;
-            queued = true;
+            queued += 1;
         }
-        if queued {
-            self.shared().work.notify_all();
+        // One worker a task: the others stay asleep (a worker looks at the queue, under its
+        // lock, before it sleeps, so none is missed).
+        for _ in 0..queued.min(self.workers()) {
+            self.shared().work.notify_one();
         }
     }
 
@@ -603,12 +614,7 @@ impl<D: Dataset> Iterator for Epoch<'_, D> {
 impl<D: Dataset> Drop for Epoch<'_, D> {
     fn drop(&mut self) {
         let shared = self.loader.shared.clone();
-        let unclaimed = {
-            let mut state = shared.state();
-            state.generation += 1;
-            state.tasks.clear();
-            std::mem::take(&mut state.finished)
-        };
+        let (_, unclaimed) = shared.next_generation();
         for finished in unclaimed {
             if let Ok((slot, _)) = finished.result {
                 shared.slots.give(slot);
