@@ -34,7 +34,7 @@ fn sizes(quick: bool) -> Vec<usize> {
 
 /// Work items, for the progress bar.
 pub fn steps(quick: bool) -> usize {
-    sizes(quick).len() + if quick { 2 } else { 3 }
+    sizes(quick).len() + if quick { 3 } else { 4 }
 }
 
 fn gbps(bytes: usize, seconds: f64) -> f64 {
@@ -186,6 +186,74 @@ fn memcpy_ceiling(
     Ok(())
 }
 
+/// 1 GiB copies one after another, as a program streaming data makes them: the driver's
+/// path, then page-locked memory, then the stager, each in a block of its own (after two
+/// unmeasured copies). Interleaved with other copies rep by rep (the table above), the
+/// stager's threads start each copy on cores that idled through the previous one.
+fn back_to_back(
+    stager: &Stager,
+    quick: bool,
+    section: &mut Section,
+    progress: &mut Progress,
+) -> Result<()> {
+    progress.step("staged back to back");
+    let bytes = if quick { 256 << 20 } else { 1 << 30 };
+    let reps = if quick { 3 } else { 8 };
+    let stream = Stream::new()?;
+    let source = vec![0x5Au8; bytes];
+    let mut sink = vec![0xA5u8; bytes];
+    let mut pinned = PinnedVec::with_capacity_in(bytes, Registered::new())?;
+    pinned.resize(bytes, 0x5A);
+    let mut device = DeviceBuffer::<u8>::zeroed(bytes)?;
+    let block = |reps: usize, copy: &mut dyn FnMut() -> Result<()>| -> Result<Spread> {
+        let mut rates = Vec::new();
+        for rep in 0..reps + 2 {
+            let seconds = timed(&mut *copy)?;
+            if rep >= 2 {
+                rates.push(gbps(bytes, seconds));
+            }
+        }
+        Ok(Spread::of(rates))
+    };
+    for direction in [Direction::HostToDevice, Direction::DeviceToHost] {
+        let host = match direction {
+            Direction::HostToDevice => source.as_ptr().cast_mut(),
+            Direction::DeviceToHost => sink.as_mut_ptr(),
+        };
+        let address = device.as_raw();
+        let driver = block(reps.min(3), &mut || {
+            // SAFETY: the buffers hold `bytes` and outlive the call, which waits.
+            unsafe { raw(&stream, host, address, bytes, direction) }
+        })?;
+        let pinned_ptr = pinned.as_mut_ptr();
+        let locked = block(reps, &mut || {
+            // SAFETY: the buffers hold `bytes` and outlive the call, which waits.
+            unsafe { raw(&stream, pinned_ptr, address, bytes, direction) }
+        })?;
+        let staged = match direction {
+            Direction::HostToDevice => block(reps, &mut || {
+                stager.copy_to_device(&stream, &source, &mut device)?.wait()
+            })?,
+            Direction::DeviceToHost => block(reps, &mut || {
+                stager.copy_from_device(&stream, &device, &mut sink)
+            })?,
+        };
+        let [min, median, max] = staged.cells(2);
+        section.row(vec![
+            Value::Text(format!("{}, back to back", direction.label())),
+            Value::Text(size_label(bytes as u64)),
+            Value::Num(driver.median, 2),
+            Value::Num(locked.median, 2),
+            min,
+            median,
+            max,
+            Value::Num(100.0 * staged.median / locked.median, 1),
+            Value::Num(staged.median / driver.median, 2),
+        ]);
+    }
+    Ok(())
+}
+
 /// 1 GiB each way at once, on two streams from two threads sharing `stager`, against the same
 /// from page-locked memory; GB/s counts both directions.
 fn both_ways(
@@ -273,52 +341,83 @@ fn sweep(section: &mut Section, progress: &mut Progress) -> Result<()> {
     let source = vec![3u8; bytes];
     let mut sink = vec![4u8; bytes];
     let mut device = DeviceBuffer::<u8>::zeroed(bytes)?;
-    // (chunk, threads, smallest piece)
+    // (chunk, threads, smallest piece, streaming stores)
     let configs = [
-        (4 << 20, 8, 1 << 20),
-        (4 << 20, 12, 1 << 20),
-        (4 << 20, 16, 1 << 20),
-        (2 << 20, 12, 1 << 20),
-        (2 << 20, 16, 1 << 20),
-        (8 << 20, 12, 1 << 20),
-        (4 << 20, 12, 256 << 10),
-        (512 << 10, 12, 512 << 10),
-        (512 << 10, 16, 512 << 10),
+        (4 << 20, 8, 1 << 20, true),
+        (4 << 20, 12, 1 << 20, true),
+        (4 << 20, 12, 1 << 20, false),
+        (4 << 20, 16, 1 << 20, true),
+        (2 << 20, 12, 1 << 20, true),
+        (8 << 20, 12, 1 << 20, true),
+        (4 << 20, 12, 512 << 10, true),
+        (4 << 20, 12, 512 << 10, false),
     ];
-    for (chunk, threads, min_piece) in configs.into_iter().filter(|c| c.1 <= cores) {
+    for (chunk, threads, min_piece, streaming_stores) in
+        configs.into_iter().filter(|c| c.1 <= cores)
+    {
         let config = StagingConfig {
             chunk_bytes: chunk,
             threads,
             slots: 2 * threads,
             min_piece_bytes: min_piece,
+            streaming_stores,
             ..StagingConfig::default()
         };
         let stager = Stager::with_config_in(config, DefaultPinned)?;
         let [up, down] = round_trips(&stager, &stream, &source, &mut sink, &mut device, 3)?;
         section.notes.push(format!(
-            "sweep 1 GiB: chunk {:>7}, {threads:>2} threads, pieces from {:>7}: \
+            "sweep 1 GiB: chunk {:>7}, {threads:>2} threads, pieces from {:>7}, {}: \
              H2D {up:6.2} GB/s, D2H {down:6.2} GB/s",
             size_label(chunk as u64),
-            size_label(min_piece as u64)
+            size_label(min_piece as u64),
+            if streaming_stores {
+                "streaming stores"
+            } else {
+                "plain stores"
+            }
         ));
     }
-    for bytes in [256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20] {
+    for bytes in [
+        4 << 10,
+        16 << 10,
+        64 << 10,
+        128 << 10,
+        256 << 10,
+        512 << 10,
+        1 << 20,
+        2 << 20,
+        4 << 20,
+        8 << 20,
+    ] {
         let source = vec![3u8; bytes];
         let mut sink = vec![4u8; bytes];
         let mut device = DeviceBuffer::<u8>::zeroed(bytes)?;
         let mut line = format!("sweep {:>7}:", size_label(bytes as u64));
+        let ring_only = StagingConfig {
+            driver_uploads: Vec::new(),
+            driver_downloads: Vec::new(),
+            ..StagingConfig::default()
+        };
         let variants = [
-            ("one thread", usize::MAX, 1 << 20),
-            ("pieces from 256 KiB", 0, 256 << 10),
-            ("512 KiB", 0, 512 << 10),
-            ("1 MiB", 0, 1 << 20),
+            (
+                "ring, one thread",
+                StagingConfig {
+                    single_thread_bytes: usize::MAX,
+                    ..ring_only.clone()
+                },
+            ),
+            ("ring", ring_only.clone()),
+            (
+                "ring from 256 KiB pieces",
+                StagingConfig {
+                    single_thread_bytes: 0,
+                    min_piece_bytes: 256 << 10,
+                    ..ring_only
+                },
+            ),
+            ("defaults", StagingConfig::default()),
         ];
-        for (name, single_thread_bytes, min_piece_bytes) in variants {
-            let config = StagingConfig {
-                single_thread_bytes,
-                min_piece_bytes,
-                ..StagingConfig::default()
-            };
+        for (name, config) in variants {
             let stager = Stager::with_config_in(config, DefaultPinned)?;
             let [up, down] = round_trips(&stager, &stream, &source, &mut sink, &mut device, 30)?;
             line += &format!(" {name} H2D {up:6.2} D2H {down:6.2};");
@@ -412,6 +511,7 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
         ],
     );
     by_size(&stager, quick, &mut section, progress)?;
+    back_to_back(&stager, quick, &mut section, progress)?;
     both_ways(&stager, quick, &mut section, progress)?;
     memcpy_ceiling(&stager, quick, &mut section, progress)?;
     if !quick {
