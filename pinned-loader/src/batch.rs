@@ -2,15 +2,18 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use cuda_pinned::{PinnedVec, Transfer};
+use cuda_pinned::Transfer;
 use pinned_pool::Pool;
 
+use crate::arena::{Arena, Part};
 use crate::fields::Fields;
 
-/// One field's pinned region of a slot: ready for the host, or still being read by an upload.
+/// One field's pinned region of a slot: ready for the host, still being read by an upload,
+/// or lost to a failed upload (made anew when the slot is next filled).
 pub(crate) enum Region {
-    Ready(PinnedVec<u8, Arc<Pool>>),
-    Uploading(Transfer<PinnedVec<u8, Arc<Pool>>>),
+    Ready(Part),
+    Uploading(Transfer<Part>),
+    Lost,
 }
 
 /// The pinned memory one batch is made in: a region per field, each with room for a full
@@ -20,13 +23,31 @@ pub(crate) struct Slot {
 }
 
 impl Slot {
-    /// A slot of zeroed regions of `bytes[k]` each.
+    /// `count` slots of zeroed regions of `bytes[k]` each, all from one pinned allocation
+    /// (zeroed on up to `threads` threads).
+    pub(crate) fn many(
+        pool: &Arc<Pool>,
+        bytes: &[usize],
+        count: usize,
+        threads: usize,
+    ) -> cuda_pinned::Result<Vec<Self>> {
+        let sizes: Vec<usize> = (0..count).flat_map(|_| bytes.iter().copied()).collect();
+        let mut parts = Arena::parts(pool, &sizes, threads)?.into_iter();
+        Ok((0..count)
+            .map(|_| Self {
+                regions: parts
+                    .by_ref()
+                    .take(bytes.len())
+                    .map(Region::Ready)
+                    .collect(),
+            })
+            .collect())
+    }
+
+    /// One slot, pinned on its own.
     pub(crate) fn new(pool: &Arc<Pool>, bytes: &[usize]) -> cuda_pinned::Result<Self> {
-        let regions = bytes
-            .iter()
-            .map(|&b| PinnedVec::zeroed_in(b, pool.clone()).map(Region::Ready))
-            .collect::<Result<_, _>>()?;
-        Ok(Self { regions })
+        let mut slots = Self::many(pool, bytes, 1, 1)?;
+        Ok(slots.pop().expect("one slot was made"))
     }
 
     /// The regions, each `bytes[k]` long, once every upload from them has finished. A region
@@ -35,32 +56,34 @@ impl Slot {
         &mut self,
         pool: &Arc<Pool>,
         bytes: &[usize],
-    ) -> cuda_pinned::Result<Vec<&mut PinnedVec<u8, Arc<Pool>>>> {
+    ) -> cuda_pinned::Result<Vec<&mut [u8]>> {
         for (region, &full) in self.regions.iter_mut().zip(bytes) {
-            let mut vec =
-                match std::mem::replace(region, Region::Ready(PinnedVec::new_in(pool.clone()))) {
-                    Region::Ready(vec) => vec,
-                    Region::Uploading(upload) => match upload.wait() {
-                        Ok(vec) => vec,
-                        Err(_) => PinnedVec::zeroed_in(full, pool.clone())?,
-                    },
-                };
-            // A short batch's upload cut the region; zeroes make it whole again.
-            vec.try_resize(full, 0)?;
-            *region = Region::Ready(vec);
+            let part = match std::mem::replace(region, Region::Lost) {
+                Region::Ready(part) => Some(part),
+                Region::Uploading(upload) => upload.wait().ok(),
+                Region::Lost => None,
+            };
+            let mut part = match part {
+                Some(part) => part,
+                None => Arena::parts(pool, &[full], 1)?
+                    .pop()
+                    .expect("one part was made"),
+            };
+            // A short batch's upload sent less; the region is whole again.
+            part.set_len(part.room());
+            *region = Region::Ready(part);
         }
         Ok(self
             .regions
             .iter_mut()
             .map(|region| match region {
-                Region::Ready(vec) => vec,
-                Region::Uploading(_) => unreachable!("every region was made ready above"),
+                Region::Ready(part) => part.as_mut_slice(),
+                _ => unreachable!("every region was made ready above"),
             })
             .collect())
     }
 }
 
-/// Free slots, shared by the workers, the consumer's batches and the uploads.
 #[derive(Default)]
 pub(crate) struct SlotPool {
     free: Mutex<Vec<Slot>>,
@@ -121,8 +144,8 @@ impl<F: Fields> HostBatch<F> {
         let slot = self.slot.as_ref().expect("a delivered batch has its slot");
         let mut regions = slot.regions.iter().zip(self.sample_bytes.iter()).map(
             |(region, &bytes)| match region {
-                Region::Ready(vec) => &vec[..self.len * bytes],
-                Region::Uploading(_) => unreachable!("a delivered batch is ready"),
+                Region::Ready(part) => &part.as_slice()[..self.len * bytes],
+                _ => unreachable!("a delivered batch is ready"),
             },
         );
         self.fields.host(&mut regions)

@@ -293,18 +293,15 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
             .zip(self.shared.sample_bytes.iter())
         {
             let bytes = len * sample_bytes;
-            let Region::Ready(mut vec) = std::mem::replace(
-                region,
-                Region::Ready(cuda_pinned::PinnedVec::new_in(self.shared.pool.clone())),
-            ) else {
+            let Region::Ready(mut part) = std::mem::replace(region, Region::Lost) else {
                 unreachable!("a delivered batch is ready");
             };
-            vec.truncate(bytes);
-            match self.stream.copy_to_device(vec, buffer.slice_mut(..bytes)) {
+            part.set_len(bytes);
+            match self.stream.copy_to_device(part, buffer.slice_mut(..bytes)) {
                 Ok(upload) => *region = Region::Uploading(upload),
                 Err(error) => {
-                    // The region was given back to the pool; the slot pins a new one when
-                    // it is next filled.
+                    // The region is lost (given back once nothing can use it); the slot pins
+                    // a new one when it is next filled.
                     result = Err(error);
                     break;
                 }

@@ -4,8 +4,8 @@
 //! Workers write samples straight into pinned batches (no copy through pageable memory);
 //! a copy stream of the loader's own uploads each batch while the consumer's GPU works on
 //! the previous one; the consumer's stream waits for each batch on the device, never the
-//! host. The pinned working set is reserved before the first batch, so nothing is pinned on
-//! the hot path.
+//! host. The pinned working set is reserved before the first batch, as one block from the
+//! pool (one registration), so nothing is pinned on the hot path.
 //!
 //! ```
 //! use pinned_loader::{BoxError, Dataset, Field, Loader, LoaderConfig};
@@ -85,6 +85,7 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod arena;
 mod batch;
 mod config;
 mod dataset;

@@ -223,6 +223,17 @@ fn dropping_mid_epoch_stops_the_workers_and_gives_every_block_back() {
     }
 }
 
+/// The working set is pinned as one block (one registration), whatever the slot count.
+#[test]
+fn the_working_set_is_one_pinned_block() {
+    let pool = Arc::new(Pool::new());
+    let loader = Loader::new(Indexed::new(100), config(5, 4).pool(pool.clone())).unwrap();
+    assert_eq!(loader.stats().reserved_slots, 4 * 2 + 2);
+    assert_eq!(pool.stats().active_requests.current, 1);
+    drop(loader);
+    assert_eq!(pool.stats().active_requests.current, 0);
+}
+
 #[test]
 fn a_consumer_holding_every_batch_gets_more_slots_not_a_hang() {
     let mut loader = Loader::new(Indexed::new(100), config(5, 2).prefetch(1)).unwrap();
