@@ -395,7 +395,6 @@ fn sweep(section: &mut Section, progress: &mut Progress) -> Result<()> {
         let mut line = format!("sweep {:>7}:", size_label(bytes as u64));
         let ring_only = StagingConfig {
             driver_uploads: Vec::new(),
-            driver_downloads: Vec::new(),
             ..StagingConfig::default()
         };
         let variants = [

@@ -312,8 +312,7 @@ pub(crate) fn host_device_pointer(ptr: NonNull<u8>) -> Result<u64> {
 }
 
 /// Whether CUDA sees `ptr` as ordinary host memory: not page-locked, device or managed
-/// memory, so that a copy from it is staged by the driver before the call returns. `false`
-/// when the runtime cannot say.
+/// memory, and no device address for it. `false` when the runtime cannot say.
 pub(crate) fn is_pageable(ptr: *const c_void) -> bool {
     let mut attributes = sys::cudaPointerAttributes {
         type_: sys::cudaMemoryType::cudaMemoryTypeDevice,
@@ -324,7 +323,9 @@ pub(crate) fn is_pageable(ptr: *const c_void) -> bool {
     };
     // cudaPointerGetAttributes only looks the address up; it never dereferences it.
     let looked_up = (|| cuda!(cudaPointerGetAttributes(&mut attributes, ptr)))();
-    looked_up.is_ok() && attributes.type_ == sys::cudaMemoryType::cudaMemoryTypeUnregistered
+    looked_up.is_ok()
+        && attributes.type_ == sys::cudaMemoryType::cudaMemoryTypeUnregistered
+        && attributes.devicePointer.is_null()
 }
 
 // ---- host memory through the virtual-memory API -------------------------------------------

@@ -9,12 +9,12 @@
 //! - device → host: the DMA fills the chunk, then a thread copies it out.
 //!
 //! Persistent worker threads and the calling thread take pieces in parallel; a copy of at
-//! most [`StagingConfig::single_thread_bytes`] runs on the calling thread alone. Copies of
+//! most [`StagingConfig::single_thread_bytes`] runs on the calling thread alone. Uploads of
 //! the sizes where the driver's own path was measured as fast
-//! ([`StagingConfig::driver_uploads`], [`StagingConfig::driver_downloads`]) take that path,
-//! with ordinary memory only: from or into page-locked memory the driver's call would return
-//! before the DMA has touched it. Downloads write the destination with non-temporal stores:
-//! its old contents are not read into the caches first.
+//! ([`StagingConfig::driver_uploads`]) take that path, from ordinary memory only, on devices
+//! that cannot read pageable memory themselves (the driver then stages the source before
+//! its call returns). Downloads copy large pieces out with non-temporal stores
+//! ([`StagingConfig::streaming_stores`]).
 
 use std::collections::VecDeque;
 use std::mem::ManuallyDrop;
@@ -50,22 +50,24 @@ pub struct StagingConfig {
     /// per thread, smaller at both ends: the DMA engine starts early and drains a short tail.
     pub min_piece_bytes: usize,
     /// Uploads of these sizes (in bytes) from ordinary memory take the driver's own path:
-    /// one `cudaMemcpyAsync` from the source, which the runtime copies into its own staging
-    /// memory before it returns. The defaults are where the ring was not reliably faster on
-    /// an H100 host: up to 16 KiB (a chunk's event calls cost more than they save) and from
-    /// 128 KiB to 4 MiB (the driver overlaps its one-thread copy with the DMA, which one
-    /// chunk cannot, and the ring's gain there hangs on how fast sleeping workers wake: 1.2–
-    /// 1.5× on some virtual machines, 0.65–0.9× on others). Around 64 KiB the driver's path
-    /// is slow and one chunk 1.6× faster. Empty: every upload goes through the ring.
+    /// one `cudaMemcpyAsync` from the source. On a device that cannot read pageable memory
+    /// itself, the driver copies such a source into pinned staging buffers before the call
+    /// returns (CUDA documents this for `cudaMemcpy`; for `cudaMemcpyAsync` it was observed,
+    /// and the GPU tests check it with the stream held back). Devices that read pageable
+    /// memory directly (HMM, ATS) and page-locked sources always go through the ring. The
+    /// call may wait for work queued earlier on the stream.
+    ///
+    /// The defaults are where the ring was not reliably faster on an H100 host: up to 16 KiB
+    /// (a chunk's event calls cost more than they save) and from 128 KiB to 4 MiB (the driver
+    /// overlaps its one-thread copy with the DMA, which one chunk cannot, and the ring's gain
+    /// there hangs on how fast sleeping workers wake: 1.2–1.5× on some virtual machines,
+    /// 0.65–0.9× on others). Around 64 KiB the driver's path is slow and one chunk 1.6×
+    /// faster. Empty: every upload goes through the ring.
     pub driver_uploads: Vec<RangeInclusive<usize>>,
-    /// Downloads of these sizes into ordinary memory take the driver's own path: one
-    /// `cudaMemcpyAsync`, which returns once a pageable destination is filled. The default,
-    /// up to 16 KiB, is where one chunk of the ring (a copy, an event, a wait) was measured
-    /// slower; from 64 KiB up the ring is faster.
-    pub driver_downloads: Vec<RangeInclusive<usize>>,
-    /// Downloads write the destination with non-temporal stores (past the CPU's caches)
-    /// where the CPU has them (AVX2): the destination's cache lines are not read first,
-    /// which saves memory bandwidth on large downloads.
+    /// Downloads copy pieces of 4 KiB and more out of the ring with non-temporal stores
+    /// (past the CPU's caches) where the CPU has them (x86-64 with AVX2): the destination's
+    /// cache lines are not read first, which saves memory bandwidth on large downloads, but
+    /// the data is not in the caches afterwards either.
     pub streaming_stores: bool,
 }
 
@@ -81,7 +83,6 @@ impl Default for StagingConfig {
             single_thread_bytes: 256 << 10,
             min_piece_bytes: 512 << 10,
             driver_uploads: vec![0..=(16 << 10), (128 << 10)..=(4 << 20)],
-            driver_downloads: vec![0..=(16 << 10)],
             streaming_stores: true,
         }
     }
@@ -109,6 +110,9 @@ impl Default for StagingConfig {
 /// ```
 pub struct Stager<A: PinnedAllocator = DefaultPinned> {
     engine: Engine<Cuda, A>,
+    /// The device cannot read pageable memory itself, so the driver stages a pageable source
+    /// before its copy call returns: the condition for the driver's path.
+    stages_pageable: bool,
     /// Events that ended uploads, reused once nobody holds them (creating one costs about as
     /// much as a small copy).
     events: Mutex<Vec<Arc<Event>>>,
@@ -154,10 +158,15 @@ impl<A: PinnedAllocator> Stager<A> {
     ///
     /// As [`with_config_in`](Self::with_config_in).
     pub fn with_config_on(device: Device, config: StagingConfig, allocator: A) -> Result<Self> {
+        let pageable_access = ffi::device_attribute(
+            cuda_pinned_sys::cudaDeviceAttr::cudaDevAttrPageableMemoryAccess,
+            device.raw(),
+        );
         Ok(Self {
             engine: ffi::on_device(device.raw(), || {
                 Engine::new(Cuda { device }, config, allocator)
             })?,
+            stages_pageable: pageable_access.is_ok_and(|access| access == 0),
             events: Mutex::new(Vec::new()),
         })
     }
@@ -196,12 +205,13 @@ impl<A: PinnedAllocator> Stager<A> {
         self.prepare(stream, range, src.len())?;
         let bytes = size_of_val(src);
         ffi::on_device(self.engine.device, || {
-            let direct = driver_path(&self.config().driver_uploads, bytes, src.as_ptr().cast());
-            let copied = if direct {
-                // SAFETY: the runtime copies a pageable source into its own staging memory
-                // before `cudaMemcpyAsync` returns (page-locked memory, which it would read
-                // later, was ruled out above), so `src` is not read after this call; the
-                // device range is live, borrowed uniquely, and records the copy below.
+            let copied = if self.takes_driver_path(src) {
+                // SAFETY: this device cannot read pageable memory, so the driver copies a
+                // pageable source into its own pinned buffers before `cudaMemcpyAsync`
+                // returns (`driver_uploads` says how this is known); `src` is pageable at
+                // both ends (memory registered with CUDA, which it would read later, was
+                // ruled out), so it need only be valid during the call. The device range is
+                // live, borrowed uniquely, and records the copy below.
                 unsafe {
                     ffi::memcpy_async(
                         range.address as *mut std::ffi::c_void,
@@ -230,6 +240,23 @@ impl<A: PinnedAllocator> Stager<A> {
             copied?;
             Ok(StagedCopy { event: ended? })
         })
+    }
+
+    /// Whether an upload from `src` takes the driver's own path: its size is one of
+    /// `driver_uploads`, the device cannot read pageable memory, and CUDA sees both ends of
+    /// `src` as ordinary memory. Runs with the stager's device current.
+    fn takes_driver_path<T>(&self, src: &[T]) -> bool {
+        let bytes = size_of_val(src);
+        let first = src.as_ptr().cast::<u8>();
+        bytes > 0
+            && self.stages_pageable
+            && self
+                .config()
+                .driver_uploads
+                .iter()
+                .any(|r| r.contains(&bytes))
+            && ffi::is_pageable(first.cast())
+            && ffi::is_pageable(first.wrapping_add(bytes - 1).cast())
     }
 
     /// Checks the devices and the lengths, and orders `stream` after copies of `range` on
@@ -292,34 +319,17 @@ impl<A: PinnedAllocator> Stager<A> {
         self.prepare(stream, range, dst.len())?;
         let bytes = size_of_val(dst);
         ffi::on_device(self.engine.device, || {
-            let direct = driver_path(&self.config().driver_downloads, bytes, dst.as_ptr().cast());
-            let copied = if direct {
-                // SAFETY: `cudaMemcpyAsync` into pageable memory (page-locked memory, which it
-                // would fill later, was ruled out above) returns once the copy has completed,
-                // so nothing writes `dst` after this call and nothing reads the device range;
-                // `dst` is writable for `bytes` and any bytes are a valid `T`.
-                unsafe {
-                    ffi::memcpy_async(
-                        dst.as_mut_ptr().cast(),
-                        range.address as *const std::ffi::c_void,
-                        bytes,
-                        Direction::DeviceToHost,
-                        stream.as_raw(),
-                    )
-                }
-            } else {
-                // SAFETY: `dst` is writable for `bytes`, borrowed uniquely until the engine
-                // returns (after its last write), and any bytes are a valid `T`; the device
-                // range is live and records the reads below before its memory can be freed.
-                unsafe {
-                    self.engine.run(
-                        Direction::DeviceToHost,
-                        dst.as_mut_ptr().cast(),
-                        range.address,
-                        bytes,
-                        stream,
-                    )
-                }
+            // SAFETY: `dst` is writable for `bytes`, borrowed uniquely until the engine
+            // returns (after its last write), and any bytes are a valid `T`; the device range
+            // is live and records the reads below before its memory can be freed.
+            let copied = unsafe {
+                self.engine.run(
+                    Direction::DeviceToHost,
+                    dst.as_mut_ptr().cast(),
+                    range.address,
+                    bytes,
+                    stream,
+                )
             };
             if copied.is_err() {
                 // Pieces still in flight may read the device range: it must know when they
@@ -339,17 +349,6 @@ impl<A: PinnedAllocator> std::fmt::Debug for Stager<A> {
             .field("workers", &self.workers())
             .finish()
     }
-}
-
-/// Whether a copy of `bytes` with host side `host` takes the driver's own path: its size is
-/// in `sizes` and CUDA sees `host` as ordinary memory (from or into page-locked memory the
-/// call would return before the DMA has touched it).
-fn driver_path(
-    sizes: &[RangeInclusive<usize>],
-    bytes: usize,
-    host: *const std::ffi::c_void,
-) -> bool {
-    bytes > 0 && sizes.iter().any(|r| r.contains(&bytes)) && ffi::is_pageable(host)
 }
 
 /// A staged host → device copy whose DMA may still run: the source was read already.
