@@ -51,7 +51,9 @@ impl Slot {
     }
 
     /// The regions, each `bytes[k]` long, once every upload from them has finished. A region
-    /// whose upload cannot be waited for (the device failed) is lost, and a new one pinned.
+    /// whose upload cannot be waited for (the device failed) is lost, and a new one pinned;
+    /// the lost one's block is then never given back (it may still be read), and with it
+    /// every slot made alongside.
     pub(crate) fn ready(
         &mut self,
         pool: &Arc<Pool>,
@@ -104,7 +106,8 @@ impl SlotPool {
             .push(slot);
     }
 
-    /// Drops every free slot (the pool gets its blocks back, after any pending upload).
+    /// Drops every free slot. The pool gets a block back, after any pending upload, once
+    /// every slot cut from it is gone: batches still held keep theirs.
     pub(crate) fn clear(&self) {
         let slots = std::mem::take(&mut *self.free.lock().unwrap_or_else(PoisonError::into_inner));
         drop(slots);
@@ -113,7 +116,8 @@ impl SlotPool {
 
 /// A batch in pinned memory, as a loader delivers it: read its fields with
 /// [`fields`](Self::fields); dropping it gives its memory back to the loader for a later
-/// batch.
+/// batch. Its memory is part of the loader's one pinned block: a batch kept after its
+/// loader is dropped keeps that whole block from going back to the pool.
 pub struct HostBatch<F: Fields> {
     pub(crate) slot: Option<Slot>,
     pub(crate) len: usize,

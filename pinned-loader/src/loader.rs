@@ -305,7 +305,9 @@ impl<D: Dataset> Loader<D> {
     /// prefetch`, at least `prefetch`) and two for the consumer, so that no batch waits for
     /// memory to be pinned. They are one block from the pool: the driver registers it once
     /// (a registration costs a fixed ~0.4 ms on top of its bytes, and registrations do not
-    /// run in parallel).
+    /// run in parallel). After the loader is dropped, the block waits in the pool's cache for
+    /// a request of its size class, a loader of the same shape; call
+    /// [`Pool::empty_cache`](pinned_pool::Pool::empty_cache) to unpin it sooner.
     ///
     /// # Errors
     ///
@@ -457,7 +459,8 @@ impl<D: Dataset> Drop for Loader<D> {
     fn drop(&mut self) {
         let workers = std::mem::take(&mut self.workers);
         self.shared.stop_workers(workers);
-        // The batches still out return their slots when they drop; the free ones go now.
+        // The free slots go now; the block they were cut from goes back to the pool once the
+        // batches still out are dropped too.
         self.shared.slots.clear();
     }
 }

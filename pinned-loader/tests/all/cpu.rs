@@ -234,6 +234,19 @@ fn the_working_set_is_one_pinned_block() {
     assert_eq!(pool.stats().active_requests.current, 0);
 }
 
+/// A batch kept past its loader stays readable, and keeps the block until it is dropped.
+#[test]
+fn a_batch_kept_past_its_loader_keeps_the_block() {
+    let pool = Arc::new(Pool::new());
+    let mut loader = Loader::new(Indexed::new(100), config(5, 4).pool(pool.clone())).unwrap();
+    let batch = loader.epoch(0).next().unwrap().unwrap();
+    drop(loader);
+    assert_eq!(pool.stats().active_requests.current, 1);
+    assert_eq!(batch.len(), 5);
+    drop(batch);
+    assert_eq!(pool.stats().active_requests.current, 0);
+}
+
 #[test]
 fn a_consumer_holding_every_batch_gets_more_slots_not_a_hang() {
     let mut loader = Loader::new(Indexed::new(100), config(5, 2).prefetch(1)).unwrap();
