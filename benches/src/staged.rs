@@ -116,23 +116,28 @@ fn by_size(
                     staged.push(gbps(bytes, s));
                 }
             }
-            let (driver, locked, staged) =
-                (Spread::of(driver), Spread::of(locked), Spread::of(staged));
-            let [min, median, max] = staged.cells(2);
-            section.row(vec![
-                Value::Text(direction.label().into()),
-                Value::Text(size_label(bytes as u64)),
-                Value::Num(driver.median, 2),
-                Value::Num(locked.median, 2),
-                min,
-                median,
-                max,
-                Value::Num(100.0 * staged.median / locked.median, 1),
-                Value::Num(staged.median / driver.median, 2),
-            ]);
+            let spreads = [driver, locked, staged].map(Spread::of);
+            section.row(row(direction.label().into(), bytes, &spreads));
         }
     }
     Ok(())
+}
+
+/// A table row: `label`, the size, the driver's and page-locked memory's medians, the
+/// stager's min / median / max and its ratios to both (`[driver, locked, staged]`).
+fn row(label: String, bytes: usize, [driver, locked, staged]: &[Spread; 3]) -> Vec<Value> {
+    let [min, median, max] = staged.cells(2);
+    vec![
+        Value::Text(label),
+        Value::Text(size_label(bytes as u64)),
+        Value::Num(driver.median, 2),
+        Value::Num(locked.median, 2),
+        min,
+        median,
+        max,
+        Value::Num(100.0 * staged.median / locked.median, 1),
+        Value::Num(staged.median / driver.median, 2),
+    ]
 }
 
 /// The host's own ceiling for the staged path: the stager's threads copying 1 GiB between
@@ -238,18 +243,8 @@ fn back_to_back(
                 stager.copy_from_device(&stream, &device, &mut sink)
             })?,
         };
-        let [min, median, max] = staged.cells(2);
-        section.row(vec![
-            Value::Text(format!("{}, back to back", direction.label())),
-            Value::Text(size_label(bytes as u64)),
-            Value::Num(driver.median, 2),
-            Value::Num(locked.median, 2),
-            min,
-            median,
-            max,
-            Value::Num(100.0 * staged.median / locked.median, 1),
-            Value::Num(staged.median / driver.median, 2),
-        ]);
+        let label = format!("{}, back to back", direction.label());
+        section.row(row(label, bytes, &[driver, locked, staged]));
     }
     Ok(())
 }

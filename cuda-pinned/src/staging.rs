@@ -158,14 +158,15 @@ impl<A: PinnedAllocator> Stager<A> {
     ///
     /// As [`with_config_in`](Self::with_config_in).
     pub fn with_config_on(device: Device, config: StagingConfig, allocator: A) -> Result<Self> {
-        let pageable_access = ffi::device_attribute(
-            cuda_pinned_sys::cudaDeviceAttr::cudaDevAttrPageableMemoryAccess,
-            device.raw(),
-        );
+        let (engine, pageable_access) = ffi::on_device(device.raw(), || {
+            let access = ffi::device_attribute(
+                cuda_pinned_sys::cudaDeviceAttr::cudaDevAttrPageableMemoryAccess,
+                device.raw(),
+            );
+            Ok((Engine::new(Cuda { device }, config, allocator)?, access))
+        })?;
         Ok(Self {
-            engine: ffi::on_device(device.raw(), || {
-                Engine::new(Cuda { device }, config, allocator)
-            })?,
+            engine,
             stages_pageable: pageable_access.is_ok_and(|access| access == 0),
             events: Mutex::new(Vec::new()),
         })
@@ -188,7 +189,9 @@ impl<A: PinnedAllocator> Stager<A> {
 
     /// Copies `src` into `dst` (a [`DeviceBuffer`](crate::DeviceBuffer) or a view of one)
     /// on `stream`, and returns once `src` has been read: the borrow ends, the DMA trails on
-    /// the stream from the ring, and work queued on `stream` afterwards sees the data.
+    /// the stream from the ring (or the driver's staging memory, for the sizes of
+    /// [`StagingConfig::driver_uploads`]), and work queued on `stream` afterwards sees the
+    /// data.
     ///
     /// # Errors
     ///

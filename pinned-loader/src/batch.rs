@@ -86,6 +86,7 @@ impl Slot {
     }
 }
 
+/// Free slots, shared by the workers, the consumer's batches and the uploads.
 #[derive(Default)]
 pub(crate) struct SlotPool {
     free: Mutex<Vec<Slot>>,
