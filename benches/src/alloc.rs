@@ -13,7 +13,7 @@ use cuda_pinned::{
 use pinned_pool::{Pool, PoolConfig};
 
 use crate::progress::Progress;
-use crate::report::{Section, Value, size_label};
+use crate::report::{Section, Spread, Value, size_label};
 
 /// Sizes measured.
 pub fn sizes(quick: bool) -> Vec<usize> {
@@ -28,7 +28,7 @@ pub fn sizes(quick: bool) -> Vec<usize> {
 const KINDS: [&str; 7] = [
     "cudaHostAlloc",
     "registered",
-    CHUNKS_32,
+    CHUNKS_12,
     VIRTUAL,
     "mlock",
     "pool miss",
@@ -37,18 +37,16 @@ const KINDS: [&str; 7] = [
 
 /// Work items, for the progress bar.
 pub fn steps(quick: bool, cuda: bool) -> usize {
-    sizes(quick).len() * KINDS.len() + if cuda { 15 + 2 * GROWN.len() + 3 } else { 0 }
+    sizes(quick).len() * KINDS.len() + if cuda { 14 + 2 * GROWN.len() + 3 } else { 0 }
 }
 
 const VIRTUAL: &str = "virtual (cuMemCreate)";
-/// Registration in chunks of 8, 16, 32 and 64 MiB.
+/// Registration in chunks of 8, 12, 16, 32 and 64 MiB.
 const CHUNKS_8: &str = "registered in 8 MiB chunks";
+const CHUNKS_12: &str = "registered in 12 MiB chunks";
 const CHUNKS_16: &str = "registered in 16 MiB chunks";
 const CHUNKS_32: &str = "registered in 32 MiB chunks";
 const CHUNKS_64: &str = "registered in 64 MiB chunks";
-/// The same with a crew of 8 faulting threads (the default leaves two cores free).
-const CHUNKS_16_8: &str = "registered in 16 MiB chunks, 8 threads";
-const CHUNKS_32_8: &str = "registered in 32 MiB chunks, 8 threads";
 
 fn median(mut values: Vec<Duration>) -> Duration {
     values.sort();
@@ -135,9 +133,9 @@ pub fn run(quick: bool, cuda: bool, progress: &mut Progress) -> Vec<Section> {
             let measured = match kind {
                 "cudaHostAlloc" if cuda => direct(&CudaHost::new(), bytes, reps),
                 "registered" if cuda => direct(&Registered::new(), bytes, reps),
-                CHUNKS_32 if cuda => direct(&chunks(32, None), bytes, reps),
+                CHUNKS_12 if cuda => direct(&chunks(12), bytes, reps),
                 VIRTUAL if cuda => direct(&VirtualHost::new(), bytes, reps),
-                "cudaHostAlloc" | "registered" | CHUNKS_32 | VIRTUAL => continue,
+                "cudaHostAlloc" | "registered" | CHUNKS_12 | VIRTUAL => continue,
                 "mlock" => direct(&HostLocked, bytes, reps),
                 "pool miss" => pool_miss(bytes, reps),
                 _ => pool_hit(&hits, bytes),
@@ -191,11 +189,10 @@ fn stall(progress: &mut Progress) -> Section {
         "cudaHostAlloc",
         "registered",
         CHUNKS_8,
+        CHUNKS_12,
         CHUNKS_16,
         CHUNKS_32,
         CHUNKS_64,
-        CHUNKS_16_8,
-        CHUNKS_32_8,
         VIRTUAL,
         RESERVE_8,
         RESERVE_16,
@@ -226,10 +223,17 @@ fn stall(progress: &mut Progress) -> Section {
     progress.step("stall reserve cost");
     match reserve_cost() {
         Ok((covered, hit)) => section.notes.push(format!(
-            "a 16 MiB allocation the reserve covers: median {:.0} ns; a pool hit of the same \
-             size: {:.0} ns (64 of each, both raising the pool-wide peak)",
-            covered.as_secs_f64() * 1e9,
-            hit.as_secs_f64() * 1e9
+            "16 MiB allocations the reserve covers: {:.0} / {:.0} / {:.0} ns; pool hits of \
+             the same size: {:.0} / {:.0} / {:.0} ns (min / median / max of five rounds, each \
+             the median of 64; both rounds raise the pool-wide peak, with the reserve thread \
+             pinning meanwhile); covered / hit {:.2}",
+            covered.min,
+            covered.median,
+            covered.max,
+            hit.min,
+            hit.median,
+            hit.max,
+            covered.median / hit.median
         )),
         Err(e) => section.notes.push(format!("reserve cost: {e}")),
     }
@@ -239,19 +243,18 @@ fn stall(progress: &mut Progress) -> Section {
     section
 }
 
-/// Median times of 64 allocations of 16 MiB taken from blocks pinned ahead (the thread pins
-/// replacements meanwhile, as in use), then of 64 taken from the cache once those are freed.
-/// Each round starts from a peak of zero, so both pay for raising the pool-wide peak alike.
-fn reserve_cost() -> Result<(Duration, Duration)> {
+/// Allocations of 16 MiB taken from blocks pinned ahead against pool hits of the same size,
+/// in five alternating pairs of rounds; each round is the median of 64 allocations, in ns.
+/// Both rounds start from a peak of zero, so both pay alike for raising the pool-wide peak
+/// (which pauses every thread cache), and in both the reserve thread is pinning: the
+/// replacements of what the covered round takes, blocks of another size during the hits.
+fn reserve_cost() -> Result<(Spread, Spread)> {
     const BLOCK: usize = 16 << 20;
+    const OTHER: usize = 8 << 20;
     let pool = Pool::new();
-    grow_in_background(&pool, BLOCK, 64)?;
-    let mut times = [Vec::new(), Vec::new()];
-    for (round, times) in times.iter_mut().enumerate() {
-        if round == 1 {
-            // Hits only: release what is ready and pin no more.
-            pool.reserve(BLOCK, 0)?;
-        }
+    let round = |pool: &Pool| -> Result<f64> {
+        pool.reset_peak_stats();
+        let mut times = Vec::new();
         let mut blocks = Vec::new();
         for _ in 0..64 {
             let start = Instant::now();
@@ -263,10 +266,20 @@ fn reserve_cost() -> Result<(Duration, Duration)> {
             // SAFETY: allocated above from this pool, never used by a device.
             unsafe { pool.free_raw(block) };
         }
-        pool.reset_peak_stats();
+        Ok(median(times).as_secs_f64() * 1e9)
+    };
+    let (mut covered, mut hits) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        grow_in_background(&pool, BLOCK, 64)?;
+        covered.push(round(&pool)?);
+        // The 64 blocks are cached now: stop pinning that size, keep the thread busy.
+        pool.reserve(BLOCK, 0)?;
+        pool.reserve(OTHER, 64)?;
+        hits.push(round(&pool)?);
+        pool.reserve(OTHER, 0)?;
+        pool.empty_cache();
     }
-    let [covered, hit] = times;
-    Ok((median(covered), median(hit)))
+    Ok((Spread::of(covered), Spread::of(hits)))
 }
 
 /// A pool growing by 1 GiB on its reserve thread, in blocks of 8 / 16 / 128 MiB.
@@ -319,12 +332,11 @@ fn measure_stall(kind: &str) -> Result<(Duration, Vec<Duration>)> {
         let pinned = match kind {
             "cudaHostAlloc" => Some(CudaHost::new().allocate(layout)),
             "registered" => Some(Registered::new().allocate(layout)),
-            CHUNKS_8 => Some(chunks(8, None).allocate(layout)),
-            CHUNKS_16 => Some(chunks(16, None).allocate(layout)),
-            CHUNKS_32 => Some(chunks(32, None).allocate(layout)),
-            CHUNKS_64 => Some(chunks(64, None).allocate(layout)),
-            CHUNKS_16_8 => Some(chunks(16, Some(8)).allocate(layout)),
-            CHUNKS_32_8 => Some(chunks(32, Some(8)).allocate(layout)),
+            CHUNKS_8 => Some(chunks(8).allocate(layout)),
+            CHUNKS_12 => Some(chunks(12).allocate(layout)),
+            CHUNKS_16 => Some(chunks(16).allocate(layout)),
+            CHUNKS_32 => Some(chunks(32).allocate(layout)),
+            CHUNKS_64 => Some(chunks(64).allocate(layout)),
             VIRTUAL => Some(VirtualHost::new().allocate(layout)),
             RESERVE_8 => grow_in_background(&pool, 8 << 20, 128).err().map(Err),
             RESERVE_16 => grow_in_background(&pool, 16 << 20, 64).err().map(Err),
@@ -356,14 +368,9 @@ fn measure_stall(kind: &str) -> Result<(Duration, Vec<Duration>)> {
     })
 }
 
-/// Registration in chunks of `mib` MiB, faulted by `threads` threads (the default crew when
-/// `None`).
-fn chunks(mib: usize, threads: Option<usize>) -> Registered {
-    let registered = Registered::new().register_in_chunks(mib << 20);
-    match threads {
-        Some(threads) => registered.prefault_threads(threads),
-        None => registered,
-    }
+/// Registration in chunks of `mib` MiB.
+fn chunks(mib: usize) -> Registered {
+    Registered::new().register_in_chunks(mib << 20)
 }
 
 /// Gives `allocation` back to the allocator of its kind.

@@ -45,7 +45,7 @@ pub const KINDS: [&str; 8] = [
     "pageable Vec",
     "cudaHostAlloc",
     "registered",
-    "registered in 32 MiB chunks",
+    "registered in 12 MiB chunks",
     "virtual (cuMemCreate)",
     "pool",
     "mlock",
@@ -269,9 +269,9 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
                 "pageable Vec" => raw_copier(&stream, bytes, false),
                 "cudaHostAlloc" => tracked_copier(&stream, CudaHost::new(), bytes),
                 "registered" => tracked_copier(&stream, Registered::new(), bytes),
-                "registered in 32 MiB chunks" => tracked_copier(
+                "registered in 12 MiB chunks" => tracked_copier(
                     &stream,
-                    Registered::new().register_in_chunks(32 << 20),
+                    Registered::new().register_in_chunks(12 << 20),
                     bytes,
                 ),
                 "virtual (cuMemCreate)" => tracked_copier(&stream, VirtualHost::new(), bytes),

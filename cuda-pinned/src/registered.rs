@@ -7,6 +7,7 @@ use std::ops::BitOr;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use cuda_pinned_sys as sys;
 
@@ -47,8 +48,16 @@ impl BitOr for RegisterFlags {
     }
 }
 
-/// The pause between the registrations of two chunks (see `register_chunked`).
-const REGISTRATION_GAP: std::time::Duration = std::time::Duration::from_micros(50);
+/// How long the driver's lock is left free between the registrations of two chunks (see
+/// `register_chunked`). About 60 µs was long enough, on an H100 host, for a thread woken from
+/// waiting on the lock to take it.
+const REGISTRATION_GAP: Duration = Duration::from_micros(60);
+
+/// The sleep that makes the gap: the kernel's default timer slack (50 µs) stretches it.
+const REGISTRATION_PAUSE: Duration = Duration::from_micros(10);
+
+/// How long the registering thread spins waiting for the faulting crew before it sleeps.
+const CREW_SPIN: Duration = Duration::from_micros(200);
 
 /// Page-locked memory obtained the fast way: an anonymous `mmap`, `MADV_HUGEPAGE` for sizes
 /// of 2 MiB and more, every page faulted in by several threads, then one `cudaHostRegister`.
@@ -134,11 +143,13 @@ impl Registered {
     }
 
     /// Registers blocks larger than `bytes` (rounded up to 2 MiB) as consecutive chunks of
-    /// that size: the threads fault in the next chunk while the previous one registers, and
-    /// the driver's lock is taken for one chunk at a time, with a 50 µs pause between chunks
-    /// so that other threads' copies get their turn. Measured on an H100 host while 1 GiB
-    /// was pinned: 16 MiB chunks kept another thread's copy under 1 ms (0.6–0.7 ms) but took
-    /// 57–61 ms; 32 MiB chunks, 1.3–1.4 ms and 50–52 ms; one registration, 20 ms and 48 ms.
+    /// that size, each as soon as the crew of faulting threads has faulted it in while they
+    /// go on with the next. The driver's lock is taken for one chunk at a time, with a pause
+    /// between chunks so that other threads' copies get their turn. Smaller chunks hold the
+    /// lock for less time but pin more slowly (more calls and pauses); 12 MiB was the best
+    /// trade-off measured on an H100 host. There, in three runs, 1 GiB in 12 MiB chunks was
+    /// pinned in 33–37 ms while another thread's copy waited at most 0.6–0.9 ms; one
+    /// registration took 53–60 ms and held that copy back 22–26 ms.
     ///
     /// Copies queued through this crate split at the chunk boundaries (one buffer, one
     /// [`Transfer`](crate::Transfer)). A copy queued by other code must stay within one
@@ -181,111 +192,107 @@ impl Registered {
         })
     }
 
-    /// Faults in and registers `ptr..ptr + bytes` in chunks of `chunk` bytes, the crew of
-    /// threads faulting chunk k + 1 while this thread registers chunk k. On failure every
-    /// chunk registered here is unregistered again; the flag with the error says whether
-    /// that worked (if not, the mapping must be leaked, not unmapped).
+    /// Faults in and registers `ptr..ptr + bytes` in chunks of `chunk` bytes: a crew of
+    /// threads faults the range in, 2 MiB at a time and in order, while this thread registers
+    /// each chunk as soon as all of it is faulted in. On failure every chunk registered here
+    /// is unregistered again; the flag with the error says whether that worked (if not, the
+    /// mapping must be leaked, not unmapped).
     ///
     /// # Safety
     ///
-    /// - `ptr..ptr + bytes` is a fresh mapping of ours, not yet in use; with `huge`, it and
-    ///   `bytes` are multiples of the huge page.
+    /// - `ptr..ptr + bytes` is a fresh mapping of ours, not yet in use; `chunk` is a multiple
+    ///   of 2 MiB.
     unsafe fn register_chunked(
         &self,
         ptr: NonNull<u8>,
         bytes: usize,
         chunk: usize,
-        huge: bool,
     ) -> Result<(), (Error, bool)> {
-        let chunks = bytes.div_ceil(chunk);
-        // Two cores stay free: one for this thread's registrations, one for the rest of the
-        // program, whose copies would otherwise wait for a time slice.
+        // Faulting is handed out in 2 MiB units, a huge page each where huge pages back the
+        // range: two threads faulting one huge page would wait for each other.
+        const UNIT: usize = os::HUGE_PAGE;
+        let (chunks, units) = (bytes.div_ceil(chunk), bytes.div_ceil(UNIT));
+        let units_in = |k: usize| ((k + 1) * chunk).min(bytes).div_ceil(UNIT) - k * chunk / UNIT;
+        // Two cores stay free besides the crew: one for this thread's registrations, one for
+        // the rest of the program, whose copies would otherwise wait for a time slice.
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        // Threads split chunks at whole huge pages: two threads faulting one huge page wait
-        // for each other. A chunk of fewer pages than threads would leave some idle.
-        let page = if huge { os::HUGE_PAGE } else { os::page_size() };
-        let crew = self
+        let helpers = self
             .prefault_threads
-            .min(cores.saturating_sub(2))
-            .min(chunk / page)
+            .min(cores.saturating_sub(3))
+            .min(units)
             .max(1);
-        // Slices of each chunk that the crew has faulted in.
+        let next = AtomicUsize::new(0);
+        // Units of each chunk faulted in so far.
         let faulted: Vec<AtomicUsize> = (0..chunks).map(|_| AtomicUsize::new(0)).collect();
         let (progress, wake) = (Mutex::new(()), Condvar::new());
         let stop = AtomicBool::new(false);
         let base = os::Base(ptr);
-        let slice_of = |k: usize, t: usize| {
-            let (start, end) = (k * chunk, ((k + 1) * chunk).min(bytes));
-            let pages = (end - start) / page;
-            let (first, last) = (pages * t / crew, pages * (t + 1) / crew);
-            (start + first * page, (last - first) * page)
-        };
-        let notify = || {
-            let _guard = progress.lock().unwrap_or_else(PoisonError::into_inner);
-            wake.notify_all();
-        };
-        let fault = |t: usize| {
-            let mut k = 0;
-            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                while k < chunks && !stop.load(Ordering::Relaxed) {
-                    let (offset, len) = slice_of(k, t);
-                    // SAFETY: a slice of chunk k, inside the fresh mapping; slices are
-                    // disjoint.
-                    unsafe { os::touch_pages(base.at(offset), len) };
-                    faulted[k].fetch_add(1, Ordering::Release);
-                    notify();
-                    k += 1;
-                }
-            }));
-            if let Err(panic) = outcome {
-                // The slices left count as done (registration faults missing pages itself),
-                // so the registering thread is not left waiting for this one.
-                stop.store(true, Ordering::Relaxed);
-                for done in &faulted[k..] {
-                    done.fetch_add(1, Ordering::Release);
-                }
-                notify();
+        // Claims the next unit and faults it in; false when none is left.
+        let fault_next = || {
+            let unit = next.fetch_add(1, Ordering::Relaxed);
+            if unit >= units || stop.load(Ordering::Relaxed) {
+                return false;
+            }
+            let (offset, k) = (unit * UNIT, unit * UNIT / chunk);
+            let touched = std::panic::catch_unwind(|| {
+                // SAFETY: unit `unit` lies inside the fresh mapping, and it is ours alone:
+                // every unit is claimed once.
+                unsafe { os::touch_pages(base.at(offset), UNIT.min(bytes - offset)) }
+            });
+            // A unit counts as done even if faulting it panicked (registration faults missing
+            // pages itself), so the registering thread is not left waiting.
+            if faulted[k].fetch_add(1, Ordering::Release) + 1 == units_in(k) {
+                let _guard = progress.lock().unwrap_or_else(PoisonError::into_inner);
+                wake.notify_all();
+            }
+            if let Err(panic) = touched {
                 std::panic::resume_unwind(panic);
             }
+            true
         };
         let registered = std::thread::scope(|scope| {
-            let mut helpers = 0;
-            for t in 1..crew {
-                if os::spawn(scope, move || fault(t)).is_ok() {
-                    helpers += 1;
-                } else {
+            for _ in 0..helpers {
+                if os::spawn(scope, || while fault_next() {}).is_err() {
                     break;
                 }
             }
-            // Slices whose thread could not start are faulted here, chunk by chunk, before
-            // each registration.
             let mut registered = 0;
+            let mut released: Option<Instant> = None;
             let result = (|| {
                 for (k, done) in faulted.iter().enumerate() {
-                    for t in helpers + 1..crew {
-                        let (offset, len) = slice_of(k, t);
-                        // SAFETY: as in `fault`; nobody else has this slice.
-                        unsafe { os::touch_pages(base.at(offset), len) };
+                    // Units of chunk k not yet claimed are faulted here (all of them if no
+                    // helper could start); then wait for the ones the crew has in hand.
+                    while done.load(Ordering::Acquire) < units_in(k)
+                        && next.load(Ordering::Relaxed) * UNIT < (k + 1) * chunk
+                        && fault_next()
+                    {}
+                    // Then wait for the rest, spinning for a while before sleeping: the crew
+                    // is usually close, and a wake-up costs more than the wait.
+                    let ready = || done.load(Ordering::Acquire) >= units_in(k);
+                    let spin = Instant::now();
+                    while !ready() {
+                        if spin.elapsed() > CREW_SPIN {
+                            let guard = progress.lock().unwrap_or_else(PoisonError::into_inner);
+                            drop(
+                                wake.wait_while(guard, |()| !ready())
+                                    .unwrap_or_else(PoisonError::into_inner),
+                            );
+                        }
+                        std::hint::spin_loop();
                     }
-                    let (offset, len) = slice_of(k, 0);
-                    // SAFETY: as above; slice 0 is this thread's.
-                    unsafe { os::touch_pages(base.at(offset), len) };
-                    let guard = progress.lock().unwrap_or_else(PoisonError::into_inner);
-                    drop(
-                        wake.wait_while(guard, |()| done.load(Ordering::Acquire) < helpers)
-                            .unwrap_or_else(PoisonError::into_inner),
-                    );
+                    // Leave the driver's lock free for the gap, unless the wait did: released
+                    // and taken again at once, it would stay with this thread. Sleeping, not
+                    // spinning, leaves this core to a woken waiter.
+                    if released.is_some_and(|t| t.elapsed() < REGISTRATION_GAP) {
+                        std::thread::sleep(REGISTRATION_PAUSE);
+                    }
                     let start = k * chunk;
                     let len = chunk.min(bytes - start);
                     // SAFETY: chunk k lies in the mapping, which stays until `deallocate`
                     // (or the cleanup below) unregisters it.
                     unsafe { ffi::host_register(ptr.add(start), len, self.flags.bits())? };
+                    released = Some(Instant::now());
                     registered += 1;
-                    if registered < chunks {
-                        // A pause between registrations lets threads waiting for the driver's
-                        // lock take it: released and taken again at once, it stays here.
-                        std::thread::sleep(REGISTRATION_GAP);
-                    }
                 }
                 Ok(())
             })();
@@ -325,9 +332,9 @@ unsafe impl PinnedAllocator for Registered {
         }
         let registered = match self.chunk_bytes {
             Some(chunk) if bytes > chunk => {
-                // SAFETY: a fresh mapping of `bytes` bytes, not yet shared, huge-page aligned
-                // and sized when `huge` (`os::map` and `mapped_size`).
-                unsafe { self.register_chunked(ptr, bytes, chunk, huge) }
+                // SAFETY: a fresh mapping of `bytes` bytes, not yet shared; `chunk` is rounded
+                // to 2 MiB by `register_in_chunks`.
+                unsafe { self.register_chunked(ptr, bytes, chunk) }
                     .map(|()| chunked::insert(ptr.as_ptr() as usize, bytes, chunk))
             }
             _ => {
