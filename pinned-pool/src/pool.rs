@@ -1035,9 +1035,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         let mut stats = PoolStats::default();
         self.fill_stats(&mut stats, &central, counted);
         // Whatever is pinned and neither handed out, pending nor held by the reserve is idle.
-        let ahead = self.ahead.get().map_or(0, |ahead| {
-            ahead.shared.held_bytes.load(Ordering::Relaxed) as u64
-        });
+        let ahead = self.ahead.get().map_or(0, |ahead| ahead.bytes().1 as u64);
         stats.cached_bytes = (self.reserved.load(Ordering::Relaxed) as u64)
             .saturating_sub(stats.active_bytes.current)
             .saturating_sub(stats.pending_bytes)
@@ -1077,7 +1075,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         stats.pending_requests = self.pending_requests.load(Ordering::Relaxed);
         stats.pending_bytes = self.pending_bytes.load(Ordering::Relaxed) as u64;
         if let Some(ahead) = self.ahead.get() {
-            stats.reserve_ready_bytes = ahead.shared.ready_bytes.load(Ordering::Relaxed) as u64;
+            stats.reserve_ready_bytes = ahead.bytes().0 as u64;
             stats.reserve_failures = ahead.failures();
         }
     }

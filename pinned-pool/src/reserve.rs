@@ -17,10 +17,6 @@ pub(crate) struct Shared {
     state: Mutex<State>,
     /// Wakes the thread: a target raised, a block taken, or stop.
     wake: Condvar,
-    /// Bytes pinned ahead and not yet taken (for statistics without the lock).
-    pub(crate) ready_bytes: AtomicUsize,
-    /// Those, and a block being pinned: what the reserve holds of the pinned-bytes count.
-    pub(crate) held_bytes: AtomicUsize,
 }
 
 struct State {
@@ -28,6 +24,11 @@ struct State {
     target: Vec<usize>,
     /// Blocks ready, by class.
     ready: Vec<Vec<Allocation>>,
+    /// Their bytes. Kept under the lock rather than in atomics of their own: a take then
+    /// touches no cache line besides the lock's and the block's.
+    ready_bytes: usize,
+    /// Those, and a block being pinned: what the reserve holds of the pinned-bytes count.
+    held_bytes: usize,
     /// The first error met since it was last taken, and how many in all.
     error: Option<Error>,
     failures: u64,
@@ -64,6 +65,8 @@ impl Reserve {
             state: Mutex::new(State {
                 target: vec![0; slots],
                 ready: (0..slots).map(|_| Vec::new()).collect(),
+                ready_bytes: 0,
+                held_bytes: 0,
                 error: None,
                 failures: 0,
                 stalled: vec![false; slots],
@@ -71,8 +74,6 @@ impl Reserve {
                 sleeping: false,
             }),
             wake: Condvar::new(),
-            ready_bytes: AtomicUsize::new(0),
-            held_bytes: AtomicUsize::new(0),
         });
         // The thread pins for the device current where the pool was told to reserve: the
         // backends place memory near the current device. A new thread starts on device 0, so
@@ -121,10 +122,10 @@ impl Reserve {
         state.stalled[class] = false;
         let keep = state.ready[class].len().min(blocks);
         let excess: Vec<_> = state.ready[class].drain(keep..).collect();
-        drop(state);
         let bytes = excess.len() * class_size(class);
-        self.shared.ready_bytes.fetch_sub(bytes, Ordering::Relaxed);
-        self.shared.held_bytes.fetch_sub(bytes, Ordering::Relaxed);
+        state.ready_bytes -= bytes;
+        state.held_bytes -= bytes;
+        drop(state);
         self.shared.wake.notify_one();
         excess
     }
@@ -133,12 +134,16 @@ impl Reserve {
     pub(crate) fn take(&self, class: usize) -> Option<Allocation> {
         let mut state = self.shared.state.lock();
         let block = state.ready[class].pop()?;
-        state.stalled[class] = false;
+        let size = class_size(class);
+        state.ready_bytes -= size;
+        state.held_bytes -= size;
+        // Written only when set: the thread reads these flags, and a write would take the
+        // cache line from it.
+        if state.stalled[class] {
+            state.stalled[class] = false;
+        }
         let wake = state.sleeping && state.target[class] > 0;
         drop(state);
-        let size = class_size(class);
-        self.shared.ready_bytes.fetch_sub(size, Ordering::Relaxed);
-        self.shared.held_bytes.fetch_sub(size, Ordering::Relaxed);
         // A busy thread sees the shortfall itself: the allocating thread pays no wake-up.
         if wake {
             self.shared.wake.notify_one();
@@ -156,6 +161,12 @@ impl Reserve {
         self.shared.state.lock().failures
     }
 
+    /// The bytes of the blocks ready, and those plus a block being pinned.
+    pub(crate) fn bytes(&self) -> (usize, usize) {
+        let state = self.shared.state.lock();
+        (state.ready_bytes, state.held_bytes)
+    }
+
     /// Stops the thread and returns every ready block (each `(class, block)`), already
     /// counted against the pinned bytes.
     pub(crate) fn drain(&mut self) -> Vec<(usize, Allocation)> {
@@ -165,8 +176,8 @@ impl Reserve {
         for (class, ready) in state.ready.iter_mut().enumerate() {
             blocks.extend(ready.drain(..).map(|block| (class, block)));
         }
-        self.shared.ready_bytes.store(0, Ordering::Relaxed);
-        self.shared.held_bytes.store(0, Ordering::Relaxed);
+        state.ready_bytes = 0;
+        state.held_bytes = 0;
         blocks
     }
 
@@ -200,7 +211,10 @@ impl Shared {
                         !state.stalled[class] && state.ready[class].len() < state.target[class]
                     });
                     match short {
-                        Some(class) => break class,
+                        Some(class) => {
+                            state.held_bytes += class_size(class);
+                            break class;
+                        }
                         None => {
                             state.sleeping = true;
                             self.wake.wait(&mut state);
@@ -210,7 +224,6 @@ impl Shared {
                 }
             };
             let size = class_size(class);
-            self.held_bytes.fetch_add(size, Ordering::Relaxed);
             let pinned_block = count(pinned, size, limit).and_then(|()| {
                 let layout = std::alloc::Layout::from_size_align(size, PAGE)
                     .map_err(|_| Error::CapacityOverflow);
@@ -225,16 +238,14 @@ impl Shared {
                 }
                 block
             });
-            if pinned_block.is_err() {
-                self.held_bytes.fetch_sub(size, Ordering::Relaxed);
-            }
             let mut state = self.state.lock();
             match pinned_block {
                 Ok(block) => {
                     state.ready[class].push(block);
-                    self.ready_bytes.fetch_add(size, Ordering::Relaxed);
+                    state.ready_bytes += size;
                 }
                 Err(error) => {
+                    state.held_bytes -= size;
                     state.error.get_or_insert(error);
                     state.failures += 1;
                     state.stalled[class] = true;
