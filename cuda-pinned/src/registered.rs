@@ -53,7 +53,8 @@ impl BitOr for RegisterFlags {
 /// waiting on the lock to take it.
 const REGISTRATION_GAP: Duration = Duration::from_micros(60);
 
-/// The sleep that makes the gap: the kernel's default timer slack (50 µs) stretches it.
+/// The sleeps that make the gap: the kernel's default timer slack (50 µs) stretches one to
+/// about the whole gap, and a thread with less slack sleeps several times.
 const REGISTRATION_PAUSE: Duration = Duration::from_micros(10);
 
 /// How long the registering thread spins waiting for the faulting crew before it sleeps.
@@ -123,7 +124,8 @@ impl Registered {
         Self { huge_pages, ..self }
     }
 
-    /// Threads that fault pages in before registration (at least 1).
+    /// Threads that fault pages in before registration (at least 1). Registration in chunks
+    /// leaves three cores free of them (see [`register_in_chunks`](Self::register_in_chunks)).
     pub fn prefault_threads(self, threads: usize) -> Self {
         Self {
             prefault_threads: threads.max(1),
@@ -143,13 +145,14 @@ impl Registered {
     }
 
     /// Registers blocks larger than `bytes` (rounded up to 2 MiB) as consecutive chunks of
-    /// that size, each as soon as the crew of faulting threads has faulted it in while they
-    /// go on with the next. The driver's lock is taken for one chunk at a time, with a pause
-    /// between chunks so that other threads' copies get their turn. Smaller chunks hold the
-    /// lock for less time but pin more slowly (more calls and pauses); 12 MiB was the best
-    /// trade-off measured on an H100 host. There, in three runs, 1 GiB in 12 MiB chunks was
-    /// pinned in 33–37 ms while another thread's copy waited at most 0.6–0.9 ms; one
-    /// registration took 53–60 ms and held that copy back 22–26 ms.
+    /// that size, each as soon as the crew of faulting threads (up to
+    /// [`prefault_threads`](Self::prefault_threads), at most all cores but three) has faulted
+    /// it in while they go on with the next. The driver's lock is taken for one chunk at a
+    /// time, with a pause between chunks so that other threads' copies get their turn.
+    /// Smaller chunks hold the lock for less time but pin more slowly (more calls and
+    /// pauses); 12 MiB was the best trade-off measured on H100 and H200 hosts. There, in five
+    /// runs, 1 GiB in 12 MiB chunks was pinned in 33–39 ms while another thread's copy waited
+    /// at most 0.6–1.0 ms; one registration took 42–60 ms and held that copy back 20–26 ms.
     ///
     /// Copies queued through this crate split at the chunk boundaries (one buffer, one
     /// [`Transfer`](crate::Transfer)). A copy queued by other code must stay within one
@@ -192,11 +195,10 @@ impl Registered {
         })
     }
 
-    /// Faults in and registers `ptr..ptr + bytes` in chunks of `chunk` bytes: a crew of
-    /// threads faults the range in, 2 MiB at a time and in order, while this thread registers
-    /// each chunk as soon as all of it is faulted in. On failure every chunk registered here
-    /// is unregistered again; the flag with the error says whether that worked (if not, the
-    /// mapping must be leaked, not unmapped).
+    /// Faults in and registers `ptr..ptr + bytes` in chunks of `chunk` bytes (see
+    /// [`fault_and_register`]). On failure every chunk registered here is unregistered again;
+    /// the flag with the error says whether that worked (if not, the mapping must be leaked,
+    /// not unmapped).
     ///
     /// # Safety
     ///
@@ -208,97 +210,18 @@ impl Registered {
         bytes: usize,
         chunk: usize,
     ) -> Result<(), (Error, bool)> {
-        // Faulting is handed out in 2 MiB units, a huge page each where huge pages back the
-        // range: two threads faulting one huge page would wait for each other.
-        const UNIT: usize = os::HUGE_PAGE;
-        let (chunks, units) = (bytes.div_ceil(chunk), bytes.div_ceil(UNIT));
-        let units_in = |k: usize| ((k + 1) * chunk).min(bytes).div_ceil(UNIT) - k * chunk / UNIT;
-        // Two cores stay free besides the crew: one for this thread's registrations, one for
-        // the rest of the program, whose copies would otherwise wait for a time slice.
+        // The crew leaves three cores: one for this thread, which registers (and faults only
+        // what the crew has not reached), two for the rest of the program, whose copies
+        // would otherwise wait for a time slice.
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let helpers = self
-            .prefault_threads
-            .min(cores.saturating_sub(3))
-            .min(units)
-            .max(1);
-        let next = AtomicUsize::new(0);
-        // Units of each chunk faulted in so far.
-        let faulted: Vec<AtomicUsize> = (0..chunks).map(|_| AtomicUsize::new(0)).collect();
-        let (progress, wake) = (Mutex::new(()), Condvar::new());
-        let stop = AtomicBool::new(false);
-        let base = os::Base(ptr);
-        // Claims the next unit and faults it in; false when none is left.
-        let fault_next = || {
-            let unit = next.fetch_add(1, Ordering::Relaxed);
-            if unit >= units || stop.load(Ordering::Relaxed) {
-                return false;
-            }
-            let (offset, k) = (unit * UNIT, unit * UNIT / chunk);
-            let touched = std::panic::catch_unwind(|| {
-                // SAFETY: unit `unit` lies inside the fresh mapping, and it is ours alone:
-                // every unit is claimed once.
-                unsafe { os::touch_pages(base.at(offset), UNIT.min(bytes - offset)) }
-            });
-            // A unit counts as done even if faulting it panicked (registration faults missing
-            // pages itself), so the registering thread is not left waiting.
-            if faulted[k].fetch_add(1, Ordering::Release) + 1 == units_in(k) {
-                let _guard = progress.lock().unwrap_or_else(PoisonError::into_inner);
-                wake.notify_all();
-            }
-            if let Err(panic) = touched {
-                std::panic::resume_unwind(panic);
-            }
-            true
+        let helpers = self.prefault_threads.min(cores.saturating_sub(3)).max(1);
+        let register = |offset: usize, len: usize| {
+            // SAFETY: the chunk lies in the mapping, which stays until `deallocate` (or the
+            // cleanup below) unregisters it.
+            unsafe { ffi::host_register(ptr.add(offset), len, self.flags.bits()) }
         };
-        let registered = std::thread::scope(|scope| {
-            for _ in 0..helpers {
-                if os::spawn(scope, || while fault_next() {}).is_err() {
-                    break;
-                }
-            }
-            let mut registered = 0;
-            let mut released: Option<Instant> = None;
-            let result = (|| {
-                for (k, done) in faulted.iter().enumerate() {
-                    // Units of chunk k not yet claimed are faulted here (all of them if no
-                    // helper could start); then wait for the ones the crew has in hand.
-                    while done.load(Ordering::Acquire) < units_in(k)
-                        && next.load(Ordering::Relaxed) * UNIT < (k + 1) * chunk
-                        && fault_next()
-                    {}
-                    // Then wait for the rest, spinning for a while before sleeping: the crew
-                    // is usually close, and a wake-up costs more than the wait.
-                    let ready = || done.load(Ordering::Acquire) >= units_in(k);
-                    let spin = Instant::now();
-                    while !ready() {
-                        if spin.elapsed() > CREW_SPIN {
-                            let guard = progress.lock().unwrap_or_else(PoisonError::into_inner);
-                            drop(
-                                wake.wait_while(guard, |()| !ready())
-                                    .unwrap_or_else(PoisonError::into_inner),
-                            );
-                        }
-                        std::hint::spin_loop();
-                    }
-                    // Leave the driver's lock free for the gap, unless the wait did: released
-                    // and taken again at once, it would stay with this thread. Sleeping, not
-                    // spinning, leaves this core to a woken waiter.
-                    if released.is_some_and(|t| t.elapsed() < REGISTRATION_GAP) {
-                        std::thread::sleep(REGISTRATION_PAUSE);
-                    }
-                    let start = k * chunk;
-                    let len = chunk.min(bytes - start);
-                    // SAFETY: chunk k lies in the mapping, which stays until `deallocate`
-                    // (or the cleanup below) unregisters it.
-                    unsafe { ffi::host_register(ptr.add(start), len, self.flags.bits())? };
-                    released = Some(Instant::now());
-                    registered += 1;
-                }
-                Ok(())
-            })();
-            stop.store(true, Ordering::Relaxed);
-            result.map_err(|e| (e, registered))
-        });
+        // SAFETY: forwarded from the caller.
+        let registered = unsafe { fault_and_register(ptr, bytes, chunk, helpers, register) };
         registered.map_err(|(error, registered)| {
             let clean = (0..registered).fold(true, |clean, k| {
                 // SAFETY: registered above, never handed out.
@@ -307,6 +230,109 @@ impl Registered {
             (error, clean)
         })
     }
+}
+
+/// Faults `ptr..ptr + bytes` in on up to `helpers` threads besides this one, 2 MiB at a time
+/// and in order, and calls `register(offset, len)` for each chunk of `chunk` bytes, in order,
+/// as soon as all of it is faulted in, leaving a gap between calls. Stops at the first
+/// error, returned with the number of chunks registered before it.
+///
+/// # Safety
+///
+/// - `ptr..ptr + bytes` is a fresh writable mapping of ours that nobody else uses (the first
+///   byte of each page becomes zero); `chunk` is a nonzero multiple of 2 MiB.
+unsafe fn fault_and_register(
+    ptr: NonNull<u8>,
+    bytes: usize,
+    chunk: usize,
+    helpers: usize,
+    mut register: impl FnMut(usize, usize) -> Result<()>,
+) -> Result<(), (Error, usize)> {
+    // Faulting is handed out in 2 MiB units, a huge page each where huge pages back the
+    // range: two threads faulting one huge page would wait for each other.
+    const UNIT: usize = os::HUGE_PAGE;
+    debug_assert_eq!(chunk % UNIT, 0, "chunks are whole units");
+    let (chunks, units) = (bytes.div_ceil(chunk), bytes.div_ceil(UNIT));
+    let units_in = |k: usize| ((k + 1) * chunk).min(bytes).div_ceil(UNIT) - k * chunk / UNIT;
+    let helpers = helpers.min(units);
+    let next = AtomicUsize::new(0);
+    // Units of each chunk faulted in so far.
+    let faulted: Vec<AtomicUsize> = (0..chunks).map(|_| AtomicUsize::new(0)).collect();
+    let (progress, wake) = (Mutex::new(()), Condvar::new());
+    let stop = AtomicBool::new(false);
+    let base = os::Base(ptr);
+    // Faults in a claimed unit and counts it.
+    let fault = |unit: usize| {
+        let (offset, k) = (unit * UNIT, unit * UNIT / chunk);
+        // Writing pages does not unwind; should it ever, the unit is left to registration,
+        // which faults missing pages itself, rather than leave registered chunks behind.
+        let _ = std::panic::catch_unwind(|| {
+            // SAFETY: unit `unit` lies inside the fresh mapping, and it is ours alone:
+            // every unit is claimed once.
+            unsafe { os::touch_pages(base.at(offset), UNIT.min(bytes - offset)) }
+        });
+        if faulted[k].fetch_add(1, Ordering::Release) + 1 == units_in(k) {
+            let _guard = progress.lock().unwrap_or_else(PoisonError::into_inner);
+            wake.notify_all();
+        }
+    };
+    // A helper's loop: claims units in order until none is left.
+    let fault_all = || loop {
+        let unit = next.fetch_add(1, Ordering::Relaxed);
+        if unit >= units || stop.load(Ordering::Relaxed) {
+            return;
+        }
+        fault(unit);
+    };
+    std::thread::scope(|scope| {
+        for _ in 0..helpers {
+            if os::spawn(scope, fault_all).is_err() {
+                break;
+            }
+        }
+        let mut registered = 0;
+        let mut released: Option<Instant> = None;
+        let result = (|| {
+            for (k, done) in faulted.iter().enumerate() {
+                // Units of chunk k not yet claimed are faulted here (all of them if no
+                // helper could start); then wait for the ones the crew has in hand.
+                let end = ((k + 1) * chunk).min(bytes).div_ceil(UNIT);
+                while let Ok(unit) = next.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                    (n < end).then_some(n + 1)
+                }) {
+                    fault(unit);
+                }
+                // Then wait for the rest, spinning for a while before sleeping: the crew
+                // is usually close, and a wake-up costs more than the wait.
+                let ready = || done.load(Ordering::Acquire) >= units_in(k);
+                let spin = Instant::now();
+                while !ready() {
+                    if spin.elapsed() > CREW_SPIN {
+                        let guard = progress.lock().unwrap_or_else(PoisonError::into_inner);
+                        drop(
+                            wake.wait_while(guard, |()| !ready())
+                                .unwrap_or_else(PoisonError::into_inner),
+                        );
+                    }
+                    std::hint::spin_loop();
+                }
+                // Leave the driver's lock free for the gap, unless the wait did: released
+                // and taken again at once, it would stay with this thread. Sleeping, not
+                // spinning, leaves this core to a woken waiter.
+                while released.is_some_and(|t| t.elapsed() < REGISTRATION_GAP) {
+                    std::thread::sleep(REGISTRATION_PAUSE);
+                }
+                let start = k * chunk;
+                let len = chunk.min(bytes - start);
+                register(start, len)?;
+                released = Some(Instant::now());
+                registered += 1;
+            }
+            Ok(())
+        })();
+        stop.store(true, Ordering::Relaxed);
+        result.map_err(|e| (e, registered))
+    })
 }
 
 // SAFETY: the memory is a fresh private mapping of `bytes` ≥ the request, page-aligned (2 MiB
@@ -396,6 +422,86 @@ unsafe impl PinnedAllocator for Registered {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    /// Whether every page of `ptr + offset .. + len` is resident (always true under Miri,
+    /// which has no `mincore`).
+    fn resident(ptr: NonNull<u8>, offset: usize, len: usize) -> bool {
+        if cfg!(miri) {
+            return true;
+        }
+        let page = os::page_size();
+        let mut pages = vec![0u8; len.div_ceil(page)];
+        // SAFETY: `offset` is page-aligned and the range lies in a live mapping; `pages` has
+        // one byte per page.
+        let status =
+            unsafe { libc::mincore(ptr.as_ptr().add(offset).cast(), len, pages.as_mut_ptr()) };
+        status == 0 && pages.iter().all(|&p| p & 1 == 1)
+    }
+
+    #[test]
+    fn every_chunk_is_registered_once_in_order_after_it_is_faulted_in() {
+        let page = os::page_size();
+        // (bytes, chunk, helpers): a partial last unit and chunk, no helper at all, more
+        // helpers than units, one chunk.
+        let cases: &[(usize, usize, usize)] = if cfg!(miri) {
+            &[(5 * MIB + 3 * page, 2 * MIB, 2)]
+        } else {
+            &[
+                (5 * MIB + 3 * page, 2 * MIB, 0),
+                (5 * MIB + 3 * page, 2 * MIB, 3),
+                (64 * MIB, 6 * MIB, 2),
+                (7 * MIB, 4 * MIB, 16),
+                (page, 2 * MIB, 1),
+            ]
+        };
+        for &(bytes, chunk, helpers) in cases {
+            let ptr = os::map(bytes, false).unwrap();
+            let mut calls = Vec::new();
+            // SAFETY: a fresh mapping of `bytes`, used by nobody else; 2 MiB chunk multiples.
+            let result = unsafe {
+                fault_and_register(ptr, bytes, chunk, helpers, |offset, len| {
+                    assert!(
+                        resident(ptr, offset, len),
+                        "{offset} + {len} not faulted in"
+                    );
+                    calls.push((offset, len));
+                    Ok(())
+                })
+            };
+            assert!(result.is_ok());
+            let expected: Vec<_> = (0..bytes)
+                .step_by(chunk)
+                .map(|offset| (offset, chunk.min(bytes - offset)))
+                .collect();
+            assert_eq!(calls, expected, "{bytes} bytes in {chunk}-byte chunks");
+            // SAFETY: ours, and nothing uses it any more.
+            unsafe { os::unmap(ptr, bytes) };
+        }
+    }
+
+    #[test]
+    fn registration_stops_at_the_first_error_and_says_how_far_it_got() {
+        let bytes = if cfg!(miri) { 6 * MIB } else { 32 * MIB };
+        let ptr = os::map(bytes, false).unwrap();
+        let mut calls = 0;
+        // SAFETY: a fresh mapping of `bytes`, used by nobody else; 2 MiB chunks.
+        let result = unsafe {
+            fault_and_register(ptr, bytes, 2 * MIB, 2, |_, _| {
+                calls += 1;
+                if calls == 3 {
+                    Err(Error::Unsupported("refused"))
+                } else {
+                    Ok(())
+                }
+            })
+        };
+        assert!(matches!(result, Err((Error::Unsupported("refused"), 2))));
+        assert_eq!(calls, 3, "nothing is registered after the error");
+        // SAFETY: ours; the helpers were joined before the call returned.
+        unsafe { os::unmap(ptr, bytes) };
+    }
 
     #[test]
     fn huge_pages_only_where_rounding_is_cheap() {
