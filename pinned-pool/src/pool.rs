@@ -1207,9 +1207,9 @@ unsafe impl<B: PinnedAllocator, C: Completion + From<PendingUses>> PinnedAllocat
     }
 }
 
-/// Hashes block addresses. They are distinct integers chosen by no adversary, so one
-/// multiplication does what SipHash would, in a fraction of the time an allocation that takes
-/// a block pinned ahead spends inserting it.
+/// Hashes block addresses: distinct integers that no adversary chooses, for which one
+/// multiplication does what SipHash would at a fraction of the cost (an allocation that takes
+/// a block pinned ahead inserts one).
 #[derive(Default)]
 struct AddressHasher(u64);
 

@@ -24,8 +24,8 @@ struct State {
     target: Vec<usize>,
     /// Blocks ready, by class.
     ready: Vec<Vec<Allocation>>,
-    /// Their bytes. Kept under the lock rather than in atomics of their own: a take then
-    /// touches no cache line besides the lock's and the block's.
+    /// Their bytes. Kept under the lock rather than in atomics of their own, so that a take
+    /// touches fewer cache lines the reserve thread writes.
     ready_bytes: usize,
     /// Those, and a block being pinned: what the reserve holds of the pinned-bytes count.
     held_bytes: usize,
