@@ -75,6 +75,9 @@ pub struct Pool<B: PinnedAllocator = DefaultPinned, C: Completion = PendingUses>
     reserve_start_error: Mutex<Option<Error>>,
     pending_bytes: AtomicUsize,
     pending_requests: AtomicU64,
+    /// Blocks put on the shared lists so far, counted under the lock: a miss looks at the
+    /// lists again before it takes a block pinned ahead only if this moved meanwhile.
+    depot_adds: AtomicU64,
     /// Idle bytes in all caches, kept only under a cap on them (it costs a shared update per
     /// allocation and free). Raised before a block enters a cache and lowered after one
     /// leaves, so it is never below the true figure, and never wraps.
@@ -229,6 +232,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             reserve_start_error: Mutex::new(None),
             pending_bytes: AtomicUsize::new(0),
             pending_requests: AtomicU64::new(0),
+            depot_adds: AtomicU64::new(0),
             cached: AtomicUsize::new(0),
         }
     }
@@ -353,17 +357,21 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// block is visible to pausers. `local` is this thread's cache or the shared one, used
     /// only under the lock.
     fn find_or_pin(&self, local: &Local, class: usize, size: usize) -> Result<Cached> {
+        let listed = self.depot_adds.load(Ordering::Relaxed);
         if let Some(cached) = self.take_listed(local, class, size) {
             return Ok(cached);
         }
-        let finished = self.collect_finished();
+        self.process_events();
         if self.config.idle_release.is_some() {
             self.release_idle();
         }
         if let Some(ahead) = self.ahead.get() {
-            // Blocks whose device work just finished come first, then one pinned ahead
-            // (counted against the cap already): neither pauses anyone.
-            if finished && let Some(cached) = self.take_listed(local, class, size) {
+            // Blocks that reached the shared lists meanwhile (device work just finished, or
+            // another thread's spill) come first, then one pinned ahead (counted against the
+            // cap already): neither pauses anyone.
+            if self.depot_adds.load(Ordering::Relaxed) != listed
+                && let Some(cached) = self.take_listed(local, class, size)
+            {
                 return Ok(cached);
             }
             if let Some(block) = ahead.take(class) {
@@ -659,6 +667,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             // The stack is full: its older half and this block go to the shared lists.
             central.spill(data, class);
             central.depot[class].push(Cached::new(allocation, idle_since));
+            self.depot_adds.fetch_add(1, Ordering::Relaxed);
             local.count_returned(data, size);
         }
     }
@@ -724,20 +733,15 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// Moves every block whose device work has finished into the cache, however many older
     /// blocks still wait. Called on every cache miss; no lock is held while events are asked.
     pub fn process_events(&self) {
-        self.collect_finished();
-    }
-
-    /// [`process_events`](Self::process_events); true if a block entered the cache.
-    fn collect_finished(&self) -> bool {
         // Counted before a block is listed and after it leaves: a count of zero means an
         // empty list, checked without the lock.
         if self.pending_requests.load(Ordering::Relaxed) == 0 {
-            return false;
+            return;
         }
         let waiting = {
             let mut pending = self.pending.lock();
             if pending.is_empty() {
-                return false;
+                return;
             }
             std::mem::take(&mut *pending)
         };
@@ -754,7 +758,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             self.pending.lock().extend(still_waiting);
         }
         if done.is_empty() {
-            return false;
+            return;
         }
         self.pending_requests
             .fetch_sub(done.len() as u64, Ordering::Relaxed);
@@ -768,10 +772,11 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         let (release, cache): (Vec<_>, Vec<_>) = done.into_iter().partition(too_big);
         let cached_bytes = cache.iter().map(|a| class_size(a.tag())).sum();
         let over_cap = self.cache_grows(cached_bytes);
-        let entered = !cache.is_empty();
         {
             let idle_since = self.config.idle_release.map(|_| Instant::now());
             let mut central = self.central.lock();
+            self.depot_adds
+                .fetch_add(cache.len() as u64, Ordering::Relaxed);
             for allocation in cache {
                 central.depot[allocation.tag()].push(Cached::new(&allocation, idle_since));
             }
@@ -780,7 +785,6 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         if over_cap {
             self.trim_to_cap();
         }
-        entered
     }
 
     /// Keeps `blocks` blocks of `block_bytes` (rounded up to its size class) pinned ahead of
@@ -1028,14 +1032,14 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// at that moment, so the totals may mix moments (a block freed on one thread and just
     /// handed out on another may count twice or not at all, and `cached_bytes` is derived
     /// from the others). Peaks and backend figures are exact. It costs a short hold of the
-    /// pool's lock and a read of each thread's counters, and slows no allocating thread.
+    /// pool's lock (and the reserve's) and a read of each thread's counters, and slows no
+    /// allocation that its thread's cache serves.
     pub fn approximate_stats(&self) -> PoolStats {
         let central = self.central.lock();
         let counted: Vec<_> = self.caches().map(Local::counted).collect();
         let mut stats = PoolStats::default();
-        self.fill_stats(&mut stats, &central, counted);
+        let ahead = self.fill_stats(&mut stats, &central, counted);
         // Whatever is pinned and neither handed out, pending nor held by the reserve is idle.
-        let ahead = self.ahead.get().map_or(0, |ahead| ahead.bytes().1 as u64);
         stats.cached_bytes = (self.reserved.load(Ordering::Relaxed) as u64)
             .saturating_sub(stats.active_bytes.current)
             .saturating_sub(stats.pending_bytes)
@@ -1043,8 +1047,9 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         stats
     }
 
-    /// Fills in what `counted` (each cache's counters) and `central` say.
-    fn fill_stats(&self, stats: &mut PoolStats, central: &Central, counted: Vec<Counted>) {
+    /// Fills in what `counted` (each cache's counters), `central` and the reserve say; returns
+    /// the bytes the reserve holds (ready, or being pinned), read with its other figures.
+    fn fill_stats(&self, stats: &mut PoolStats, central: &Central, counted: Vec<Counted>) -> u64 {
         let mut active = Amount::default();
         for counted in counted {
             stats.cache_hits += counted.hits;
@@ -1074,10 +1079,13 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         stats.host_free_time = central.host_free_time;
         stats.pending_requests = self.pending_requests.load(Ordering::Relaxed);
         stats.pending_bytes = self.pending_bytes.load(Ordering::Relaxed) as u64;
-        if let Some(ahead) = self.ahead.get() {
-            stats.reserve_ready_bytes = ahead.bytes().0 as u64;
-            stats.reserve_failures = ahead.failures();
-        }
+        let Some(ahead) = self.ahead.get() else {
+            return 0;
+        };
+        let figures = ahead.figures();
+        stats.reserve_ready_bytes = figures.ready_bytes as u64;
+        stats.reserve_failures = figures.failures;
+        figures.held_bytes as u64
     }
 
     /// Sets every peak to its current value.
@@ -1218,12 +1226,17 @@ type BuildAddressHasher = BuildHasherDefault<AddressHasher>;
 impl Hasher for AddressHasher {
     fn write(&mut self, bytes: &[u8]) {
         for &byte in bytes {
-            self.write_u64(u64::from(byte) ^ self.0.rotate_left(8));
+            self.write_u64(u64::from(byte));
         }
     }
 
     fn write_u64(&mut self, n: u64) {
-        self.0 = n.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        // The full product, folded: every bit of the address reaches the low bits the table
+        // indexes by, which a plain product takes from the address's (mostly zero) low bits
+        // alone. The constant added keeps a run of zeros from hashing like nothing.
+        const K: u64 = 0x9e37_79b9_7f4a_7c15;
+        let product = u128::from(self.0.rotate_left(5) ^ n) * u128::from(K);
+        self.0 = ((product as u64) ^ ((product >> 64) as u64)).wrapping_add(K);
     }
 
     fn write_usize(&mut self, n: usize) {
@@ -1231,9 +1244,7 @@ impl Hasher for AddressHasher {
     }
 
     fn finish(&self) -> u64 {
-        // The table indexes by the low bits, which the product takes from the address's low
-        // (mostly zero, for aligned blocks) bits alone: fold the high half in.
-        self.0 ^ (self.0 >> 32)
+        self.0
     }
 }
 
@@ -1243,15 +1254,34 @@ mod tests {
 
     #[test]
     fn aligned_addresses_spread_over_the_low_bits() {
-        // 4,096 blocks 2 MiB apart: their hashes' low 12 bits (the index of a table that
-        // size) should take most values, as random ones would (about 63%).
-        let distinct: std::collections::HashSet<u64> = (0..4096u64)
-            .map(|k| {
-                let mut hasher = AddressHasher::default();
-                hasher.write_usize((0x7f00_0000_0000 + (k << 21)) as usize);
-                hasher.finish() & 0xfff
-            })
-            .collect();
-        assert!(distinct.len() > 2400, "{} of 4096", distinct.len());
+        // Blocks at strides from a page to a TiB, as many as a 47-bit address space holds up
+        // to 4,096: their hashes' low 12 bits (the index of a table that size) should take
+        // most values, as random ones would (4,096 random values take about 63% of them).
+        for (shift, blocks, least) in [
+            (12, 4096, 2400),
+            (21, 4096, 2400),
+            (30, 4096, 2400),
+            (40, 128, 120),
+        ] {
+            let distinct: std::collections::HashSet<u64> = (0..blocks)
+                .map(|k: u64| {
+                    let mut hasher = AddressHasher::default();
+                    hasher.write_usize((0x7f00_0000_0000 - (k << shift)) as usize);
+                    hasher.finish() & 0xfff
+                })
+                .collect();
+            assert!(
+                distinct.len() >= least,
+                "stride 2^{shift}: {} of {blocks}",
+                distinct.len()
+            );
+        }
+        // Zeros are not nothing.
+        let hash = |bytes: &[u8]| {
+            let mut hasher = AddressHasher::default();
+            hasher.write(bytes);
+            hasher.finish()
+        };
+        assert_ne!(hash(&[0]), hash(&[0, 0]));
     }
 }

@@ -39,6 +39,16 @@ struct State {
     sleeping: bool,
 }
 
+/// What the reserve holds and has met, at one moment.
+pub(crate) struct Figures {
+    /// Bytes of the blocks ready.
+    pub(crate) ready_bytes: usize,
+    /// Those, and a block being pinned.
+    pub(crate) held_bytes: usize,
+    /// Errors met in all.
+    pub(crate) failures: u64,
+}
+
 /// The reserve thread, stopped and joined when dropped; what it held is handed back through
 /// [`Reserve::drain`] first.
 pub(crate) struct Reserve {
@@ -156,15 +166,14 @@ impl Reserve {
         self.shared.state.lock().error.take()
     }
 
-    /// How many errors the thread met in all.
-    pub(crate) fn failures(&self) -> u64 {
-        self.shared.state.lock().failures
-    }
-
-    /// The bytes of the blocks ready, and those plus a block being pinned.
-    pub(crate) fn bytes(&self) -> (usize, usize) {
+    /// Its statistics, read together.
+    pub(crate) fn figures(&self) -> Figures {
         let state = self.shared.state.lock();
-        (state.ready_bytes, state.held_bytes)
+        Figures {
+            ready_bytes: state.ready_bytes,
+            held_bytes: state.held_bytes,
+            failures: state.failures,
+        }
     }
 
     /// Stops the thread and returns every ready block (each `(class, block)`), already
@@ -240,9 +249,17 @@ impl Shared {
             });
             let mut state = self.state.lock();
             match pinned_block {
-                Ok(block) => {
+                Ok(block) if state.ready[class].len() < state.target[class] => {
                     state.ready[class].push(block);
                     state.ready_bytes += size;
+                }
+                Ok(block) => {
+                    // The target fell while the block was being pinned: it is not wanted.
+                    state.held_bytes -= size;
+                    drop(state);
+                    // SAFETY: pinned above from the backend and never handed out.
+                    unsafe { backend.deallocate(block) };
+                    pinned.fetch_sub(size, Ordering::Relaxed);
                 }
                 Err(error) => {
                     state.held_bytes -= size;

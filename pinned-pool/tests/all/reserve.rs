@@ -1,7 +1,8 @@
 //! Pinning ahead of need: the reserve thread, over the counting heap backend.
 
 use std::alloc::Layout;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use cuda_pinned::{Allocation, Error, PinnedAllocator, Result};
@@ -22,6 +23,48 @@ unsafe impl PinnedAllocator for Noting {
         let name = std::thread::current().name().unwrap_or("").to_owned();
         self.threads.lock().unwrap().push(name);
         self.heap.allocate(layout)
+    }
+
+    unsafe fn deallocate(&self, allocation: Allocation) {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.heap.deallocate(allocation) }
+    }
+}
+
+/// The heap backend, whose allocations on the reserve thread wait until the gate opens.
+#[derive(Clone, Default)]
+struct Gated {
+    heap: Heap,
+    /// The reserve thread is waiting at the gate.
+    waiting: Arc<AtomicBool>,
+    /// The reserve thread got its block.
+    pinned: Arc<AtomicBool>,
+    gate: Arc<(Mutex<bool>, Condvar)>,
+}
+
+impl Gated {
+    fn open(&self) {
+        *self.gate.0.lock().unwrap() = true;
+        self.gate.1.notify_all();
+    }
+}
+
+// SAFETY: forwards to `Heap`.
+unsafe impl PinnedAllocator for Gated {
+    fn allocate(&self, layout: Layout) -> Result<Allocation> {
+        if std::thread::current().name() != Some("pinned-pool-reserve") {
+            return self.heap.allocate(layout);
+        }
+        self.waiting.store(true, Ordering::SeqCst);
+        let (open, opened) = &*self.gate;
+        drop(
+            opened
+                .wait_while(open.lock().unwrap(), |open| !*open)
+                .unwrap(),
+        );
+        let block = self.heap.allocate(layout);
+        self.pinned.store(true, Ordering::SeqCst);
+        block
     }
 
     unsafe fn deallocate(&self, allocation: Allocation) {
@@ -255,4 +298,100 @@ fn a_configured_reserve_starts_with_the_pool_or_on_request() {
         Some(Error::CapacityOverflow)
     ));
     assert!(pool.take_reserve_error().is_none());
+}
+
+#[test]
+fn a_block_pinned_after_its_target_fell_is_released() {
+    let backend = Gated::default();
+    let pool = Pool::with_backend(backend.clone(), PoolConfig::new().max_pinned_bytes(MIB));
+    pool.reserve(MIB, 1).unwrap();
+    eventually("the thread pinning", || {
+        backend.waiting.load(Ordering::SeqCst)
+    });
+    pool.reserve(MIB, 0).unwrap();
+    backend.open();
+    // Pinned, freed, and no longer counted as pinned.
+    eventually("the block released", || {
+        backend.pinned.load(Ordering::SeqCst)
+            && backend.heap.live() == 0
+            && pool.approximate_stats().cached_bytes == 0
+    });
+    assert_eq!(pool.stats().reserve_ready_bytes, 0);
+    // Its bytes no longer count against the cap: a block of the whole cap fits.
+    drop(pool.with_capacity(MIB).unwrap());
+}
+
+/// Finished or not, as set; the first query waits at a gate (saying so first), so that a test
+/// can hold an allocation inside its look at the pending blocks.
+struct Held {
+    finished: bool,
+    gate: Option<(std::sync::mpsc::Sender<()>, Gated)>,
+}
+
+// SAFETY: nothing uses the blocks freed with it, so whatever it answers is true of them.
+unsafe impl pinned_pool::Completion for Held {
+    fn is_complete(&mut self) -> bool {
+        if let Some((entered, gate)) = self.gate.take() {
+            let _ = entered.send(());
+            let (open, opened) = &*gate.gate;
+            drop(
+                opened
+                    .wait_while(open.lock().unwrap(), |open| !*open)
+                    .unwrap(),
+            );
+        }
+        self.finished
+    }
+
+    fn wait(&mut self) -> bool {
+        true
+    }
+}
+
+#[test]
+fn a_block_cached_while_a_miss_looks_at_pending_blocks_comes_before_one_pinned_ahead() {
+    let heap = Heap::new();
+    let pool = Arc::new(Pool::<Heap, Held>::with_completion(
+        heap.clone(),
+        PoolConfig::new(),
+    ));
+    pool.reserve(4096, 1).unwrap();
+    eventually("one ready", || pool.stats().reserve_ready_bytes == 4096);
+    let waiting = pool.allocate_raw(4096).unwrap();
+    eventually("one ready", || pool.stats().reserve_ready_bytes == 4096);
+    let cached = pool.allocate_raw(4096).unwrap();
+    eventually("one ready", || pool.stats().reserve_ready_bytes == 4096);
+    let cached_at = cached.ptr();
+    // A pending block whose query holds the next miss at the gate.
+    let gate = Gated::default();
+    let (entered, inside) = std::sync::mpsc::channel();
+    let held = Held {
+        finished: false,
+        gate: Some((entered, gate.clone())),
+    };
+    // SAFETY: allocated above from this pool; nothing uses it.
+    unsafe { pool.free_raw_after(waiting, held) };
+    let miss = {
+        let pool = pool.clone();
+        std::thread::spawn(move || pool.allocate_raw(4096).unwrap())
+    };
+    inside.recv().unwrap();
+    // Meanwhile another block finishes and reaches the shared lists.
+    let finished = Held {
+        finished: true,
+        gate: None,
+    };
+    // SAFETY: allocated above from this pool; nothing uses it.
+    unsafe { pool.free_raw_after(cached, finished) };
+    pool.process_events();
+    gate.open();
+    let got = miss.join().unwrap();
+    assert_eq!(got.ptr(), cached_at, "the cached block was passed over");
+    assert_eq!(
+        pool.stats().reserve_ready_bytes,
+        4096,
+        "the reserve was not drawn on"
+    );
+    // SAFETY: allocated from this pool; nothing uses it.
+    unsafe { pool.free_raw(got) };
 }
