@@ -150,9 +150,10 @@ impl Registered {
     /// it in while they go on with the next. The driver's lock is taken for one chunk at a
     /// time, with a pause between chunks so that other threads' copies get their turn.
     /// Smaller chunks hold the lock for less time but pin more slowly (more calls and
-    /// pauses); 12 MiB was the best trade-off measured on H100 and H200 hosts. There, in five
-    /// runs, 1 GiB in 12 MiB chunks was pinned in 33–39 ms while another thread's copy waited
-    /// at most 0.6–1.0 ms; one registration took 42–60 ms and held that copy back 20–26 ms.
+    /// pauses); 12 MiB was the best trade-off measured on H100 and H200 hosts. On the faster
+    /// of them, 1 GiB in 12 MiB chunks was pinned in 33–39 ms while another thread's copy
+    /// waited at most 0.6–1.0 ms, where one registration took 42–60 ms and held that copy
+    /// back 20–26 ms; slower, noisier hosts took 42–63 ms and let the copy wait 1.0–2.2 ms.
     ///
     /// Copies queued through this crate split at the chunk boundaries (one buffer, one
     /// [`Transfer`](crate::Transfer)). A copy queued by other code must stay within one
