@@ -153,7 +153,8 @@ impl Registered {
     /// pauses); 12 MiB was the best trade-off measured on H100 and H200 hosts. On the faster
     /// of them, 1 GiB in 12 MiB chunks was pinned in 33–39 ms while another thread's copy
     /// waited at most 0.6–1.0 ms, where one registration took 42–60 ms and held that copy
-    /// back 20–26 ms; slower, noisier hosts took 42–63 ms and let the copy wait 1.0–2.2 ms.
+    /// back 20–26 ms; slower, noisier hosts mostly took 42–63 ms and let the copy wait
+    /// 1.0–2.2 ms (in two runs of twelve, far longer).
     ///
     /// Copies queued through this crate split at the chunk boundaries (one buffer, one
     /// [`Transfer`](crate::Transfer)). A copy queued by other code must stay within one
