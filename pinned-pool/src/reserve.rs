@@ -13,7 +13,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::size_class::{PAGE, SLOT_STRIDE, class_size, slots};
 
 /// What the reserve thread and the pool share.
-pub(crate) struct Shared {
+struct Shared {
     state: Mutex<State>,
     /// Wakes the thread: a target raised, a block taken, or stop.
     wake: Condvar,
@@ -52,7 +52,7 @@ pub(crate) struct Figures {
 /// The reserve thread, stopped and joined when dropped; what it held is handed back through
 /// [`Reserve::drain`] first.
 pub(crate) struct Reserve {
-    pub(crate) shared: Arc<Shared>,
+    shared: Arc<Shared>,
     /// The first slot of the NUMA node the thread pins on (as its backend said at start).
     pub(crate) slot_base: usize,
     thread: Option<JoinHandle<()>>,
