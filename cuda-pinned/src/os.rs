@@ -184,30 +184,43 @@ fn parse_list(list: &str) -> (usize, usize) {
 ///   page becomes zero (which fresh anonymous memory already holds).
 pub(crate) unsafe fn prefault(ptr: NonNull<u8>, bytes: usize, threads: usize) {
     let page = page_size();
-    let pages = bytes / page;
-    let threads = threads.clamp(1, pages.max(1));
-    // Small ranges are not worth a thread.
-    let threads = if bytes < (4 << 20) { 1 } else { threads };
-    let per_thread = pages.div_ceil(threads);
+    let mut shares = prefault_shares(bytes / page, page, threads);
     let base = Base(ptr);
-    let touch = move |first: usize, last: usize| {
+    let touch = move |(first, last): (usize, usize)| {
         // SAFETY: pages `first..last` lie inside the range, which nobody uses yet.
         unsafe { touch_pages(base.at(first * page), (last - first) * page) };
     };
-    if threads == 1 {
-        touch(0, pages);
+    // The calling thread takes the last share itself.
+    let last = shares.pop().unwrap_or((0, 0));
+    if shares.is_empty() {
+        touch(last);
         return;
     }
     std::thread::scope(|scope| {
-        // The calling thread takes the last share itself.
-        for t in 0..threads - 1 {
-            let (first, last) = (t * per_thread, ((t + 1) * per_thread).min(pages));
-            if spawn(scope, move || touch(first, last)).is_err() {
-                touch(first, last);
+        for share in shares {
+            if spawn(scope, move || touch(share)).is_err() {
+                touch(share);
             }
         }
-        touch(((threads - 1) * per_thread).min(pages), pages);
+        touch(last);
     });
+}
+
+/// How [`prefault`] splits `pages` pages of `page` bytes between up to `threads` threads:
+/// page ranges, in order, each whole 2 MiB units (two threads faulting one huge page wait for
+/// each other) but the last, none empty; one for a range under 4 MiB, not worth a thread.
+fn prefault_shares(pages: usize, page: usize, threads: usize) -> Vec<(usize, usize)> {
+    let unit = (HUGE_PAGE / page).max(1);
+    let units = pages.div_ceil(unit).max(1);
+    let threads = if pages * page < (4 << 20) {
+        1
+    } else {
+        threads.clamp(1, units)
+    };
+    let per_share = units.div_ceil(threads) * unit;
+    (0..pages.div_ceil(per_share).max(1))
+        .map(|t| (t * per_share, ((t + 1) * per_share).min(pages)))
+        .collect()
 }
 
 /// Faults in every page of the range from the calling thread: the first byte of each page
@@ -326,6 +339,16 @@ pub(crate) fn default_prefault_threads() -> usize {
         .min(16)
 }
 
+/// Whether every page of `ptr..ptr + bytes` (page-aligned, in a mapping of ours) is resident.
+#[cfg(test)]
+pub(crate) fn resident(ptr: NonNull<u8>, bytes: usize) -> bool {
+    let mut pages = vec![0u8; bytes.div_ceil(page_size())];
+    // SAFETY: the range is a mapping of ours; `pages` has a byte per page.
+    let status = unsafe { libc::mincore(ptr.as_ptr().cast(), bytes, pages.as_mut_ptr()) };
+    assert_eq!(status, 0, "mincore: {}", std::io::Error::last_os_error());
+    pages.iter().all(|&p| p & 1 == 1)
+}
+
 #[cfg(test)]
 mod tests {
     use std::cell::Cell;
@@ -339,15 +362,6 @@ mod tests {
 
     pub(super) fn spawn_refused() -> bool {
         REFUSE_SPAWN.get()
-    }
-
-    /// Whether every page of the range is resident.
-    fn resident(ptr: NonNull<u8>, bytes: usize) -> bool {
-        let mut pages = vec![0u8; bytes.div_ceil(page_size())];
-        // SAFETY: the range is a mapping of ours; `pages` has a byte per page.
-        let status = unsafe { libc::mincore(ptr.as_ptr().cast(), bytes, pages.as_mut_ptr()) };
-        assert_eq!(status, 0, "mincore: {}", std::io::Error::last_os_error());
-        pages.iter().all(|&p| p & 1 == 1)
     }
 
     #[test]
@@ -366,6 +380,29 @@ mod tests {
             }
         }
         REFUSE_SPAWN.set(false);
+    }
+
+    #[test]
+    fn prefault_shares_are_whole_huge_pages_and_cover_the_range() {
+        let page = 4096;
+        let unit = HUGE_PAGE / page;
+        for pages in [1, 512, 1023, 1024, 2048, 4096, 4097, 9 * 512 + 3, 262_144] {
+            for threads in [1, 2, 3, 8, 16, 100] {
+                let shares = prefault_shares(pages, page, threads);
+                let at = format!("{pages} pages, {threads} threads");
+                assert!(!shares.is_empty() && shares.len() <= threads, "{at}");
+                assert_eq!(shares[0].0, 0, "{at}");
+                assert_eq!(shares.last().unwrap().1, pages, "{at}");
+                assert!(shares.iter().all(|&(first, last)| first < last), "{at}");
+                for pair in shares.windows(2) {
+                    assert_eq!(pair[0].1, pair[1].0, "{at}");
+                    assert_eq!(pair[0].1 % unit, 0, "{at}");
+                }
+            }
+        }
+        // Under 4 MiB, one share; 16 MiB, at most one thread per huge page.
+        assert_eq!(prefault_shares(1023, page, 16).len(), 1);
+        assert_eq!(prefault_shares(4096, page, 16).len(), 8);
     }
 
     #[test]
