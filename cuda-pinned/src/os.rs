@@ -208,7 +208,8 @@ pub(crate) unsafe fn prefault(ptr: NonNull<u8>, bytes: usize, threads: usize) {
 
 /// How [`prefault`] splits `pages` pages of `page` bytes between up to `threads` threads:
 /// page ranges, in order, each whole 2 MiB units (two threads faulting one huge page wait for
-/// each other) but the last, none empty; one for a range under 4 MiB, not worth a thread.
+/// each other) but the last, none empty unless the range is; one for a range under 4 MiB,
+/// not worth a thread.
 fn prefault_shares(pages: usize, page: usize, threads: usize) -> Vec<(usize, usize)> {
     let unit = (HUGE_PAGE / page).max(1);
     let units = pages.div_ceil(unit).max(1);
