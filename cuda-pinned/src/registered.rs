@@ -146,7 +146,8 @@ impl Registered {
 
     /// Registers blocks larger than `bytes` (rounded up to 2 MiB) as consecutive chunks of
     /// that size, each as soon as the crew of faulting threads (up to
-    /// [`prefault_threads`](Self::prefault_threads), at most all cores but three) has faulted
+    /// [`prefault_threads`](Self::prefault_threads), at most all cores but three, at least
+    /// one) has faulted
     /// it in while they go on with the next. The driver's lock is taken for one chunk at a
     /// time, with a pause between chunks so that other threads' copies get their turn.
     /// Smaller chunks hold the lock for less time but pin more slowly (more calls and
@@ -212,9 +213,9 @@ impl Registered {
         bytes: usize,
         chunk: usize,
     ) -> Result<(), (Error, bool)> {
-        // The crew leaves three cores: one for this thread, which registers (and faults only
-        // what the crew has not reached), two for the rest of the program, whose copies
-        // would otherwise wait for a time slice.
+        // The crew leaves three cores where there are more than four: one for this thread,
+        // which registers (and faults only what the crew has not reached), two for the rest
+        // of the program, whose copies would otherwise wait for a time slice.
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let helpers = self.prefault_threads.min(cores.saturating_sub(3)).max(1);
         let register = |offset: usize, len: usize| {
@@ -292,6 +293,8 @@ unsafe fn fault_and_register(
                 break;
             }
         }
+        // The crew stops however this thread leaves, an unwinding `register` included.
+        let _stop_crew = StopOnDrop(&stop);
         let mut registered = 0;
         let mut released: Option<Instant> = None;
         let result = (|| {
@@ -332,9 +335,17 @@ unsafe fn fault_and_register(
             }
             Ok(())
         })();
-        stop.store(true, Ordering::Relaxed);
         result.map_err(|e| (e, registered))
     })
+}
+
+/// Raises its flag when dropped.
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
 }
 
 // SAFETY: the memory is a fresh private mapping of `bytes` ≥ the request, page-aligned (2 MiB
@@ -494,6 +505,31 @@ mod tests {
         assert!(matches!(result, Err((Error::Unsupported("refused"), 2))));
         assert_eq!(calls, 3, "nothing is registered after the error");
         // SAFETY: ours; the helpers were joined before the call returned.
+        unsafe { os::unmap(ptr, bytes) };
+    }
+
+    #[test]
+    fn a_registration_that_unwinds_stops_the_crew() {
+        // One helper would take milliseconds to fault the range; the unwind takes
+        // microseconds, and the helper stops after its unit in hand.
+        let bytes = if cfg!(miri) { 8 * MIB } else { 256 * MIB };
+        let ptr = os::map(bytes, false).unwrap();
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // SAFETY: a fresh mapping of `bytes`, used by nobody else; 2 MiB chunks.
+            unsafe {
+                fault_and_register(ptr, bytes, 2 * MIB, 1, |_, _| {
+                    panic!("a registration that unwinds")
+                })
+            }
+        }));
+        assert!(unwound.is_err());
+        // SAFETY: the last MiB of the mapping.
+        let tail = unsafe { ptr.add(bytes - MIB) };
+        assert!(
+            cfg!(miri) || !os::resident(tail, MIB),
+            "the crew went on faulting after the registering thread unwound"
+        );
+        // SAFETY: ours; the helper was joined before the unwind left the call.
         unsafe { os::unmap(ptr, bytes) };
     }
 
