@@ -257,9 +257,21 @@ impl Shared {
                     // The target fell while the block was being pinned: it is not wanted.
                     state.held_bytes -= size;
                     drop(state);
-                    // SAFETY: pinned above from the backend and never handed out.
-                    unsafe { backend.deallocate(block) };
-                    pinned.fetch_sub(size, Ordering::Relaxed);
+                    let released = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                        // SAFETY: pinned above from the backend and never handed out.
+                        unsafe { backend.deallocate(block) }
+                    }));
+                    if released.is_ok() {
+                        pinned.fetch_sub(size, Ordering::Relaxed);
+                    } else {
+                        // Whether the block was freed is unknown: its bytes stay counted
+                        // (the cap errs on the safe side), and the thread goes on.
+                        let mut state = self.state.lock();
+                        state.error.get_or_insert(Error::Unsupported(
+                            "the backend panicked releasing a block pinned ahead",
+                        ));
+                        state.failures += 1;
+                    }
                 }
                 Err(error) => {
                     state.held_bytes -= size;

@@ -321,6 +321,53 @@ fn a_block_pinned_after_its_target_fell_is_released() {
     drop(pool.with_capacity(MIB).unwrap());
 }
 
+/// [`Gated`], whose releases on the reserve thread panic (after freeing the block, so that
+/// nothing leaks).
+#[derive(Clone, Default)]
+struct PanicsReleasing(Gated);
+
+// SAFETY: forwards to `Gated`.
+unsafe impl PinnedAllocator for PanicsReleasing {
+    fn allocate(&self, layout: Layout) -> Result<Allocation> {
+        self.0.allocate(layout)
+    }
+
+    unsafe fn deallocate(&self, allocation: Allocation) {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.0.deallocate(allocation) };
+        assert_ne!(
+            std::thread::current().name(),
+            Some("pinned-pool-reserve"),
+            "a release that fails"
+        );
+    }
+}
+
+#[test]
+fn a_release_that_panics_on_the_reserve_thread_is_reported_and_the_thread_goes_on() {
+    let backend = PanicsReleasing::default();
+    let pool = Pool::with_backend(backend.clone(), PoolConfig::new());
+    pool.reserve(MIB, 1).unwrap();
+    eventually("the thread pinning", || {
+        backend.0.waiting.load(Ordering::SeqCst)
+    });
+    // The block being pinned is no longer wanted: the thread releases it, and panics.
+    pool.reserve(MIB, 0).unwrap();
+    backend.0.open();
+    eventually("the panic reported", || {
+        pool.approximate_stats().reserve_failures == 1
+    });
+    assert!(matches!(
+        pool.take_reserve_error(),
+        Some(Error::Unsupported(_))
+    ));
+    // The thread is still there: it pins what it is asked for next.
+    pool.reserve(4096, 1).unwrap();
+    eventually("a block ready", || {
+        pool.approximate_stats().reserve_ready_bytes == 4096
+    });
+}
+
 /// Finished or not, as set; the first query waits at a gate (saying so first), so that a test
 /// can hold an allocation inside its look at the pending blocks.
 struct Held {
