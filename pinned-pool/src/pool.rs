@@ -357,8 +357,15 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// block is visible to pausers. `local` is this thread's cache or the shared one, used
     /// only under the lock.
     fn find_or_pin(&self, local: &Local, class: usize, size: usize) -> Result<Cached> {
+        // With no block pending and none released by age, nothing could come before a block
+        // pinned ahead but the lists: one hold of the lock looks at both, so that an
+        // allocation the reserve covers costs a hit and the adoption.
+        let ahead = self
+            .ahead
+            .get()
+            .filter(|_| self.config.idle_release.is_none());
         let listed = self.depot_adds.load(Ordering::Relaxed);
-        if let Some(cached) = self.take_listed(local, class, size) {
+        if let Some(cached) = self.take_listed(local, class, size, ahead) {
             return Ok(cached);
         }
         self.process_events();
@@ -370,7 +377,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             // another thread's spill) come first, then one pinned ahead (counted against the
             // cap already): neither pauses anyone.
             if self.depot_adds.load(Ordering::Relaxed) != listed
-                && let Some(cached) = self.take_listed(local, class, size)
+                && let Some(cached) = self.take_listed(local, class, size, None)
             {
                 return Ok(cached);
             }
@@ -408,18 +415,34 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     }
 
     /// A block of `class` from this thread's stack (when its cache was paused or the ceiling
-    /// was reached) or the shared lists, handed out under the lock.
-    fn take_listed(&self, local: &Local, class: usize, size: usize) -> Option<Cached> {
+    /// was reached) or the shared lists, else, if no block is pending, one that `ahead`
+    /// pinned; handed out under the lock.
+    fn take_listed(
+        &self,
+        local: &Local,
+        class: usize,
+        size: usize,
+        ahead: Option<&Reserve>,
+    ) -> Option<Cached> {
         let mut central = self.central.lock();
         // SAFETY: this thread owns `local`, is outside `enter` and holds the lock.
         let data = unsafe { self.own(local) };
-        let cached = data.magazine[class]
+        if let Some(cached) = data.magazine[class]
             .pop()
-            .or_else(|| central.refill(data, class, size))?;
-        self.hand_out(&mut central, local, data, size, true, None);
-        drop(central);
-        self.cache_shrank(size);
-        Some(cached)
+            .or_else(|| central.refill(data, class, size))
+        {
+            self.hand_out(&mut central, local, data, size, true, None);
+            drop(central);
+            self.cache_shrank(size);
+            return Some(cached);
+        }
+        // The pending count rises before a block is listed as pending: zero means no block
+        // could reach the lists by finishing its device work first.
+        let block = ahead
+            .filter(|_| self.pending_requests.load(Ordering::Relaxed) == 0)?
+            .take(class)?;
+        let allocation = self.adopt_locked(&mut central, local, data, block, class, size);
+        Some(Cached::new(&allocation, None))
     }
 
     /// This thread's cache data under the lock, let out of its initial pause.
@@ -535,18 +558,32 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// Makes `block` (new, pinned for `class` and counted against the cap) one of the pool's
     /// blocks, and hands it out to `local`'s thread: one pass under the lock counts both.
     fn adopt(&self, local: &Local, block: Allocation, class: usize, size: usize) -> Allocation {
+        let mut central = self.central.lock();
+        // SAFETY: this thread owns `local` (the allocating thread's cache, or the shared one),
+        // is outside `enter` and holds the lock.
+        let data = unsafe { self.own(local) };
+        self.adopt_locked(&mut central, local, data, block, class, size)
+    }
+
+    /// [`adopt`](Self::adopt) under the lock, with `local`'s data. The block map's lock is
+    /// taken inside the pool's (never the other way round).
+    fn adopt_locked(
+        &self,
+        central: &mut Central,
+        local: &Local,
+        data: &mut LocalData,
+        block: Allocation,
+        class: usize,
+        size: usize,
+    ) -> Allocation {
         let handed = Allocation::new(block.ptr(), size, block.kind(), class);
         let bytes = block.bytes() as u64;
         self.blocks
             .lock()
             .insert(block.ptr().as_ptr() as usize, (block, class));
-        let mut central = self.central.lock();
         raise(&mut central.allocations, 1);
         raise(&mut central.allocated_bytes, bytes);
-        // SAFETY: this thread owns `local` (the allocating thread's cache, or the shared one),
-        // is outside `enter` and holds the lock.
-        let data = unsafe { self.own(local) };
-        self.hand_out(&mut central, local, data, size, false, None);
+        self.hand_out(central, local, data, size, false, None);
         handed
     }
 
