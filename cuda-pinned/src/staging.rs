@@ -54,7 +54,9 @@ pub struct StagingConfig {
     /// itself, the driver copies such a source into pinned staging buffers before the call
     /// returns (CUDA documents this for `cudaMemcpy`; for `cudaMemcpyAsync` it was observed,
     /// and the GPU tests check it with the stream held back). Devices that read pageable
-    /// memory directly (HMM, ATS) and page-locked sources always go through the ring. The
+    /// memory directly (HMM, ATS) and page-locked sources always go through the ring; the
+    /// driver looks registrations up by byte, so registered memory sharing a page with the
+    /// source, but none of its bytes, leaves it ordinary (checked by the GPU tests too). The
     /// call may wait for work queued earlier on the stream.
     ///
     /// The defaults are where the ring was not reliably faster on an H100 host: up to 16 KiB

@@ -151,6 +151,42 @@ fn a_page_locked_source_is_read_before_the_upload_returns() {
     assert!(device.to_vec().unwrap() == original);
 }
 
+/// Registered memory that shares the source's first and last pages but none of its bytes
+/// leaves the source ordinary memory for the driver (it looks registrations up by byte), so
+/// the driver's path still reads the source before the upload returns.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_source_sharing_pages_with_registered_memory_is_read_before_the_upload_returns() {
+    let stager = Stager::new().unwrap();
+    let stream = Stream::new().unwrap();
+    for len in [8 << 10, 256 << 10] {
+        assert!(
+            stager
+                .config()
+                .driver_uploads
+                .iter()
+                .any(|r| r.contains(&len))
+        );
+        let original = pattern(len, 7);
+        let mut memory = vec![0u8; len + 3 * 4096];
+        // Registered bytes end and start half a page away from the source.
+        let start = 4096 - (memory.as_ptr() as usize % 4096) + 2048;
+        let (before, rest) = memory.split_at_mut(start);
+        let (source, after) = rest.split_at_mut(len);
+        let _before = cuda_pinned::Registration::new(before).unwrap();
+        let _after = cuda_pinned::Registration::new(after).unwrap();
+        source.copy_from_slice(&original);
+        let mut device = DeviceBuffer::<u8>::zeroed(len).unwrap();
+        stream
+            .launch_host_fn(|| std::thread::sleep(Duration::from_millis(200)))
+            .unwrap();
+        let upload = stager.copy_to_device(&stream, source, &mut device).unwrap();
+        source.fill(0xFF);
+        upload.wait().unwrap();
+        assert!(device.to_vec().unwrap() == original, "{len} bytes");
+    }
+}
+
 /// A download returns with the destination filled, behind other work on the stream, into
 /// ordinary and into page-locked memory.
 #[test]
