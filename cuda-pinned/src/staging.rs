@@ -31,6 +31,7 @@ use crate::device_buffer::{DeviceRange, DeviceSlice, DeviceSliceMut};
 use crate::error::{Error, Result};
 use crate::ffi::{self, Direction};
 use crate::stream::{Event, Stream, check_same_device};
+use crate::streaming::copy_bytes_streaming;
 use crate::vec::PinnedVec;
 
 /// How a [`Stager`] cuts and spreads copies. The defaults come from measurements on an H100
@@ -421,56 +422,6 @@ fn cut(bytes: usize, config: &StagingConfig, spread: bool) -> Vec<(usize, usize)
         offset += size;
     }
     cuts
-}
-
-/// Copies `bytes` from `src` to `dst` with non-temporal stores where the CPU has AVX2, else
-/// as `copy_nonoverlapping` does. The stores are fenced before returning: whatever the caller
-/// does next (releasing a lock) is seen after them.
-///
-/// # Safety
-///
-/// As `copy_nonoverlapping`: `src` readable and `dst` writable for `bytes`, not overlapping.
-unsafe fn copy_streaming(src: *const u8, dst: *mut u8, bytes: usize) {
-    #[cfg(all(target_arch = "x86_64", not(miri)))]
-    if bytes >= 4096 && std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2 (checked above); the ranges as the caller promised.
-        return unsafe { copy_streaming_avx2(src, dst, bytes) };
-    }
-    // SAFETY: as the caller promised.
-    unsafe { std::ptr::copy_nonoverlapping(src, dst, bytes) }
-}
-
-/// [`copy_streaming`] on a CPU with AVX2: unaligned loads, aligned 32-byte non-temporal
-/// stores, plain copies for the unaligned head and the tail.
-///
-/// # Safety
-///
-/// As [`copy_streaming`], on a CPU with AVX2.
-#[cfg(all(target_arch = "x86_64", not(miri)))]
-#[target_feature(enable = "avx2")]
-unsafe fn copy_streaming_avx2(src: *const u8, dst: *mut u8, bytes: usize) {
-    use std::arch::x86_64::{__m256i, _mm_sfence, _mm256_loadu_si256, _mm256_stream_si256};
-    let head = dst.align_offset(32).min(bytes);
-    // SAFETY: both ranges hold `bytes` ≥ `head` bytes and do not overlap.
-    unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
-    let body = (bytes - head) / 128 * 128;
-    let (src_body, dst_body) = (src.wrapping_add(head), dst.wrapping_add(head));
-    let mut at = 0;
-    while at < body {
-        for lane in (0..128).step_by(32) {
-            // SAFETY: `head + at + lane + 32 <= bytes`: in bounds of both ranges; the store
-            // is 32-byte aligned (`dst + head` is, and every offset is a multiple of 32).
-            unsafe {
-                let value = _mm256_loadu_si256(src_body.add(at + lane).cast::<__m256i>());
-                _mm256_stream_si256(dst_body.add(at + lane).cast::<__m256i>(), value);
-            }
-        }
-        at += 128;
-    }
-    let done = head + body;
-    // SAFETY: the tail lies inside both ranges.
-    unsafe { std::ptr::copy_nonoverlapping(src.add(done), dst.add(done), bytes - done) };
-    _mm_sfence();
 }
 
 /// How long an idle worker watches for the next job before it sleeps: waking a sleeping
@@ -950,7 +901,7 @@ impl<D: Dma> Shared<D> {
                     // writable and this piece's alone until every piece has finished.
                     unsafe {
                         if self.config.streaming_stores {
-                            copy_streaming(chunk.cast_const(), host, bytes);
+                            copy_bytes_streaming(chunk.cast_const(), host, bytes);
                         } else {
                             std::ptr::copy_nonoverlapping(chunk.cast_const(), host, bytes);
                         }

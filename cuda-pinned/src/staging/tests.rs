@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 
-use super::{Address, Dma, Engine, StagingConfig, copy_streaming, cut, lock, wait};
+use super::{Address, Dma, Engine, StagingConfig, cut, lock, wait};
 use crate::alloc::{Allocation, PinnedAllocator};
 use crate::error::{Error, Result};
 use crate::ffi::Direction;
@@ -548,52 +548,6 @@ fn configurations_without_room_are_refused() {
     let result = Engine::new(fake.clone(), config(usize::MAX, 1, 2), Counted::default());
     assert!(matches!(result, Err(Error::CapacityOverflow)));
     fake.stop();
-}
-
-/// Streaming copies equal plain ones at every alignment of either side, below and above the
-/// size where the non-temporal path starts, tails of every length included.
-#[test]
-fn streaming_copies_are_exact_at_any_alignment() {
-    let source = pattern(20_000, 7);
-    let lens = [
-        0,
-        1,
-        31,
-        33,
-        127,
-        4095,
-        4096,
-        4097,
-        4096 + 127,
-        4096 + 129,
-        12_345,
-    ];
-    let lens = if cfg!(miri) { &lens[..5] } else { &lens[..] };
-    for &len in lens {
-        for from in [0, 1, 17, 32] {
-            for into in [0, 3, 31, 64] {
-                let mut target = vec![0xEEu8; len + 128];
-                // SAFETY: `source` holds `from + len` bytes, `target` `into + len`; distinct
-                // vectors do not overlap.
-                unsafe {
-                    copy_streaming(
-                        source.as_ptr().add(from),
-                        target.as_mut_ptr().add(into),
-                        len,
-                    );
-                }
-                assert_eq!(&target[into..into + len], &source[from..from + len]);
-                assert!(
-                    target[..into].iter().all(|&b| b == 0xEE),
-                    "{len} {from} {into}"
-                );
-                assert!(
-                    target[into + len..].iter().all(|&b| b == 0xEE),
-                    "{len} {from} {into}"
-                );
-            }
-        }
-    }
 }
 
 /// Downloads through the engine in pieces large enough for non-temporal stores, from one to
