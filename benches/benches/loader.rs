@@ -28,7 +28,7 @@ impl Dataset for Images {
         (Field::new(IMAGE), Field::new(1))
     }
     fn write(&self, i: usize, (image, label): (&mut [u8], &mut [i64])) -> Result<(), BoxError> {
-        image.copy_from_slice(&self.pixels[i * IMAGE..(i + 1) * IMAGE]);
+        pinned_loader::copy_streaming(image, &self.pixels[i * IMAGE..(i + 1) * IMAGE]);
         label[0] = i as i64;
         Ok(())
     }

@@ -33,7 +33,7 @@ impl Dataset for Images {
     }
     // Decoding and augmenting would go here; the sample lands straight in pinned memory.
     fn write(&self, i: usize, (image, label): (&mut [u8], &mut [i64])) -> Result<(), BoxError> {
-        image.copy_from_slice(&self.pixels[i * IMAGE..(i + 1) * IMAGE]);
+        pinned_loader::copy_streaming(image, &self.pixels[i * IMAGE..(i + 1) * IMAGE]);
         label[0] = self.labels[i];
         Ok(())
     }

@@ -83,7 +83,9 @@ impl LoaderConfig {
     }
 
     /// Whether workers live from one epoch to the next (otherwise each epoch starts its own
-    /// and ends them).
+    /// and ends them). Persistent workers also begin the next epoch (the one numbered one
+    /// higher) once all of the current one's batches are in the making, within the same
+    /// `prefetch` budget, so that short epochs do not drain the pipeline at every end.
     pub fn persistent_workers(mut self, persistent: bool) -> Self {
         self.persistent_workers = persistent;
         self

@@ -21,7 +21,7 @@ use crate::fields::{Collate, Fields};
 ///     fn len(&self) -> usize { self.labels.len() }
 ///     fn fields(&self) -> Self::Fields { (Field::new(IMAGE), Field::new(1)) }
 ///     fn write(&self, i: usize, (image, label): (&mut [u8], &mut [i64])) -> Result<(), BoxError> {
-///         image.copy_from_slice(&self.pixels[i * IMAGE..(i + 1) * IMAGE]);
+///         pinned_loader::copy_streaming(image, &self.pixels[i * IMAGE..(i + 1) * IMAGE]);
 ///         label[0] = self.labels[i];
 ///         Ok(())
 ///     }
@@ -266,7 +266,7 @@ impl<F: Fields, A: PinnedAllocator + Send + Sync + 'static> Dataset for PinnedSa
         let mut into = Vec::new();
         self.fields.sample_as_bytes(sample, &mut into);
         for (field, into) in into.into_iter().enumerate() {
-            into.copy_from_slice(self.storage.sample(index, field));
+            cuda_pinned::copy_streaming(into, self.storage.sample(index, field));
         }
         Ok(())
     }

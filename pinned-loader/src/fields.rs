@@ -173,7 +173,9 @@ pub trait Collate<S>: Fields {
     fn collate(&self, sample: S, into: Self::Sample<'_>) -> Result<(), BoxError>;
 }
 
-fn copy_exact<T: Copy>(from: &[T], into: &mut [T]) -> Result<(), BoxError> {
+/// Copies a sample into its place in a batch, with non-temporal stores: the batch is read
+/// next by the DMA engine, not the CPU.
+fn copy_exact<T: Pod>(from: &[T], into: &mut [T]) -> Result<(), BoxError> {
     if from.len() != into.len() {
         return Err(format!(
             "a sample field of {} elements, where the field takes {}",
@@ -182,7 +184,7 @@ fn copy_exact<T: Copy>(from: &[T], into: &mut [T]) -> Result<(), BoxError> {
         )
         .into());
     }
-    into.copy_from_slice(from);
+    cuda_pinned::copy_streaming(into, from);
     Ok(())
 }
 

@@ -49,6 +49,19 @@ pub struct Loader<D: Dataset> {
     pub(crate) sampler: Sampler,
     /// Workers that outlive epochs (`persistent_workers`).
     workers: Vec<JoinHandle<()>>,
+    /// The next epoch's batches that persistent workers began while the last one ended.
+    ahead: Option<Ahead>,
+}
+
+/// Batches of the epoch after the current one, begun once the current one had all of its own
+/// in the making (persistent workers only): its first batches are ready when it starts, not
+/// one batch's fill time later. Kept only if that epoch is the one asked for next.
+struct Ahead {
+    epoch: u64,
+    generation: u64,
+    indices: Arc<Vec<usize>>,
+    batches: Vec<Range<usize>>,
+    dispatched: usize,
 }
 
 /// What the loader, its workers and its batches share.
@@ -64,7 +77,7 @@ pub(crate) struct Shared<D: Dataset> {
     pub(crate) device: Option<cuda_pinned::Device>,
     state: Mutex<State>,
     /// `state.generation`, for the check a worker makes before each sample without taking
-    /// the lock (written under it).
+    /// the lock (written under it): a task of an older generation is dropped.
     generation: AtomicU64,
     /// Work was queued, or the workers should stop.
     work: Condvar,
@@ -74,8 +87,11 @@ pub(crate) struct Shared<D: Dataset> {
 }
 
 struct State {
-    /// Raised when an epoch ends: tasks and results of older epochs are dropped.
+    /// The current epoch's: tasks and results of older generations are dropped; a newer one
+    /// is the next epoch's, begun ahead.
     generation: u64,
+    /// The newest generation handed out.
+    newest: u64,
     tasks: VecDeque<Task>,
     finished: Vec<Finished>,
     shutdown: bool,
@@ -110,14 +126,42 @@ impl<D: Dataset> Shared<D> {
         self.generation.load(Ordering::Relaxed)
     }
 
-    /// Ends the current generation: older tasks and results are dropped. Returns the new
-    /// generation and the results nobody claimed.
+    /// Ends the current generation and any begun ahead: their tasks and results are dropped.
+    /// Returns the new generation and the results nobody claimed.
     fn next_generation(&self) -> (u64, Vec<Finished>) {
         let mut state = self.state();
-        state.generation += 1;
-        self.generation.store(state.generation, Ordering::Relaxed);
-        state.tasks.clear();
-        (state.generation, std::mem::take(&mut state.finished))
+        state.newest += 1;
+        let generation = state.newest;
+        (generation, self.advance(&mut state, generation))
+    }
+
+    /// A generation for the next epoch's tasks, begun ahead of it.
+    fn generation_ahead(&self) -> u64 {
+        let mut state = self.state();
+        state.newest += 1;
+        state.newest
+    }
+
+    /// Makes `generation` the current one: tasks and results of older ones are dropped (the
+    /// results returned, for their slots).
+    fn advance(&self, state: &mut State, generation: u64) -> Vec<Finished> {
+        state.generation = generation;
+        self.generation.store(generation, Ordering::Relaxed);
+        state.tasks.retain(|task| task.generation >= generation);
+        let (kept, stale) = std::mem::take(&mut state.finished)
+            .into_iter()
+            .partition(|finished| finished.generation >= generation);
+        state.finished = kept;
+        stale
+    }
+
+    /// The slots of results nobody will claim.
+    fn give_back(&self, unclaimed: Vec<Finished>) {
+        for finished in unclaimed {
+            if let Ok((slot, _)) = finished.result {
+                self.slots.give(slot);
+            }
+        }
     }
 
     /// A free slot, or a new one (pinned on the hot path: counted) when the consumer holds
@@ -172,7 +216,7 @@ impl<D: Dataset> Shared<D> {
             .map_err(|e| Stop::Failed(e.into()))?;
         let pinned = self.dataset.pinned_storage();
         for (position, &index) in indices.iter().enumerate() {
-            if task.generation != self.generation() {
+            if task.generation < self.generation() {
                 return Err(Stop::Cancelled);
             }
             let mut places = regions
@@ -188,7 +232,7 @@ impl<D: Dataset> Shared<D> {
             };
             if let Some(storage) = pinned {
                 for (field, place) in places.enumerate() {
-                    place.copy_from_slice(storage.sample(index, field));
+                    cuda_pinned::copy_streaming(place, storage.sample(index, field));
                 }
                 continue;
             }
@@ -232,7 +276,7 @@ impl<D: Dataset> Shared<D> {
                 Err(Stop::Cancelled) => continue,
             };
             let mut state = self.state();
-            if task.generation == state.generation {
+            if task.generation >= state.generation {
                 state.finished.push(Finished {
                     generation: task.generation,
                     batch: task.batch,
@@ -372,6 +416,7 @@ impl<D: Dataset> Loader<D> {
             device,
             state: Mutex::new(State {
                 generation: 0,
+                newest: 0,
                 tasks: VecDeque::new(),
                 finished: Vec::new(),
                 shutdown: false,
@@ -403,6 +448,7 @@ impl<D: Dataset> Loader<D> {
             config,
             sampler,
             workers,
+            ahead: None,
         })
     }
 
@@ -424,15 +470,24 @@ impl<D: Dataset> Loader<D> {
     /// The batches of epoch `epoch` (its number seeds the shuffle), as an iterator of
     /// `Result<HostBatch, LoaderError>`. Dropping it mid-way stops the workers' work on it.
     pub fn epoch(&mut self, epoch: u64) -> Epoch<'_, D> {
-        let indices = Arc::new(self.sampler.indices(epoch));
-        let batches = self.sampler.batches(indices.len());
-        // A generation of its own, even if an earlier epoch was leaked without its drop.
-        let (generation, stale) = self.shared.next_generation();
-        for finished in stale {
-            if let Ok((slot, _)) = finished.result {
-                self.shared.slots.give(slot);
+        // The batches begun ahead if this is the epoch they were begun for (the previous
+        // epoch ended and made their generation current); otherwise a generation of its own,
+        // which drops them (and whatever an epoch leaked without its drop left).
+        let (indices, batches, dispatched, generation) = match self.ahead.take() {
+            Some(ahead) if ahead.epoch == epoch => (
+                ahead.indices,
+                ahead.batches,
+                ahead.dispatched,
+                ahead.generation,
+            ),
+            _ => {
+                let indices = Arc::new(self.sampler.indices(epoch));
+                let batches = self.sampler.batches(indices.len());
+                let (generation, stale) = self.shared.next_generation();
+                self.shared.give_back(stale);
+                (indices, batches, 0, generation)
             }
-        }
+        };
         let own_workers = if self.config.persistent_workers {
             Vec::new()
         } else {
@@ -440,11 +495,13 @@ impl<D: Dataset> Loader<D> {
         };
         Epoch {
             loader: self,
+            epoch,
             indices,
             batches,
-            dispatched: 0,
+            dispatched,
             delivered: 0,
             generation,
+            ahead: None,
             own_workers,
         }
     }
@@ -459,8 +516,10 @@ impl<D: Dataset> Drop for Loader<D> {
     fn drop(&mut self) {
         let workers = std::mem::take(&mut self.workers);
         self.shared.stop_workers(workers);
-        // The free slots go now; the block they were cut from goes back to the pool once the
-        // batches still out are dropped too.
+        // Batches begun ahead for an epoch that will not come go with the free slots now; the
+        // block they were cut from goes back to the pool once the batches still out are
+        // dropped too.
+        self.shared.give_back(self.shared.next_generation().1);
         self.shared.slots.clear();
     }
 }
@@ -470,11 +529,14 @@ impl<D: Dataset> Drop for Loader<D> {
 /// the next batch follows.
 pub struct Epoch<'l, D: Dataset> {
     loader: &'l mut Loader<D>,
+    epoch: u64,
     indices: Arc<Vec<usize>>,
     batches: Vec<Range<usize>>,
     dispatched: usize,
     delivered: usize,
     generation: u64,
+    /// The next epoch's batches begun, once all of this one's are in the making.
+    ahead: Option<Ahead>,
     own_workers: Vec<JoinHandle<()>>,
 }
 
@@ -507,7 +569,8 @@ impl<D: Dataset> Epoch<'_, D> {
         }
     }
 
-    /// Queues batches until each worker has `prefetch` in the making.
+    /// Queues batches until each worker has `prefetch` in the making; once all of this
+    /// epoch's are, persistent workers go on with the next epoch's.
     fn dispatch(&mut self) {
         let limit = self.workers() * self.loader.config.prefetch;
         let mut queued = 0;
@@ -517,11 +580,46 @@ impl<D: Dataset> Epoch<'_, D> {
             self.dispatched += 1;
             queued += 1;
         }
+        if self.dispatched == self.batches.len() && self.loader.config.persistent_workers {
+            queued += self.dispatch_ahead(limit - (self.dispatched - self.delivered).min(limit));
+        }
         // One worker a task: the others stay asleep (a worker looks at the queue, under its
         // lock, before it sleeps, so none is missed).
         for _ in 0..queued.min(self.workers()) {
             self.shared().work.notify_one();
         }
+    }
+
+    /// Queues up to `room` of the next epoch's batches; returns how many.
+    fn dispatch_ahead(&mut self, room: usize) -> usize {
+        if room == 0 {
+            return 0;
+        }
+        let shared = self.loader.shared.clone();
+        let ahead = self.ahead.get_or_insert_with(|| {
+            let epoch = self.epoch.wrapping_add(1);
+            let indices = Arc::new(self.loader.sampler.indices(epoch));
+            Ahead {
+                epoch,
+                generation: shared.generation_ahead(),
+                batches: self.loader.sampler.batches(indices.len()),
+                indices,
+                dispatched: 0,
+            }
+        });
+        let mut queued = 0;
+        while ahead.dispatched < ahead.batches.len() && ahead.dispatched < room {
+            let task = Task {
+                generation: ahead.generation,
+                batch: ahead.dispatched,
+                indices: ahead.indices.clone(),
+                range: ahead.batches[ahead.dispatched].clone(),
+            };
+            shared.state().tasks.push_back(task);
+            ahead.dispatched += 1;
+            queued += 1;
+        }
+        queued
     }
 
     /// The next batch: waiting for it when `block`, `None` (outer) when it is not ready.
@@ -605,12 +703,17 @@ impl<D: Dataset> Iterator for Epoch<'_, D> {
 impl<D: Dataset> Drop for Epoch<'_, D> {
     fn drop(&mut self) {
         let shared = self.loader.shared.clone();
-        let (_, unclaimed) = shared.next_generation();
-        for finished in unclaimed {
-            if let Ok((slot, _)) = finished.result {
-                shared.slots.give(slot);
+        // An epoch that delivered every batch hands what it began of the next one to the
+        // loader; otherwise that goes with the rest.
+        let unclaimed = match self.ahead.take() {
+            Some(ahead) if self.delivered == self.batches.len() => {
+                let stale = shared.advance(&mut shared.state(), ahead.generation);
+                self.loader.ahead = Some(ahead);
+                stale
             }
-        }
+            _ => shared.next_generation().1,
+        };
+        shared.give_back(unclaimed);
         let workers = std::mem::take(&mut self.own_workers);
         if !workers.is_empty() {
             shared.stop_workers(workers);

@@ -223,6 +223,34 @@ fn dropping_mid_epoch_stops_the_workers_and_gives_every_block_back() {
     }
 }
 
+/// Persistent workers begin the next epoch once all of the current one's batches are in the
+/// making: its first batches are filled before it is asked for. A loader dropped then gives
+/// every block back.
+#[test]
+fn persistent_workers_begin_the_next_epoch_before_it_is_asked_for() {
+    let pool = Arc::new(Pool::new());
+    let cfg = config(7, 3)
+        .shuffle(4)
+        .persistent_workers(true)
+        .pool(pool.clone());
+    let mut loader = Loader::new(Indexed::new(50), cfg).unwrap();
+    assert_eq!(run_epoch(&mut loader, 0).concat().len(), 50);
+    let start = std::time::Instant::now();
+    while loader.dataset().writes.load(Ordering::Relaxed) <= 50 {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(60),
+            "nothing of epoch 1 was begun"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let mut all = run_epoch(&mut loader, 1).concat();
+    all.sort_unstable();
+    assert_eq!(all, (0..50).collect::<Vec<_>>());
+    // Epoch 2 is begun now too, and dropped with the loader.
+    drop(loader);
+    assert_eq!(pool.stats().active_requests.current, 0);
+}
+
 /// The working set is pinned as one block (one registration), whatever the slot count.
 #[test]
 fn the_working_set_is_one_pinned_block() {
@@ -335,19 +363,35 @@ proptest! {
         shuffle in proptest::option::of(any::<u64>()),
         drop_last in any::<bool>(),
         in_order in any::<bool>(),
+        persistent in any::<bool>(),
     ) {
-        let mut cfg = config(batch, workers).prefetch(prefetch).drop_last(drop_last).in_order(in_order);
+        let mut cfg = config(batch, workers)
+            .prefetch(prefetch)
+            .drop_last(drop_last)
+            .in_order(in_order)
+            .persistent_workers(persistent);
         if let Some(seed) = shuffle {
             cfg = cfg.shuffle(seed);
         }
-        let mut loader = Loader::new(Indexed::new(len), cfg).unwrap();
-        let batches = run_epoch(&mut loader, 0);
-        let expected = if drop_last { len / batch } else { len.div_ceil(batch) };
-        prop_assert_eq!(batches.len(), expected);
-        let mut all: Vec<i64> = batches.concat();
-        all.sort_unstable();
-        all.dedup();
-        prop_assert_eq!(all.len(), if drop_last { expected * batch } else { len });
+        let mut loader = Loader::new(Indexed::new(len), cfg.clone()).unwrap();
+        // Epoch 1 follows 0 (persistent workers begin it ahead); 3 follows 1 (what was begun
+        // of 2 is dropped).
+        for epoch in [0, 1, 3] {
+            let batches = run_epoch(&mut loader, epoch);
+            let expected = if drop_last { len / batch } else { len.div_ceil(batch) };
+            prop_assert_eq!(batches.len(), expected);
+            if in_order {
+                // The same batches as a loader that starts at this epoch.
+                let mut fresh = Loader::new(Indexed::new(len), cfg.clone()).unwrap();
+                prop_assert_eq!(&batches, &run_epoch(&mut fresh, epoch));
+            }
+            let mut all: Vec<i64> = batches.concat();
+            all.sort_unstable();
+            all.dedup();
+            prop_assert_eq!(all.len(), if drop_last { expected * batch } else { len });
+        }
+        // No slot was lost to batches begun ahead and dropped.
+        prop_assert_eq!(loader.stats().late_slots, 0);
     }
 }
 
