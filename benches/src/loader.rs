@@ -9,7 +9,7 @@ use std::time::Instant;
 use cuda_pinned::{DeviceBuffer, Stream};
 use pinned_loader::{
     Assembly, BoxError, Dataset, DeviceLoader, Field, Loader, LoaderConfig, LoaderError,
-    PinnedSamples,
+    LoaderStats, PinnedSamples,
 };
 
 use crate::progress::Progress;
@@ -25,17 +25,20 @@ const WARM: usize = 30;
 /// (1,207 b/s) was measured over.
 const FIRST: usize = 300;
 
-/// 1,024 images and labels in ordinary memory.
+/// 1,024 images and labels in ordinary memory, written into batches with plain or with
+/// non-temporal stores.
 struct Images {
     pixels: Vec<u8>,
     labels: Vec<i64>,
+    streaming: bool,
 }
 
 impl Images {
-    fn new() -> Self {
+    fn new(streaming: bool) -> Self {
         Self {
             pixels: (0..IMAGES * IMAGE).map(|i| (i % 251) as u8).collect(),
             labels: (0..IMAGES as i64).collect(),
+            streaming,
         }
     }
 }
@@ -49,7 +52,12 @@ impl Dataset for Images {
         (Field::new(IMAGE), Field::new(1))
     }
     fn write(&self, i: usize, (image, label): (&mut [u8], &mut [i64])) -> Result<(), BoxError> {
-        image.copy_from_slice(&self.pixels[i * IMAGE..(i + 1) * IMAGE]);
+        let pixels = &self.pixels[i * IMAGE..(i + 1) * IMAGE];
+        if self.streaming {
+            cuda_pinned::copy_streaming(image, pixels);
+        } else {
+            image.copy_from_slice(pixels);
+        }
         label[0] = self.labels[i];
         Ok(())
     }
@@ -57,7 +65,7 @@ impl Dataset for Images {
 
 fn worker_counts() -> Vec<usize> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    [1, 4, 8, 16]
+    [1, 4, 8, 12, 16]
         .into_iter()
         .filter(|&w| w <= cores.max(2))
         .collect()
@@ -65,7 +73,7 @@ fn worker_counts() -> Vec<usize> {
 
 /// Work items, for the progress bar.
 pub fn steps(cuda: bool) -> usize {
-    worker_counts().len() + 1 + usize::from(cuda) * 2
+    worker_counts().len() + 2 + usize::from(cuda) * 2
 }
 
 /// One run's figures: batches/s once warm, over the whole run from construction on, and over
@@ -76,6 +84,12 @@ struct Run {
     first: f64,
     construction_ms: f64,
     late_slots: u64,
+    /// A worker's mean time to fill one batch, ms (host collate).
+    fill_ms: f64,
+    /// The share of the run the consumer spent waiting for batches, %.
+    waited: f64,
+    /// GB/s of the uploads while they ran on the device.
+    upload: f64,
 }
 
 /// Runs the section.
@@ -104,9 +118,13 @@ pub fn run(quick: bool, progress: &mut Progress) -> Vec<Section> {
             "GB/s (steady median)",
             "build ms (median)",
             "late slots",
+            "fill ms/batch",
+            "consumer waited %",
+            "upload GB/s",
         ],
     );
-    let images = Arc::new(Images::new());
+    // Written as the guide recommends, with non-temporal stores.
+    let images = Arc::new(Images::new(true));
     let row = |name: String, runs: Vec<Result<Run, LoaderError>>, section: &mut Section| {
         let runs: Vec<Run> = match runs.into_iter().collect() {
             Ok(runs) => runs,
@@ -132,12 +150,27 @@ pub fn run(quick: bool, progress: &mut Progress) -> Vec<Section> {
         cells.push(Value::Int(
             runs.iter().map(|r| r.late_slots).max().unwrap_or(0),
         ));
+        for figure in [|r: &Run| r.fill_ms, |r: &Run| r.waited, |r: &Run| r.upload] {
+            cells.push(Value::Num(
+                Spread::of(runs.iter().map(figure).collect()).median,
+                2,
+            ));
+        }
         section.row(cells);
+    };
+    // Workers that persist begin each epoch's first batches while the last ones of the
+    // epoch before are consumed: epochs here are 16 batches, and a pipeline drained at each
+    // epoch's end lost about a third of the batches per second.
+    let config = |workers: usize, rep: usize| {
+        LoaderConfig::new(BATCH)
+            .workers(workers)
+            .shuffle(rep as u64)
+            .persistent_workers(true)
     };
     for workers in worker_counts() {
         progress.step(&format!("loader, {workers} workers"));
         let runs = (0..reps)
-            .map(|rep| collate_run(images.clone(), workers, batches, rep as u64, cuda))
+            .map(|rep| collate_run(images.clone(), config(workers, rep), batches, cuda))
             .collect();
         row(
             format!("host collate, {workers} workers"),
@@ -145,6 +178,31 @@ pub fn run(quick: bool, progress: &mut Progress) -> Vec<Section> {
             &mut section,
         );
     }
+    // Plain stores into the batch against non-temporal ones, run for run: the batch is read
+    // next by the DMA engine, not the CPU.
+    progress.step("loader, plain stores");
+    let plain_images = Arc::new(Images::new(false));
+    let (mut plain, mut streaming) = (Vec::new(), Vec::new());
+    for rep in 0..reps {
+        plain.push(collate_run(
+            plain_images.clone(),
+            config(8, rep),
+            batches,
+            cuda,
+        ));
+        streaming.push(collate_run(images.clone(), config(8, rep), batches, cuda));
+    }
+    drop(plain_images);
+    row(
+        "host collate, 8 workers, copy_from_slice (alternating)".into(),
+        plain,
+        &mut section,
+    );
+    row(
+        "host collate, 8 workers, copy_streaming (alternating)".into(),
+        streaming,
+        &mut section,
+    );
     if cuda {
         progress.step("loader, device gather");
         match PinnedSamples::from_dataset(&*images) {
@@ -170,6 +228,9 @@ pub fn run(quick: bool, progress: &mut Progress) -> Vec<Section> {
                     Value::Num(spread.median * BATCH_BYTES / 1e9, 1),
                     Value::Missing,
                     Value::Missing,
+                    Value::Missing,
+                    Value::Missing,
+                    Value::Missing,
                 ]);
                 section.row(cells);
             }
@@ -177,17 +238,21 @@ pub fn run(quick: bool, progress: &mut Progress) -> Vec<Section> {
         }
     }
     progress.step("loader, host memcpy");
-    let memcpy = host_memcpy(reps);
+    let [memcpy, streaming] = host_memcpy(reps);
+    let best = memcpy.median.max(streaming.median);
     section.notes.push(format!(
-        "host memcpy into pinned memory, 8 threads, this run: {:.1} GB/s median = {:.0} \
-         batches/s (host collate cannot beat it)",
+        "host memcpy into pinned memory, 8 threads, this run: {:.1} GB/s median with plain \
+         stores, {:.1} with streaming stores; the better = {:.0} batches/s (host collate \
+         cannot beat it)",
         memcpy.median,
-        memcpy.median * 1e9 / BATCH_BYTES
+        streaming.median,
+        best * 1e9 / BATCH_BYTES
     ));
     section.notes.push(format!(
         "{reps} runs of {batches} batches; steady = after the first {WARM}; whole run = from \
          Loader::new (pinning its working set) to the last batch; first {FIRST} = from \
-         Loader::new to batch {FIRST}; prefetch 2 per worker"
+         Loader::new to batch {FIRST}; prefetch 2 per worker, persistent workers; host collate \
+         writes images with copy_streaming unless the row says otherwise"
     ));
     section.notes.push(
         "anchors (H100): PyTorch DataLoader 184-672 b/s; hand-tuned PyTorch 2,967; a loader \
@@ -227,20 +292,18 @@ impl Consumer {
 
 fn collate_run(
     images: Arc<Images>,
-    workers: usize,
+    config: LoaderConfig,
     batches: usize,
-    seed: u64,
     cuda: bool,
 ) -> Result<Run, LoaderError> {
     let start = Instant::now();
-    let config = LoaderConfig::new(BATCH).workers(workers).shuffle(seed);
     let loader = Loader::new(images, config)?;
     let construction_ms = start.elapsed().as_secs_f64() * 1e3;
     if cuda {
         let mut device = DeviceLoader::new(loader, Assembly::HostCollate)?;
         let marks = drive(&mut device, batches)?;
-        let late_slots = device.stats().late_slots;
-        Ok(finish(start, marks, batches, construction_ms, late_slots))
+        let stats = device.stats();
+        Ok(finish(start, marks, batches, construction_ms, &stats))
     } else {
         let mut loader = loader;
         let mut marks = Marks::default();
@@ -255,8 +318,8 @@ fn collate_run(
                 }
             }
         }
-        let late_slots = loader.stats().late_slots;
-        Ok(finish(start, marks, batches, construction_ms, late_slots))
+        let stats = loader.stats();
+        Ok(finish(start, marks, batches, construction_ms, &stats))
     }
 }
 
@@ -270,7 +333,8 @@ fn gather_run<D: Dataset<Fields = (Field<u8>, Field<i64>)>>(
     let mut device = DeviceLoader::new(loader, Assembly::DeviceGather)?;
     let construction_ms = start.elapsed().as_secs_f64() * 1e3;
     let marks = drive(&mut device, batches)?;
-    Ok(finish(start, marks, batches, construction_ms, 0))
+    let stats = device.stats();
+    Ok(finish(start, marks, batches, construction_ms, &stats))
 }
 
 /// When a run passed `WARM` and `FIRST` batches (its consumer's work included).
@@ -331,7 +395,7 @@ fn finish(
     marks: Marks,
     batches: usize,
     construction_ms: f64,
-    late_slots: u64,
+    stats: &LoaderStats,
 ) -> Run {
     let warm_at = marks.warm.unwrap_or(start);
     let first = marks
@@ -342,7 +406,10 @@ fn finish(
         whole: batches as f64 / start.elapsed().as_secs_f64(),
         first,
         construction_ms,
-        late_slots,
+        late_slots: stats.late_slots,
+        fill_ms: stats.fill_time.as_secs_f64() * 1e3 / stats.batches.max(1) as f64,
+        waited: 100.0 * stats.consumer_wait.as_secs_f64() / start.elapsed().as_secs_f64(),
+        upload: stats.upload_bandwidth() / 1e9,
     }
 }
 
@@ -370,8 +437,9 @@ fn contiguous_copies(batches: usize, reps: usize) -> Result<Spread, LoaderError>
 }
 
 /// GB/s of 8 threads copying 8 MiB each from ordinary into pinned memory (ordinary memory
-/// where none can be pinned).
-fn host_memcpy(reps: usize) -> Spread {
+/// where none can be pinned), with plain and with non-temporal stores, rep for rep. The
+/// threads start once and copy between two barriers, so that starting them is not timed.
+fn host_memcpy(reps: usize) -> [Spread; 2] {
     const PER_THREAD: usize = 8 << 20;
     const THREADS: usize = 8;
     let total = PER_THREAD * THREADS;
@@ -382,16 +450,29 @@ fn host_memcpy(reps: usize) -> Spread {
         Some(pinned) => pinned,
         None => &mut plain,
     };
-    let rates = (0..reps)
-        .map(|_| {
-            let start = Instant::now();
-            std::thread::scope(|scope| {
-                for (from, into) in source.chunks(PER_THREAD).zip(target.chunks_mut(PER_THREAD)) {
-                    scope.spawn(move || into.copy_from_slice(from));
+    let barrier = std::sync::Barrier::new(THREADS + 1);
+    let mut rates = [Vec::new(), Vec::new()];
+    std::thread::scope(|scope| {
+        for (from, into) in source.chunks(PER_THREAD).zip(target.chunks_mut(PER_THREAD)) {
+            let barrier = &barrier;
+            scope.spawn(move || {
+                for rep in 0..2 * reps {
+                    barrier.wait();
+                    if rep % 2 == 0 {
+                        into.copy_from_slice(from);
+                    } else {
+                        cuda_pinned::copy_streaming(into, from);
+                    }
+                    barrier.wait();
                 }
             });
-            total as f64 / start.elapsed().as_secs_f64() / 1e9
-        })
-        .collect();
-    Spread::of(rates)
+        }
+        for rep in 0..2 * reps {
+            barrier.wait();
+            let start = Instant::now();
+            barrier.wait();
+            rates[rep % 2].push(total as f64 / start.elapsed().as_secs_f64() / 1e9);
+        }
+    });
+    rates.map(Spread::of)
 }
