@@ -48,7 +48,8 @@ fn host_batches(c: &mut Criterion) {
         let config = LoaderConfig::new(64)
             .workers(workers)
             .shuffle(1)
-            .persistent_workers(true);
+            .persistent_workers(true)
+            .prefetch_next_epoch(true);
         let mut loader = Loader::new(images.clone(), config).expect("loader");
         group.bench_with_input(BenchmarkId::from_parameter(workers), &workers, |b, _| {
             let mut epoch = 0;

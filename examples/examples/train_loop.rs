@@ -50,7 +50,9 @@ fn main() -> Result<(), LoaderError> {
         .prefetch(2)
         .shuffle(0)
         .drop_last(true)
-        .persistent_workers(true);
+        .persistent_workers(true)
+        // The next epoch's first batches are filled while this one's last are consumed.
+        .prefetch_next_epoch(true);
     let loader = Loader::new(images, config)?;
     println!(
         "{workers} workers; {} MB pinned before the first batch",

@@ -18,6 +18,7 @@ use crate::sampler::Sampler;
 /// | `shuffle=True` + `generator.manual_seed` | [`shuffle(seed)`](Self::shuffle): a new, reproducible order each epoch |
 /// | `drop_last` | [`drop_last`](Self::drop_last) |
 /// | `persistent_workers` | [`persistent_workers`](Self::persistent_workers) |
+/// | — | [`prefetch_next_epoch`](Self::prefetch_next_epoch): persistent workers begin the next epoch early |
 /// | `DistributedSampler(rank, num_replicas)` | [`shard(rank, world_size)`](Self::shard) |
 /// | `in_order` | [`in_order`](Self::in_order) (`true` by default) |
 /// | `pin_memory=True` | always: batches are written straight into pinned memory |
@@ -30,6 +31,7 @@ pub struct LoaderConfig {
     pub(crate) shuffle: Option<u64>,
     pub(crate) drop_last: bool,
     pub(crate) persistent_workers: bool,
+    pub(crate) prefetch_next_epoch: bool,
     pub(crate) shard: (usize, usize),
     pub(crate) in_order: bool,
     pub(crate) max_pinned_fraction: f64,
@@ -49,6 +51,7 @@ impl LoaderConfig {
             shuffle: None,
             drop_last: false,
             persistent_workers: false,
+            prefetch_next_epoch: false,
             shard: (0, 1),
             in_order: true,
             max_pinned_fraction: 0.5,
@@ -83,11 +86,25 @@ impl LoaderConfig {
     }
 
     /// Whether workers live from one epoch to the next (otherwise each epoch starts its own
-    /// and ends them). Persistent workers also begin the next epoch (the one numbered one
-    /// higher) once all of the current one's batches are in the making, within the same
-    /// `prefetch` budget, so that short epochs do not drain the pipeline at every end.
+    /// and ends them).
     pub fn persistent_workers(mut self, persistent: bool) -> Self {
         self.persistent_workers = persistent;
+        self
+    }
+
+    /// Whether persistent workers begin the next epoch (the one numbered one higher) once
+    /// all of the current one's batches are in the making, within the same `prefetch`
+    /// budget (off by default; needs [`persistent_workers`](Self::persistent_workers)). An
+    /// epoch otherwise starts with every worker idle and ends with the pipeline drained:
+    /// with 16 batches an epoch that cost about a third of the batches per second. What was
+    /// begun is kept if the next epoch asked for is that one, and dropped otherwise.
+    ///
+    /// Those batches are written before the next epoch is asked for: a dataset whose samples
+    /// depend on state the program changes between epochs (an augmentation schedule read in
+    /// [`Dataset::write`](crate::Dataset::write)) would write the first ones with the old
+    /// state, so leave this off for it.
+    pub fn prefetch_next_epoch(mut self, prefetch: bool) -> Self {
+        self.prefetch_next_epoch = prefetch;
         self
     }
 
@@ -136,6 +153,12 @@ impl LoaderConfig {
         }
         if self.prefetch == 0 {
             return Err(LoaderError::Config("prefetch 0".into()));
+        }
+        if self.prefetch_next_epoch && !self.persistent_workers {
+            return Err(LoaderError::Config(
+                "prefetch_next_epoch needs persistent_workers: other workers end with their epoch"
+                    .into(),
+            ));
         }
         if world == 0 || rank >= world {
             return Err(LoaderError::Config(format!(

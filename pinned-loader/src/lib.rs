@@ -66,16 +66,15 @@
 //! *Order and prefetch.* The consumer hands each worker up to `prefetch` batches ahead; a
 //! batch goes to whichever worker is free, and an in-order loader delivers them by number.
 //! Dropping an epoch mid-way drops its queued work; workers stop at the next sample.
-//! Persistent workers ([`LoaderConfig::persistent_workers`]) go on into the next epoch once
-//! all of the current one's batches are in the making, so that its first batches are ready
-//! when it starts: with 16 batches an epoch, a pipeline drained at every epoch's end lost
-//! about a third of its batches per second. What was begun is kept if the next epoch asked
-//! for is that one, and dropped otherwise.
+//! Persistent workers told to ([`LoaderConfig::prefetch_next_epoch`]) go on into the next
+//! epoch once all of the current one's batches are in the making, so that its first batches
+//! are ready when it starts: with 16 batches an epoch, a pipeline drained at every epoch's
+//! end lost about a third of its batches per second.
 //!
 //! *Writing samples.* A batch is written by the CPU and read by the DMA engine, so large
 //! fields are best written with [`copy_streaming`] (non-temporal stores: the batch's cache
 //! lines are not read in first), as the loader's own collation does; with 8 workers on H100
-//! hosts this made 5–24% more batches per second than `copy_from_slice`.
+//! hosts this made 5–25% more batches per second than `copy_from_slice` (twelve paired runs).
 //!
 //! *Errors.* A dataset error or panic in a worker is caught and delivered as that batch's
 //! error, naming batch and sample; the worker and the loader go on.

@@ -54,8 +54,8 @@ pub struct Loader<D: Dataset> {
 }
 
 /// Batches of the epoch after the current one, begun once the current one had all of its own
-/// in the making (persistent workers only): its first batches are ready when it starts, not
-/// one batch's fill time later. Kept only if that epoch is the one asked for next.
+/// in the making ([`LoaderConfig::prefetch_next_epoch`]): its first batches are ready when it
+/// starts, not one batch's fill time later. Kept only if that epoch is the one asked for next.
 struct Ahead {
     epoch: u64,
     generation: u64,
@@ -514,11 +514,12 @@ impl<D: Dataset> Loader<D> {
 
 impl<D: Dataset> Drop for Loader<D> {
     fn drop(&mut self) {
+        // Work begun for an epoch that will not come stops at its next sample.
+        self.shared.give_back(self.shared.next_generation().1);
         let workers = std::mem::take(&mut self.workers);
         self.shared.stop_workers(workers);
-        // Batches begun ahead for an epoch that will not come go with the free slots now; the
-        // block they were cut from goes back to the pool once the batches still out are
-        // dropped too.
+        // Its results go with the free slots now; the block they were cut from goes back to
+        // the pool once the batches still out are dropped too.
         self.shared.give_back(self.shared.next_generation().1);
         self.shared.slots.clear();
     }
@@ -570,7 +571,7 @@ impl<D: Dataset> Epoch<'_, D> {
     }
 
     /// Queues batches until each worker has `prefetch` in the making; once all of this
-    /// epoch's are, persistent workers go on with the next epoch's.
+    /// epoch's are, the next epoch's if the loader was told to prefetch it.
     fn dispatch(&mut self) {
         let limit = self.workers() * self.loader.config.prefetch;
         let mut queued = 0;
@@ -580,7 +581,7 @@ impl<D: Dataset> Epoch<'_, D> {
             self.dispatched += 1;
             queued += 1;
         }
-        if self.dispatched == self.batches.len() && self.loader.config.persistent_workers {
+        if self.dispatched == self.batches.len() && self.loader.config.prefetch_next_epoch {
             queued += self.dispatch_ahead(limit - (self.dispatched - self.delivered).min(limit));
         }
         // One worker a task: the others stay asleep (a worker looks at the queue, under its

@@ -2,7 +2,8 @@
 //! dropping mid-epoch.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use pinned_loader::{
     BoxError, Dataset, Field, Loader, LoaderConfig, LoaderError, PinnedSamples, SampleDataset,
@@ -10,12 +11,14 @@ use pinned_loader::{
 use pinned_pool::Pool;
 use proptest::prelude::*;
 
-/// Sample `i` is `[i, i, i]` as u32 plus `i` as i64; fails or panics at chosen samples.
+/// Sample `i` is `[i, i, i]` as u32 plus `i` as i64; fails or panics at chosen samples, and
+/// may take a while to write.
 #[derive(Default)]
 struct Indexed {
     len: usize,
     fail_at: Option<usize>,
     panic_at: Option<usize>,
+    pause: Duration,
     writes: AtomicUsize,
 }
 
@@ -38,6 +41,7 @@ impl Dataset for Indexed {
     }
     fn write(&self, i: usize, (a, b): (&mut [u32], &mut [i64])) -> Result<(), BoxError> {
         self.writes.fetch_add(1, Ordering::Relaxed);
+        std::thread::sleep(self.pause);
         if self.fail_at == Some(i) {
             return Err(format!("sample {i} is unreadable").into());
         }
@@ -223,31 +227,111 @@ fn dropping_mid_epoch_stops_the_workers_and_gives_every_block_back() {
     }
 }
 
-/// Persistent workers begin the next epoch once all of the current one's batches are in the
-/// making: its first batches are filled before it is asked for. A loader dropped then gives
-/// every block back.
-#[test]
-fn persistent_workers_begin_the_next_epoch_before_it_is_asked_for() {
-    let pool = Arc::new(Pool::new());
+/// Sample `i` is `[i, i, epoch]`, the epoch read from state the program sets between epochs.
+struct Stamped {
+    len: usize,
+    epoch: AtomicU64,
+    writes: AtomicUsize,
+}
+
+impl Dataset for Stamped {
+    type Fields = (Field<u32>, Field<i64>);
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn fields(&self) -> Self::Fields {
+        (Field::new(3), Field::new(1))
+    }
+    fn write(&self, i: usize, (a, b): (&mut [u32], &mut [i64])) -> Result<(), BoxError> {
+        self.writes.fetch_add(1, Ordering::Relaxed);
+        a.copy_from_slice(&[i as u32, i as u32, self.epoch.load(Ordering::SeqCst) as u32]);
+        b[0] = i as i64;
+        Ok(())
+    }
+}
+
+/// Runs epochs 0 and 1 of 50 samples, setting the dataset's epoch before asking for each and,
+/// when `ahead`, waiting for workers to begin epoch 1 first; returns the epoch stamps epoch 1
+/// delivered, and checks that it delivered every sample once.
+fn stamps_of_epoch_one(ahead: bool) -> Vec<u32> {
+    let dataset = Stamped {
+        len: 50,
+        epoch: AtomicU64::new(0),
+        writes: AtomicUsize::new(0),
+    };
     let cfg = config(7, 3)
         .shuffle(4)
         .persistent_workers(true)
-        .pool(pool.clone());
-    let mut loader = Loader::new(Indexed::new(50), cfg).unwrap();
-    assert_eq!(run_epoch(&mut loader, 0).concat().len(), 50);
-    let start = std::time::Instant::now();
-    while loader.dataset().writes.load(Ordering::Relaxed) <= 50 {
-        assert!(
-            start.elapsed() < std::time::Duration::from_secs(60),
-            "nothing of epoch 1 was begun"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(1));
+        .prefetch_next_epoch(ahead);
+    let mut loader = Loader::new(dataset, cfg).unwrap();
+    assert_eq!(loader.epoch(0).count(), 8);
+    if ahead {
+        let start = Instant::now();
+        while loader.dataset().writes.load(Ordering::Relaxed) <= 50 {
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "nothing of epoch 1 was begun"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
-    let mut all = run_epoch(&mut loader, 1).concat();
-    all.sort_unstable();
-    assert_eq!(all, (0..50).collect::<Vec<_>>());
-    // Epoch 2 is begun now too, and dropped with the loader.
+    loader.dataset().epoch.store(1, Ordering::SeqCst);
+    let (mut labels, mut stamps) = (Vec::new(), Vec::new());
+    for batch in loader.epoch(1) {
+        let batch = batch.unwrap();
+        let (a, b) = batch.fields();
+        labels.extend_from_slice(b);
+        stamps.extend(a.chunks(3).map(|sample| sample[2]));
+    }
+    labels.sort_unstable();
+    assert_eq!(labels, (0..50).collect::<Vec<_>>());
+    stamps
+}
+
+/// With `prefetch_next_epoch`, persistent workers begin the next epoch before it is asked for,
+/// and what they wrote is delivered (written with the state of the epoch before); without
+/// it, nothing of an epoch is written before it is asked for.
+#[test]
+fn the_next_epoch_is_begun_early_only_when_asked() {
+    let early = stamps_of_epoch_one(true);
+    assert!(
+        early.contains(&0),
+        "the batches begun ahead were not the ones delivered"
+    );
+    assert!(stamps_of_epoch_one(false).iter().all(|&stamp| stamp == 1));
+}
+
+/// A loader dropped while its workers write batches of the next epoch stops them at their
+/// next sample (not at the end of their batches), and gives every block back.
+#[test]
+fn dropping_a_loader_stops_the_next_epochs_batches_at_once() {
+    let pool = Arc::new(Pool::new());
+    let dataset = Arc::new(Indexed {
+        len: 40,
+        pause: Duration::from_millis(2),
+        ..Indexed::default()
+    });
+    let workers = 2;
+    let cfg = config(10, workers)
+        .persistent_workers(true)
+        .prefetch_next_epoch(true)
+        .pool(pool.clone());
+    let mut loader = Loader::new(dataset.clone(), cfg).unwrap();
+    assert_eq!(run_epoch(&mut loader, 0).concat().len(), 40);
+    let start = Instant::now();
+    while dataset.writes.load(Ordering::Relaxed) <= 40 {
+        assert!(start.elapsed() < Duration::from_secs(60), "nothing begun");
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    let before = dataset.writes.load(Ordering::Relaxed);
     drop(loader);
+    // Each worker may start one more sample before it sees the loader going; batches of ten
+    // would take up to nine more each.
+    let more = dataset.writes.load(Ordering::Relaxed) - before;
+    assert!(
+        more <= workers,
+        "{more} samples written after the drop began"
+    );
     assert_eq!(pool.stats().active_requests.current, 0);
 }
 
@@ -282,6 +366,14 @@ fn a_consumer_holding_every_batch_gets_more_slots_not_a_hang() {
     assert_eq!(held.len(), 20);
     assert!(loader.stats().late_slots > 0);
     assert_eq!(loader.stats().batches, 20);
+}
+
+#[test]
+fn prefetching_the_next_epoch_without_persistent_workers_is_a_clear_error() {
+    let cfg = config(4, 2).prefetch_next_epoch(true);
+    let error = Loader::new(Indexed::new(10), cfg).err().unwrap();
+    assert!(matches!(error, LoaderError::Config(_)), "{error}");
+    assert!(error.to_string().contains("persistent_workers"), "{error}");
 }
 
 #[test]
@@ -369,13 +461,14 @@ proptest! {
             .prefetch(prefetch)
             .drop_last(drop_last)
             .in_order(in_order)
-            .persistent_workers(persistent);
+            .persistent_workers(persistent)
+            .prefetch_next_epoch(persistent);
         if let Some(seed) = shuffle {
             cfg = cfg.shuffle(seed);
         }
         let mut loader = Loader::new(Indexed::new(len), cfg.clone()).unwrap();
-        // Epoch 1 follows 0 (persistent workers begin it ahead); 3 follows 1 (what was begun
-        // of 2 is dropped).
+        // Epoch 1 follows 0 (begun ahead with persistent workers); 3 follows 1 (what was
+        // begun of 2 is dropped).
         for epoch in [0, 1, 3] {
             let batches = run_epoch(&mut loader, epoch);
             let expected = if drop_last { len / batch } else { len.div_ceil(batch) };
