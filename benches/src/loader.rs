@@ -4,7 +4,7 @@
 //! host's `memcpy` bandwidth in the same run (host collate cannot beat it).
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cuda_pinned::{DeviceBuffer, Stream};
 use pinned_loader::{
@@ -90,6 +90,21 @@ struct Run {
     waited: f64,
     /// GB/s of the uploads while they ran on the device.
     upload: f64,
+    /// The process's CPU time over the run's wall time: cores kept busy.
+    cores: f64,
+}
+
+/// CPU time the process has used so far, all threads.
+fn process_cpu_time() -> Duration {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `now` is a valid timespec to write; the clock id is a constant the kernel knows.
+    if unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut now) } != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
 }
 
 /// Runs the section.
@@ -121,6 +136,7 @@ pub fn run(quick: bool, progress: &mut Progress) -> Vec<Section> {
             "fill ms/batch",
             "consumer waited %",
             "upload GB/s",
+            "CPU cores busy",
         ],
     );
     // Written as the guide recommends, with non-temporal stores.
@@ -150,7 +166,12 @@ pub fn run(quick: bool, progress: &mut Progress) -> Vec<Section> {
         cells.push(Value::Int(
             runs.iter().map(|r| r.late_slots).max().unwrap_or(0),
         ));
-        for figure in [|r: &Run| r.fill_ms, |r: &Run| r.waited, |r: &Run| r.upload] {
+        for figure in [
+            |r: &Run| r.fill_ms,
+            |r: &Run| r.waited,
+            |r: &Run| r.upload,
+            |r: &Run| r.cores,
+        ] {
             cells.push(Value::Num(
                 Spread::of(runs.iter().map(figure).collect()).median,
                 2,
@@ -166,6 +187,7 @@ pub fn run(quick: bool, progress: &mut Progress) -> Vec<Section> {
             .workers(workers)
             .shuffle(rep as u64)
             .persistent_workers(true)
+            .prefetch_next_epoch(true)
     };
     for workers in worker_counts() {
         progress.step(&format!("loader, {workers} workers"));
@@ -231,6 +253,7 @@ pub fn run(quick: bool, progress: &mut Progress) -> Vec<Section> {
                     Value::Missing,
                     Value::Missing,
                     Value::Missing,
+                    Value::Missing,
                 ]);
                 section.row(cells);
             }
@@ -251,8 +274,9 @@ pub fn run(quick: bool, progress: &mut Progress) -> Vec<Section> {
     section.notes.push(format!(
         "{reps} runs of {batches} batches; steady = after the first {WARM}; whole run = from \
          Loader::new (pinning its working set) to the last batch; first {FIRST} = from \
-         Loader::new to batch {FIRST}; prefetch 2 per worker, persistent workers; host collate \
-         writes images with copy_streaming unless the row says otherwise"
+         Loader::new to batch {FIRST}; prefetch 2 per worker, persistent workers that prefetch the \
+         next epoch; host collate writes images with copy_streaming unless the row says \
+         otherwise"
     ));
     section.notes.push(
         "anchors (H100): PyTorch DataLoader 184-672 b/s; hand-tuned PyTorch 2,967; a loader \
@@ -297,13 +321,20 @@ fn collate_run(
     cuda: bool,
 ) -> Result<Run, LoaderError> {
     let start = Instant::now();
+    let cpu_start = process_cpu_time();
     let loader = Loader::new(images, config)?;
     let construction_ms = start.elapsed().as_secs_f64() * 1e3;
     if cuda {
         let mut device = DeviceLoader::new(loader, Assembly::HostCollate)?;
         let marks = drive(&mut device, batches)?;
         let stats = device.stats();
-        Ok(finish(start, marks, batches, construction_ms, &stats))
+        Ok(finish(
+            (start, cpu_start),
+            marks,
+            batches,
+            construction_ms,
+            &stats,
+        ))
     } else {
         let mut loader = loader;
         let mut marks = Marks::default();
@@ -319,7 +350,13 @@ fn collate_run(
             }
         }
         let stats = loader.stats();
-        Ok(finish(start, marks, batches, construction_ms, &stats))
+        Ok(finish(
+            (start, cpu_start),
+            marks,
+            batches,
+            construction_ms,
+            &stats,
+        ))
     }
 }
 
@@ -329,12 +366,19 @@ fn gather_run<D: Dataset<Fields = (Field<u8>, Field<i64>)>>(
     seed: u64,
 ) -> Result<Run, LoaderError> {
     let start = Instant::now();
+    let cpu_start = process_cpu_time();
     let loader = Loader::new(dataset, LoaderConfig::new(BATCH).shuffle(seed))?;
     let mut device = DeviceLoader::new(loader, Assembly::DeviceGather)?;
     let construction_ms = start.elapsed().as_secs_f64() * 1e3;
     let marks = drive(&mut device, batches)?;
     let stats = device.stats();
-    Ok(finish(start, marks, batches, construction_ms, &stats))
+    Ok(finish(
+        (start, cpu_start),
+        marks,
+        batches,
+        construction_ms,
+        &stats,
+    ))
 }
 
 /// When a run passed `WARM` and `FIRST` batches (its consumer's work included).
@@ -391,7 +435,7 @@ fn drive<D: Dataset<Fields = (Field<u8>, Field<i64>)>>(
 }
 
 fn finish(
-    start: Instant,
+    (start, cpu_start): (Instant, Duration),
     marks: Marks,
     batches: usize,
     construction_ms: f64,
@@ -410,6 +454,8 @@ fn finish(
         fill_ms: stats.fill_time.as_secs_f64() * 1e3 / stats.batches.max(1) as f64,
         waited: 100.0 * stats.consumer_wait.as_secs_f64() / start.elapsed().as_secs_f64(),
         upload: stats.upload_bandwidth() / 1e9,
+        cores: (process_cpu_time().saturating_sub(cpu_start)).as_secs_f64()
+            / start.elapsed().as_secs_f64(),
     }
 }
 
