@@ -320,21 +320,14 @@ fn collate_run(
     batches: usize,
     cuda: bool,
 ) -> Result<Run, LoaderError> {
-    let start = Instant::now();
-    let cpu_start = process_cpu_time();
+    let started = Started::now();
     let loader = Loader::new(images, config)?;
-    let construction_ms = start.elapsed().as_secs_f64() * 1e3;
+    let construction_ms = started.at.elapsed().as_secs_f64() * 1e3;
     if cuda {
         let mut device = DeviceLoader::new(loader, Assembly::HostCollate)?;
         let marks = drive(&mut device, batches)?;
         let stats = device.stats();
-        Ok(finish(
-            (start, cpu_start),
-            marks,
-            batches,
-            construction_ms,
-            &stats,
-        ))
+        Ok(started.finish(marks, batches, construction_ms, &stats))
     } else {
         let mut loader = loader;
         let mut marks = Marks::default();
@@ -350,13 +343,7 @@ fn collate_run(
             }
         }
         let stats = loader.stats();
-        Ok(finish(
-            (start, cpu_start),
-            marks,
-            batches,
-            construction_ms,
-            &stats,
-        ))
+        Ok(started.finish(marks, batches, construction_ms, &stats))
     }
 }
 
@@ -365,20 +352,13 @@ fn gather_run<D: Dataset<Fields = (Field<u8>, Field<i64>)>>(
     batches: usize,
     seed: u64,
 ) -> Result<Run, LoaderError> {
-    let start = Instant::now();
-    let cpu_start = process_cpu_time();
+    let started = Started::now();
     let loader = Loader::new(dataset, LoaderConfig::new(BATCH).shuffle(seed))?;
     let mut device = DeviceLoader::new(loader, Assembly::DeviceGather)?;
-    let construction_ms = start.elapsed().as_secs_f64() * 1e3;
+    let construction_ms = started.at.elapsed().as_secs_f64() * 1e3;
     let marks = drive(&mut device, batches)?;
     let stats = device.stats();
-    Ok(finish(
-        (start, cpu_start),
-        marks,
-        batches,
-        construction_ms,
-        &stats,
-    ))
+    Ok(started.finish(marks, batches, construction_ms, &stats))
 }
 
 /// When a run passed `WARM` and `FIRST` batches (its consumer's work included).
@@ -434,28 +414,45 @@ fn drive<D: Dataset<Fields = (Field<u8>, Field<i64>)>>(
     Ok(marks)
 }
 
-fn finish(
-    (start, cpu_start): (Instant, Duration),
-    marks: Marks,
-    batches: usize,
-    construction_ms: f64,
-    stats: &LoaderStats,
-) -> Run {
-    let warm_at = marks.warm.unwrap_or(start);
-    let first = marks
-        .first
-        .map_or(f64::NAN, |at| FIRST as f64 / (at - start).as_secs_f64());
-    Run {
-        steady: (batches - WARM) as f64 / warm_at.elapsed().as_secs_f64(),
-        whole: batches as f64 / start.elapsed().as_secs_f64(),
-        first,
-        construction_ms,
-        late_slots: stats.late_slots,
-        fill_ms: stats.fill_time.as_secs_f64() * 1e3 / stats.batches.max(1) as f64,
-        waited: 100.0 * stats.consumer_wait.as_secs_f64() / start.elapsed().as_secs_f64(),
-        upload: stats.upload_bandwidth() / 1e9,
-        cores: (process_cpu_time().saturating_sub(cpu_start)).as_secs_f64()
-            / start.elapsed().as_secs_f64(),
+/// When a run began, on the wall clock and in the process's CPU time.
+struct Started {
+    at: Instant,
+    cpu: Duration,
+}
+
+impl Started {
+    fn now() -> Self {
+        Self {
+            at: Instant::now(),
+            cpu: process_cpu_time(),
+        }
+    }
+
+    /// The run's figures, now that its last batch is done.
+    fn finish(
+        &self,
+        marks: Marks,
+        batches: usize,
+        construction_ms: f64,
+        stats: &LoaderStats,
+    ) -> Run {
+        let start = self.at;
+        let warm_at = marks.warm.unwrap_or(start);
+        let first = marks
+            .first
+            .map_or(f64::NAN, |at| FIRST as f64 / (at - start).as_secs_f64());
+        let wall = start.elapsed().as_secs_f64();
+        Run {
+            steady: (batches - WARM) as f64 / warm_at.elapsed().as_secs_f64(),
+            whole: batches as f64 / wall,
+            first,
+            construction_ms,
+            late_slots: stats.late_slots,
+            fill_ms: stats.fill_time.as_secs_f64() * 1e3 / stats.batches.max(1) as f64,
+            waited: 100.0 * stats.consumer_wait.as_secs_f64() / wall,
+            upload: stats.upload_bandwidth() / 1e9,
+            cores: process_cpu_time().saturating_sub(self.cpu).as_secs_f64() / wall,
+        }
     }
 }
 

@@ -62,6 +62,10 @@
 //! # Ok::<(), cuda_pinned::Error>(())
 //! ```
 //!
+//! Filling page-locked memory yourself for a copy that follows (a batch), write large pieces
+//! with [`copy_streaming`]: its non-temporal stores do not read the destination in first,
+//! which leaves more memory bandwidth to the copy.
+//!
 //! # Kinds of memory
 //!
 //! Every allocator implements [`PinnedAllocator`]; every buffer says its [`MemoryKind`].

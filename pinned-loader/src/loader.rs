@@ -49,7 +49,7 @@ pub struct Loader<D: Dataset> {
     pub(crate) sampler: Sampler,
     /// Workers that outlive epochs (`persistent_workers`).
     workers: Vec<JoinHandle<()>>,
-    /// The next epoch's batches that persistent workers began while the last one ended.
+    /// The next epoch's batches, begun while the last one ended.
     ahead: Option<Ahead>,
 }
 
@@ -514,13 +514,13 @@ impl<D: Dataset> Loader<D> {
 
 impl<D: Dataset> Drop for Loader<D> {
     fn drop(&mut self) {
-        // Work begun for an epoch that will not come stops at its next sample.
+        // Work begun for an epoch that will not come stops at its next sample (a later
+        // result is given back by its worker), and what is done goes with the free slots.
         self.shared.give_back(self.shared.next_generation().1);
         let workers = std::mem::take(&mut self.workers);
         self.shared.stop_workers(workers);
-        // Its results go with the free slots now; the block they were cut from goes back to
-        // the pool once the batches still out are dropped too.
-        self.shared.give_back(self.shared.next_generation().1);
+        // The block the slots were cut from goes back to the pool once the batches still
+        // out are dropped too.
         self.shared.slots.clear();
     }
 }
