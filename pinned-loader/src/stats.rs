@@ -56,9 +56,10 @@ pub struct LoaderStats {
     /// Time the consumer spent waiting for a batch (the GPU's idle time, if it had nothing
     /// else queued).
     pub consumer_wait: Duration,
-    /// Time the workers spent filling batches, all workers added up.
+    /// Time the workers spent filling batches, all workers added up (batches begun for a
+    /// next epoch that was not asked for included).
     pub fill_time: Duration,
-    /// Bytes written into batches.
+    /// Bytes written into batches (likewise).
     pub filled_bytes: u64,
     /// Pinned bytes reserved before the first batch.
     pub reserved_bytes: u64,
