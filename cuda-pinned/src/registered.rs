@@ -147,9 +147,9 @@ impl Registered {
     /// Registers blocks larger than `bytes` (rounded up to 2 MiB) as consecutive chunks of
     /// that size, each as soon as the crew of faulting threads (up to
     /// [`prefault_threads`](Self::prefault_threads), at most all cores but three, at least
-    /// one) has faulted
-    /// it in while they go on with the next. The driver's lock is taken for one chunk at a
-    /// time, with a pause between chunks so that other threads' copies get their turn.
+    /// one) has faulted it in while they go on with the next. The driver's lock is taken for
+    /// one chunk at a time, with a pause between chunks so that other threads' copies get
+    /// their turn.
     /// Smaller chunks hold the lock for less time but pin more slowly (more calls and
     /// pauses); 12 MiB was the best trade-off measured on H100 and H200 hosts. On the faster
     /// of them, 1 GiB in 12 MiB chunks was pinned in 33–39 ms while another thread's copy
