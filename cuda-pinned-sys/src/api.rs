@@ -102,6 +102,19 @@ macro_rules! driver_api {
                         .clone()
                 }
             )*
+
+            /// The names of the bound functions that this runtime and driver do not provide,
+            /// each resolved now. Callers that fall back to the runtime where a driver function
+            /// is missing work either way; this tells which path they take.
+            pub fn unresolved(&self) -> Vec<&'static str> {
+                let mut missing = Vec::new();
+                $(
+                    if self.$name().is_err() {
+                        missing.push(stringify!($name));
+                    }
+                )*
+                missing
+            }
         }
     };
 }

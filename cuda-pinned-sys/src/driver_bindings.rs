@@ -14,6 +14,18 @@ pub struct CUctx_st {
     _unused: [u8; 0],
 }
 pub type CUcontext = *mut CUctx_st;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct CUevent_st {
+    _unused: [u8; 0],
+}
+pub type CUevent = *mut CUevent_st;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct CUstream_st {
+    _unused: [u8; 0],
+}
+pub type CUstream = *mut CUstream_st;
 impl CUdevice_attribute_enum {
     pub const CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: CUdevice_attribute_enum = CUdevice_attribute_enum(
         1,
@@ -482,6 +494,75 @@ impl CUdevice_attribute_enum {
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUdevice_attribute_enum(pub ::core::ffi::c_uint);
 pub use self::CUdevice_attribute_enum as CUdevice_attribute;
+impl CUpointer_attribute_enum {
+    pub const CU_POINTER_ATTRIBUTE_CONTEXT: CUpointer_attribute_enum = CUpointer_attribute_enum(
+        1,
+    );
+    pub const CU_POINTER_ATTRIBUTE_MEMORY_TYPE: CUpointer_attribute_enum = CUpointer_attribute_enum(
+        2,
+    );
+    pub const CU_POINTER_ATTRIBUTE_DEVICE_POINTER: CUpointer_attribute_enum = CUpointer_attribute_enum(
+        3,
+    );
+    pub const CU_POINTER_ATTRIBUTE_HOST_POINTER: CUpointer_attribute_enum = CUpointer_attribute_enum(
+        4,
+    );
+    pub const CU_POINTER_ATTRIBUTE_P2P_TOKENS: CUpointer_attribute_enum = CUpointer_attribute_enum(
+        5,
+    );
+    pub const CU_POINTER_ATTRIBUTE_SYNC_MEMOPS: CUpointer_attribute_enum = CUpointer_attribute_enum(
+        6,
+    );
+    pub const CU_POINTER_ATTRIBUTE_BUFFER_ID: CUpointer_attribute_enum = CUpointer_attribute_enum(
+        7,
+    );
+    pub const CU_POINTER_ATTRIBUTE_IS_MANAGED: CUpointer_attribute_enum = CUpointer_attribute_enum(
+        8,
+    );
+    pub const CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: CUpointer_attribute_enum = CUpointer_attribute_enum(
+        9,
+    );
+    pub const CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: CUpointer_attribute_enum = CUpointer_attribute_enum(
+        10,
+    );
+    pub const CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: CUpointer_attribute_enum = CUpointer_attribute_enum(
+        11,
+    );
+    pub const CU_POINTER_ATTRIBUTE_RANGE_SIZE: CUpointer_attribute_enum = CUpointer_attribute_enum(
+        12,
+    );
+    pub const CU_POINTER_ATTRIBUTE_MAPPED: CUpointer_attribute_enum = CUpointer_attribute_enum(
+        13,
+    );
+    pub const CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES: CUpointer_attribute_enum = CUpointer_attribute_enum(
+        14,
+    );
+    pub const CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE: CUpointer_attribute_enum = CUpointer_attribute_enum(
+        15,
+    );
+    pub const CU_POINTER_ATTRIBUTE_ACCESS_FLAGS: CUpointer_attribute_enum = CUpointer_attribute_enum(
+        16,
+    );
+    pub const CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE: CUpointer_attribute_enum = CUpointer_attribute_enum(
+        17,
+    );
+    pub const CU_POINTER_ATTRIBUTE_MAPPING_SIZE: CUpointer_attribute_enum = CUpointer_attribute_enum(
+        18,
+    );
+    pub const CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR: CUpointer_attribute_enum = CUpointer_attribute_enum(
+        19,
+    );
+    pub const CU_POINTER_ATTRIBUTE_MEMORY_BLOCK_ID: CUpointer_attribute_enum = CUpointer_attribute_enum(
+        20,
+    );
+    pub const CU_POINTER_ATTRIBUTE_IS_HW_DECOMPRESS_CAPABLE: CUpointer_attribute_enum = CUpointer_attribute_enum(
+        21,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUpointer_attribute_enum(pub ::core::ffi::c_uint);
+pub use self::CUpointer_attribute_enum as CUpointer_attribute;
 impl cudaError_enum {
     pub const CUDA_SUCCESS: cudaError_enum = cudaError_enum(0);
     pub const CUDA_ERROR_INVALID_VALUE: cudaError_enum = cudaError_enum(1);
@@ -864,6 +945,12 @@ driver_api! {
     pub fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult;
     pub fn cuCtxSetCurrent(ctx: CUcontext) -> CUresult;
     pub fn cuCtxGetCurrent(pctx: *mut CUcontext) -> CUresult;
+    pub fn cuMemcpyHtoDAsync(
+        dstDevice: CUdeviceptr,
+        srcHost: *const ::core::ffi::c_void,
+        ByteCount: usize,
+        hStream: CUstream,
+    ) -> CUresult;
     pub fn cuMemAddressReserve(
         ptr: *mut CUdeviceptr,
         size: usize,
@@ -898,4 +985,13 @@ driver_api! {
         prop: *const CUmemAllocationProp,
         option: CUmemAllocationGranularity_flags,
     ) -> CUresult;
+    pub fn cuPointerGetAttributes(
+        numAttributes: ::core::ffi::c_uint,
+        attributes: *mut CUpointer_attribute,
+        data: *mut *mut ::core::ffi::c_void,
+        ptr: CUdeviceptr,
+    ) -> CUresult;
+    pub fn cuEventRecord(hEvent: CUevent, hStream: CUstream) -> CUresult;
+    pub fn cuEventQuery(hEvent: CUevent) -> CUresult;
+    pub fn cuEventSynchronize(hEvent: CUevent) -> CUresult;
 }

@@ -34,6 +34,15 @@ fn libcudart_loads_and_reports_versions() {
     );
 }
 
+/// Every bound driver function resolves through the runtime's entry-point query: callers fall
+/// back to the runtime's calls where one does not, which would hide a wrong name.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn every_driver_function_resolves() {
+    let driver = driver::driver().expect("the runtime loads");
+    assert_eq!(driver.unresolved(), Vec::<&str>::new());
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn at_least_one_device() {

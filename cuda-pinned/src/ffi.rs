@@ -37,13 +37,17 @@ macro_rules! driver {
         let function = cu::driver()?.$name()?;
         // SAFETY: as for `cuda!`: the enclosing function guarantees the arguments satisfy
         // the C function's contract.
-        let status = unsafe { function($($arg),*) };
-        if status == CUresult::CUDA_SUCCESS {
-            Ok(())
-        } else {
-            Err(Error::Driver(DriverError::new(stringify!($name), status)))
-        }
+        driver_status(stringify!($name), unsafe { function($($arg),*) })
     }};
+}
+
+/// A driver call's status as a `Result`.
+fn driver_status(call: &'static str, status: CUresult) -> Result<()> {
+    if status == CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Driver(DriverError::new(call, status)))
+    }
 }
 
 fn check(call: &'static str, status: cudaError) -> Result<()> {
@@ -312,8 +316,12 @@ pub(crate) fn host_device_pointer(ptr: NonNull<u8>) -> Result<u64> {
 }
 
 /// Whether CUDA sees `ptr` as ordinary host memory: not page-locked, device or managed
-/// memory, and no device address for it. `false` when the runtime cannot say.
+/// memory. `false` when CUDA cannot say. Asks the driver for the one attribute needed where
+/// its entry points are reachable (about 100 ns against 140 for the runtime's whole set).
 pub(crate) fn is_pageable(ptr: *const c_void) -> bool {
+    if let Ok(known) = driver_memory_type(ptr) {
+        return !known;
+    }
     let mut attributes = sys::cudaPointerAttributes {
         type_: sys::cudaMemoryType::cudaMemoryTypeDevice,
         device: 0,
@@ -326,6 +334,24 @@ pub(crate) fn is_pageable(ptr: *const c_void) -> bool {
     looked_up.is_ok()
         && attributes.type_ == sys::cudaMemoryType::cudaMemoryTypeUnregistered
         && attributes.devicePointer.is_null()
+}
+
+/// Whether the driver knows `ptr` as memory of some type (host, device, managed); an address
+/// it does not know reads as type 0 (`cuPointerGetAttributes` fills unknown addresses with
+/// zeros instead of failing).
+fn driver_memory_type(ptr: *const c_void) -> Result<bool> {
+    let mut memory_type: std::ffi::c_uint = 0;
+    let mut attribute = cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE;
+    let mut data = [(&raw mut memory_type).cast::<c_void>()];
+    // The lookup never dereferences `ptr`; `data` holds one pointer to a `c_uint`, the
+    // memory type attribute's value.
+    driver!(cuPointerGetAttributes(
+        1,
+        &mut attribute,
+        data.as_mut_ptr(),
+        ptr as cu::CUdeviceptr
+    ))?;
+    Ok(memory_type != 0)
 }
 
 // ---- host memory through the virtual-memory API -------------------------------------------
@@ -490,6 +516,40 @@ pub(crate) unsafe fn memcpy_async(
         cuda!(cudaMemcpyAsync(dst, src, piece, direction.kind(), stream))?;
     }
     Ok(())
+}
+
+/// One host-to-device copy of `bytes` from `src`, through the driver's own call where its
+/// entry points are reachable: the runtime's `cudaMemcpyAsync` costs about 0.3 µs more per
+/// call on an H100 host, a few percent of a small copy from ordinary memory. The calling
+/// thread's current context must be `dst`'s device's (as [`on_device`] leaves it). Unlike
+/// [`memcpy_async`], the copy is not cut where buffers registered in chunks end: it is meant
+/// for a source that starts in ordinary memory, which the driver stages whole.
+///
+/// # Safety
+///
+/// As [`memcpy_async`].
+pub(crate) unsafe fn upload_async(
+    dst: u64,
+    src: *const c_void,
+    bytes: usize,
+    stream: sys::cudaStream_t,
+) -> Result<()> {
+    let Ok(copy) = cu::driver().and_then(cu::Driver::cuMemcpyHtoDAsync) else {
+        // SAFETY: forwarded from the caller.
+        return unsafe {
+            memcpy_async(
+                dst as *mut c_void,
+                src,
+                bytes,
+                Direction::HostToDevice,
+                stream,
+            )
+        };
+    };
+    // SAFETY: forwarded from the caller; the runtime's and the driver's stream handles are
+    // the same object.
+    let status = unsafe { copy(dst, src, bytes, stream.cast()) };
+    driver_status("cuMemcpyHtoDAsync", status)
 }
 
 /// `(offset, len)` pieces of a copy of `bytes` from `src` to `dst` such that neither side of a
@@ -668,6 +728,10 @@ pub(crate) unsafe fn event_destroy(event: sys::cudaEvent_t) -> Result<()> {
     cuda!(cudaEventDestroy(event))
 }
 
+// Events are recorded, queried and waited for on every tracked copy: through the driver's own
+// calls where its entry points are reachable, which skip the runtime's layer (about 0.1 µs a
+// call on an H100 host), else through the runtime. The handles are the same objects.
+
 /// # Safety
 ///
 /// - `event` and `stream` are live.
@@ -675,6 +739,12 @@ pub(crate) unsafe fn event_record(
     event: sys::cudaEvent_t,
     stream: sys::cudaStream_t,
 ) -> Result<()> {
+    if let Ok(record) = cu::driver().and_then(cu::Driver::cuEventRecord) {
+        // SAFETY: forwarded from the caller.
+        return driver_status("cuEventRecord", unsafe {
+            record(event.cast(), stream.cast())
+        });
+    }
     cuda!(cudaEventRecord(event, stream))
 }
 
@@ -684,6 +754,13 @@ pub(crate) unsafe fn event_record(
 ///
 /// - `event` is live.
 pub(crate) unsafe fn event_query(event: sys::cudaEvent_t) -> Result<bool> {
+    if let Ok(function) = cu::driver().and_then(cu::Driver::cuEventQuery) {
+        // SAFETY: the caller guarantees the event is live.
+        return match unsafe { function(event.cast()) } {
+            CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            status => driver_status("cuEventQuery", status).map(|()| true),
+        };
+    }
     let function = cudart()?.cudaEventQuery()?;
     // SAFETY: the caller guarantees the event is live.
     query("cudaEventQuery", unsafe { function(event) })
@@ -693,6 +770,10 @@ pub(crate) unsafe fn event_query(event: sys::cudaEvent_t) -> Result<bool> {
 ///
 /// - `event` is live.
 pub(crate) unsafe fn event_synchronize(event: sys::cudaEvent_t) -> Result<()> {
+    if let Ok(function) = cu::driver().and_then(cu::Driver::cuEventSynchronize) {
+        // SAFETY: the caller guarantees the event is live.
+        return driver_status("cuEventSynchronize", unsafe { function(event.cast()) });
+    }
     cuda!(cudaEventSynchronize(event))
 }
 

@@ -55,10 +55,11 @@ pub struct StagingConfig {
     /// itself, the driver copies such a source into pinned staging buffers before the call
     /// returns (CUDA documents this for `cudaMemcpy`; for `cudaMemcpyAsync` it was observed,
     /// and the GPU tests check it with the stream held back). Devices that read pageable
-    /// memory directly (HMM, ATS) and page-locked sources always go through the ring; the
-    /// driver looks registrations up by byte, so registered memory sharing a page with the
-    /// source, but none of its bytes, leaves it ordinary (checked by the GPU tests too). The
-    /// call may wait for work queued earlier on the stream.
+    /// memory directly (HMM, ATS) and sources that start in page-locked memory always go
+    /// through the ring. The driver decides by the source's first byte, looked up by byte,
+    /// not by page: registered memory sharing a page with the source, lying inside it or
+    /// holding its end leaves it staged (checked by the GPU tests too). The call may wait
+    /// for work queued earlier on the stream.
     ///
     /// The defaults are where the ring was not reliably faster on an H100 host: up to 16 KiB
     /// (a chunk's event calls cost more than they save) and from 128 KiB to 4 MiB (the driver
@@ -213,19 +214,14 @@ impl<A: PinnedAllocator> Stager<A> {
         ffi::on_device(self.engine.device, || {
             let copied = if self.takes_driver_path(src) {
                 // SAFETY: this device cannot read pageable memory, so the driver copies a
-                // pageable source into its own pinned buffers before `cudaMemcpyAsync`
-                // returns (`driver_uploads` says how this is known); `src` is pageable at
-                // both ends (memory registered with CUDA, which it would read later, was
-                // ruled out), so it need only be valid during the call. The device range is
-                // live, borrowed uniquely, and records the copy below.
+                // pageable source into its own pinned buffers before its copy call returns
+                // (`driver_uploads` says how this is known); `src` starts in ordinary memory,
+                // which is what the driver decides by (a source starting in memory
+                // registered with CUDA, which it would read later, was ruled out), so it
+                // need only be valid during the call. The device range is live, borrowed
+                // uniquely, and records the copy below.
                 unsafe {
-                    ffi::memcpy_async(
-                        range.address as *mut std::ffi::c_void,
-                        src.as_ptr().cast(),
-                        bytes,
-                        Direction::HostToDevice,
-                        stream.as_raw(),
-                    )
+                    ffi::upload_async(range.address, src.as_ptr().cast(), bytes, stream.as_raw())
                 }
             } else {
                 // SAFETY: `src` is readable for `bytes` and borrowed until the engine
@@ -249,11 +245,13 @@ impl<A: PinnedAllocator> Stager<A> {
     }
 
     /// Whether an upload from `src` takes the driver's own path: its size is one of
-    /// `driver_uploads`, the device cannot read pageable memory, and CUDA sees both ends of
-    /// `src` as ordinary memory. Runs with the stager's device current.
+    /// `driver_uploads`, the device cannot read pageable memory, and CUDA sees the source's
+    /// first byte as ordinary memory. The driver decides by that byte alone: a source that
+    /// starts in ordinary memory is staged even where registered memory lies inside it or
+    /// holds its end (the GPU tests check both), and one that starts in registered memory
+    /// but ends past it is refused. Runs with the stager's device current.
     fn takes_driver_path<T>(&self, src: &[T]) -> bool {
         let bytes = size_of_val(src);
-        let first = src.as_ptr().cast::<u8>();
         bytes > 0
             && self.stages_pageable
             && self
@@ -261,8 +259,7 @@ impl<A: PinnedAllocator> Stager<A> {
                 .driver_uploads
                 .iter()
                 .any(|r| r.contains(&bytes))
-            && ffi::is_pageable(first.cast())
-            && ffi::is_pageable(first.wrapping_add(bytes - 1).cast())
+            && ffi::is_pageable(src.as_ptr().cast())
     }
 
     /// Checks the devices and the lengths, and orders `stream` after copies of `range` on

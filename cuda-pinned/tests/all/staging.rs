@@ -2,7 +2,9 @@
 
 use std::time::{Duration, Instant};
 
-use cuda_pinned::{DeviceBuffer, Stager, StagingConfig, Stream};
+use cuda_pinned::{
+    CudaHost, DeviceBuffer, PinnedVec, Registered, Stager, StagingConfig, Stream, VirtualHost,
+};
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
@@ -120,70 +122,128 @@ fn the_source_may_change_as_soon_as_the_upload_returns() {
     }
 }
 
-/// A page-locked source of a size the driver's path takes: a `cudaMemcpyAsync` from it would
-/// return before reading it, so it goes through the ring, and changing it right after the
-/// upload returns still does not change what arrives.
+/// Uploads `source` behind 200 ms of other work on the stream, overwrites it as soon as the
+/// upload returns, and checks that what it held when the upload was called arrives.
+fn arrives_as_it_was_when_the_upload_returned(
+    stager: &Stager,
+    stream: &Stream,
+    source: &mut [u8],
+    what: &str,
+) {
+    let original = source.to_vec();
+    let mut device = DeviceBuffer::<u8>::zeroed(source.len()).unwrap();
+    stream
+        .launch_host_fn(|| std::thread::sleep(Duration::from_millis(200)))
+        .unwrap();
+    let upload = stager.copy_to_device(stream, source, &mut device).unwrap();
+    source.fill(0xFF);
+    upload.wait().unwrap();
+    assert!(
+        device.to_vec().unwrap() == original,
+        "{what}, {} bytes",
+        source.len()
+    );
+}
+
+fn takes_the_drivers_path(stager: &Stager, len: usize) -> bool {
+    stager
+        .config()
+        .driver_uploads
+        .iter()
+        .any(|r| r.contains(&len))
+}
+
+/// Page-locked sources of sizes the driver's path takes, of every kind: a `cudaMemcpyAsync`
+/// from them would return before reading them, so they go through the ring, and changing
+/// them right after the upload returns still does not change what arrives.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_page_locked_source_is_read_before_the_upload_returns() {
     let stager = Stager::new().unwrap();
     let stream = Stream::new().unwrap();
-    let len = 256 << 10;
-    assert!(
-        stager
-            .config()
-            .driver_uploads
-            .iter()
-            .any(|r| r.contains(&len))
-    );
-    let original = pattern(len, 3);
-    let mut source = cuda_pinned::PinnedVec::<u8>::with_capacity(len).unwrap();
-    source.extend_from_slice(&original);
-    let mut device = DeviceBuffer::<u8>::zeroed(len).unwrap();
-    stream
-        .launch_host_fn(|| std::thread::sleep(Duration::from_millis(200)))
-        .unwrap();
-    let upload = stager
-        .copy_to_device(&stream, &source, &mut device)
-        .unwrap();
-    source.fill(0xFF);
-    upload.wait().unwrap();
-    assert!(device.to_vec().unwrap() == original);
+    for len in [4 << 10, 256 << 10] {
+        assert!(takes_the_drivers_path(&stager, len));
+        let original = pattern(len, 3);
+        let mut host = PinnedVec::<u8, _>::with_capacity_in(len, CudaHost::new()).unwrap();
+        host.extend_from_slice(&original);
+        arrives_as_it_was_when_the_upload_returned(&stager, &stream, &mut host, "cudaHostAlloc");
+        let mut registered = PinnedVec::<u8, _>::with_capacity_in(len, Registered::new()).unwrap();
+        registered.extend_from_slice(&original);
+        arrives_as_it_was_when_the_upload_returned(&stager, &stream, &mut registered, "registered");
+        let mut mapped = PinnedVec::<u8, _>::with_capacity_in(len, VirtualHost::new()).unwrap();
+        mapped.extend_from_slice(&original);
+        arrives_as_it_was_when_the_upload_returned(&stager, &stream, &mut mapped, "virtual host");
+    }
 }
 
-/// Registered memory that shares the source's first and last pages but none of its bytes
-/// leaves the source ordinary memory for the driver (it looks registrations up by byte), so
-/// the driver's path still reads the source before the upload returns.
+/// Registers `len` bytes at `start` with CUDA until dropped. The memory stays owned, and
+/// written, through the slice it lies in: registering only pins its pages.
+struct RawRegistration(*mut u8);
+
+impl RawRegistration {
+    fn new(memory: &mut [u8], start: usize, len: usize) -> Self {
+        let at = memory[start..start + len].as_mut_ptr();
+        let register = cuda_pinned::sys::cudart()
+            .unwrap()
+            .cudaHostRegister()
+            .unwrap();
+        // SAFETY: `at` is valid for `len` bytes, and the memory outlives the registration
+        // (each test drops it first).
+        let status = unsafe { register(at.cast(), len, 0) };
+        assert_eq!(status, cuda_pinned::sys::cudaError::cudaSuccess);
+        Self(at)
+    }
+}
+
+impl Drop for RawRegistration {
+    fn drop(&mut self) {
+        let unregister = cuda_pinned::sys::cudart()
+            .unwrap()
+            .cudaHostUnregister()
+            .unwrap();
+        // SAFETY: `self.0` was registered by `new` and not since unregistered.
+        let status = unsafe { unregister(self.0.cast()) };
+        assert_eq!(status, cuda_pinned::sys::cudaError::cudaSuccess);
+    }
+}
+
+/// The driver decides by the source's first byte, looked up by byte: a source that starts in
+/// ordinary memory is staged before the upload returns even when registered memory shares its
+/// first and last pages, lies inside it, or holds its end. So the driver's path, which looks
+/// only at the first byte, is taken for all of them and still reads the source in time.
 #[test]
 #[ignore = "needs a CUDA device"]
-fn a_source_sharing_pages_with_registered_memory_is_read_before_the_upload_returns() {
+fn a_source_starting_in_ordinary_memory_is_read_before_the_upload_returns() {
+    const PAGE: usize = 4096;
     let stager = Stager::new().unwrap();
     let stream = Stream::new().unwrap();
-    for len in [8 << 10, 256 << 10] {
-        assert!(
-            stager
-                .config()
-                .driver_uploads
-                .iter()
-                .any(|r| r.contains(&len))
-        );
-        let original = pattern(len, 7);
-        let mut memory = vec![0u8; len + 3 * 4096];
-        // Registered bytes end and start half a page away from the source.
-        let start = 4096 - (memory.as_ptr() as usize % 4096) + 2048;
-        let (before, rest) = memory.split_at_mut(start);
-        let (source, after) = rest.split_at_mut(len);
-        let _before = cuda_pinned::Registration::new(before).unwrap();
-        let _after = cuda_pinned::Registration::new(after).unwrap();
-        source.copy_from_slice(&original);
-        let mut device = DeviceBuffer::<u8>::zeroed(len).unwrap();
-        stream
-            .launch_host_fn(|| std::thread::sleep(Duration::from_millis(200)))
-            .unwrap();
-        let upload = stager.copy_to_device(&stream, source, &mut device).unwrap();
-        source.fill(0xFF);
-        upload.wait().unwrap();
-        assert!(device.to_vec().unwrap() == original, "{len} bytes");
+    for len in [12 << 10, 256 << 10, 4 << 20] {
+        assert!(takes_the_drivers_path(&stager, len));
+        let mut memory = vec![0u8; len + 4 * PAGE];
+        // The source starts half a page into the second page and ends half a page into its
+        // last page.
+        let start = PAGE - (memory.as_ptr() as usize % PAGE) + PAGE / 2;
+        let end = start + len;
+        let cases: [(&str, Vec<(usize, usize)>); 3] = [
+            (
+                "registered bytes in its first and last pages",
+                vec![(start - PAGE / 2, PAGE / 2), (end, PAGE / 2)],
+            ),
+            ("a registration inside it", vec![(start + PAGE / 2, PAGE)]),
+            (
+                "its end inside a registration",
+                vec![(end - 1024, 2 * PAGE)],
+            ),
+        ];
+        for (what, registrations) in cases {
+            let _registered: Vec<_> = registrations
+                .into_iter()
+                .map(|(at, bytes)| RawRegistration::new(&mut memory, at, bytes))
+                .collect();
+            let source = &mut memory[start..end];
+            source.copy_from_slice(&pattern(len, 7));
+            arrives_as_it_was_when_the_upload_returned(&stager, &stream, source, what);
+        }
     }
 }
 
