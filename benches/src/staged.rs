@@ -3,10 +3,14 @@
 //! Every copy is timed on the host, from the call until the data has arrived (the device
 //! holds it, or the host buffer is filled), as a program sees it.
 
+use std::ffi::c_void;
 use std::time::Instant;
 
+use cuda_pinned::sys::driver::{CUpointer_attribute, CUresult, driver};
+use cuda_pinned::sys::{cudaError, cudart};
 use cuda_pinned::{
-    DefaultPinned, DeviceBuffer, PinnedVec, Registered, Result, Stager, StagingConfig, Stream,
+    DefaultPinned, DeviceBuffer, Error, PinnedVec, Registered, Result, Stager, StagingConfig,
+    Stream,
 };
 
 use crate::bandwidth::{Direction, raw_copy, reps};
@@ -35,7 +39,7 @@ fn sizes(quick: bool) -> Vec<usize> {
 
 /// Work items, for the progress bar.
 pub fn steps(quick: bool) -> usize {
-    sizes(quick).len() + if quick { 3 } else { 4 }
+    sizes(quick).len() + if quick { 3 } else { 5 }
 }
 
 fn gbps(bytes: usize, seconds: f64) -> f64 {
@@ -208,6 +212,113 @@ fn memcpy_ceiling(
         size_label(bytes as u64)
     ));
     Ok(())
+}
+
+/// What a small upload from ordinary memory costs, in ns per call: the driver's call alone
+/// (`cudaMemcpyAsync`, then the stream waited for), the least a tracked copy can cost (the
+/// driver's own call after one pointer lookup, then an event recorded and waited for: what the
+/// stager adds to the driver's path), and the stager. Interleaved run by run.
+fn small_uploads(stager: &Stager, section: &mut Section, progress: &mut Progress) -> Result<()> {
+    progress.step("staged small uploads");
+    let runtime = cudart()?;
+    let driver = driver()?;
+    let (lookup, upload) = (
+        driver.cuPointerGetAttributes()?,
+        driver.cuMemcpyHtoDAsync()?,
+    );
+    let (record, wait) = (driver.cuEventRecord()?, driver.cuEventSynchronize()?);
+    let stream = Stream::new()?;
+    let mut event = std::ptr::null_mut();
+    // SAFETY: `event` is valid for the write; flag 2 is `cudaEventDisableTiming`.
+    check(unsafe { runtime.cudaEventCreateWithFlags()?(&mut event, 2) })?;
+    let mut lines = Vec::new();
+    for bytes in [4 << 10, 16 << 10] {
+        let source = vec![0x5Au8; bytes];
+        let mut device = DeviceBuffer::<u8>::zeroed(bytes)?;
+        let address = device.as_raw();
+        let tracked = || -> Result<()> {
+            let mut memory_type = 0u32;
+            let mut attribute = CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE;
+            let mut data = [(&raw mut memory_type).cast::<c_void>()];
+            // SAFETY: one attribute, whose value `data` points to; `source` and the device
+            // buffer hold `bytes` and outlive the copy, which is waited for; the event and
+            // the stream are live and of the current device.
+            let statuses = unsafe {
+                [
+                    lookup(1, &mut attribute, data.as_mut_ptr(), source.as_ptr() as u64),
+                    upload(
+                        address,
+                        source.as_ptr().cast(),
+                        bytes,
+                        stream.as_raw().cast(),
+                    ),
+                    record(event.cast(), stream.as_raw().cast()),
+                    wait(event.cast()),
+                ]
+            };
+            if statuses.iter().all(|s| *s == CUresult::CUDA_SUCCESS) && memory_type == 0 {
+                Ok(())
+            } else {
+                Err(Error::Unsupported("a tracked driver upload failed"))
+            }
+        };
+        let calls = calls_per_rep(bytes);
+        let mut ns = [Vec::new(), Vec::new(), Vec::new()];
+        for rep in 0..=15 {
+            let times = [
+                timed_calls(calls, || {
+                    // SAFETY: the buffers hold `bytes` and outlive the call, which waits.
+                    unsafe {
+                        raw(
+                            &stream,
+                            source.as_ptr().cast_mut(),
+                            address,
+                            bytes,
+                            Direction::HostToDevice,
+                        )
+                    }
+                })?,
+                timed_calls(calls, tracked)?,
+                timed_calls(calls, || {
+                    stager.copy_to_device(&stream, &source, &mut device)?.wait()
+                })?,
+            ];
+            if rep > 0 {
+                for (n, t) in ns.iter_mut().zip(times) {
+                    n.push(t * 1e9);
+                }
+            }
+        }
+        let [plain, floor, staged] = ns.map(Spread::of);
+        lines.push(format!(
+            "{}: driver's call {:.0}, least tracked {:.0}, staged {:.0} / {:.0} / {:.0} \
+             ({:.3}× driver, {:.3}× least tracked)",
+            size_label(bytes as u64),
+            plain.median,
+            floor.median,
+            staged.min,
+            staged.median,
+            staged.max,
+            plain.median / staged.median,
+            floor.median / staged.median,
+        ));
+    }
+    // SAFETY: the event is ours and its work has finished.
+    check(unsafe { runtime.cudaEventDestroy()?(event) })?;
+    section.notes.push(format!(
+        "small uploads, ns per call, medians of 15 runs (staged min / median / max); least \
+         tracked = one pointer lookup, the driver's call, one event: {}",
+        lines.join("; ")
+    ));
+    Ok(())
+}
+
+/// A runtime call's status as a `Result`.
+fn check(status: cudaError) -> Result<()> {
+    match status {
+        cudaError::cudaSuccess => Ok(()),
+        _ => Err(Error::Unsupported("a CUDA runtime call failed")),
+    }
 }
 
 /// 1 GiB copies one after another, as a program streaming data makes them: the driver's
@@ -528,6 +639,9 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
         ],
     );
     by_size(&stager, quick, &mut section, progress)?;
+    if !quick {
+        small_uploads(&stager, &mut section, progress)?;
+    }
     back_to_back(&stager, quick, &mut section, progress)?;
     both_ways(&stager, quick, &mut section, progress)?;
     memcpy_ceiling(&stager, quick, &mut section, progress)?;
