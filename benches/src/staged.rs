@@ -7,7 +7,7 @@ use std::ffi::c_void;
 use std::time::Instant;
 
 use cuda_pinned::sys::driver::{CUpointer_attribute, CUresult, driver};
-use cuda_pinned::sys::{cudaError, cudart};
+use cuda_pinned::sys::{cudaError, cudaEvent_t, cudaEventDisableTiming, cudart};
 use cuda_pinned::{
     DefaultPinned, DeviceBuffer, Error, PinnedVec, Registered, Result, Stager, StagingConfig,
     Stream,
@@ -214,30 +214,36 @@ fn memcpy_ceiling(
     Ok(())
 }
 
-/// What a small upload from ordinary memory costs, in ns per call: the driver's call alone
-/// (`cudaMemcpyAsync`, then the stream waited for), the least a tracked copy can cost (the
-/// driver's own call after one pointer lookup, then an event recorded and waited for: what the
-/// stager adds to the driver's path), and the stager. Interleaved run by run.
+/// What a small upload from ordinary memory costs, in ns per call: the driver's path as the
+/// table times it (`cudaMemcpyAsync`, then the stream waited for), the least a tracked copy
+/// can cost (the driver's own copy call after one pointer lookup, then an event recorded and
+/// waited for: what the stager adds to the driver's path), and the stager. Interleaved run
+/// by run.
 fn small_uploads(stager: &Stager, section: &mut Section, progress: &mut Progress) -> Result<()> {
     progress.step("staged small uploads");
-    let runtime = cudart()?;
     let driver = driver()?;
-    let (lookup, upload) = (
-        driver.cuPointerGetAttributes()?,
-        driver.cuMemcpyHtoDAsync()?,
-    );
-    let (record, wait) = (driver.cuEventRecord()?, driver.cuEventSynchronize()?);
+    let (Ok(lookup), Ok(upload), Ok(record), Ok(wait)) = (
+        driver.cuPointerGetAttributes(),
+        driver.cuMemcpyHtoDAsync(),
+        driver.cuEventRecord(),
+        driver.cuEventSynchronize(),
+    ) else {
+        section.notes.push(
+            "small uploads: not measured, the driver's entry points cannot be reached (a CUDA \
+             runtime before 12.5)"
+                .into(),
+        );
+        return Ok(());
+    };
     let stream = Stream::new()?;
-    let mut event = std::ptr::null_mut();
-    // SAFETY: `event` is valid for the write; flag 2 is `cudaEventDisableTiming`.
-    check(unsafe { runtime.cudaEventCreateWithFlags()?(&mut event, 2) })?;
+    let event = UntimedEvent::new()?;
     let mut lines = Vec::new();
     for bytes in [4 << 10, 16 << 10] {
         let source = vec![0x5Au8; bytes];
         let mut device = DeviceBuffer::<u8>::zeroed(bytes)?;
         let address = device.as_raw();
         let tracked = || -> Result<()> {
-            let mut memory_type = 0u32;
+            let mut memory_type = u32::MAX;
             let mut attribute = CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE;
             let mut data = [(&raw mut memory_type).cast::<c_void>()];
             // SAFETY: one attribute, whose value `data` points to; `source` and the device
@@ -252,8 +258,8 @@ fn small_uploads(stager: &Stager, section: &mut Section, progress: &mut Progress
                         bytes,
                         stream.as_raw().cast(),
                     ),
-                    record(event.cast(), stream.as_raw().cast()),
-                    wait(event.cast()),
+                    record(event.0.cast(), stream.as_raw().cast()),
+                    wait(event.0.cast()),
                 ]
             };
             if statuses.iter().all(|s| *s == CUresult::CUDA_SUCCESS) && memory_type == 0 {
@@ -291,8 +297,8 @@ fn small_uploads(stager: &Stager, section: &mut Section, progress: &mut Progress
         }
         let [plain, floor, staged] = ns.map(Spread::of);
         lines.push(format!(
-            "{}: driver's call {:.0}, least tracked {:.0}, staged {:.0} / {:.0} / {:.0} \
-             ({:.3}× driver, {:.3}× least tracked)",
+            "{}: cudaMemcpyAsync {:.0}, least tracked {:.0}, staged {:.0} / {:.0} / {:.0} \
+             ({:.3}× cudaMemcpyAsync, {:.3}× least tracked)",
             size_label(bytes as u64),
             plain.median,
             floor.median,
@@ -303,8 +309,6 @@ fn small_uploads(stager: &Stager, section: &mut Section, progress: &mut Progress
             floor.median / staged.median,
         ));
     }
-    // SAFETY: the event is ours and its work has finished.
-    check(unsafe { runtime.cudaEventDestroy()?(event) })?;
     section.notes.push(format!(
         "small uploads, ns per call, medians of 15 runs (staged min / median / max); least \
          tracked = one pointer lookup, the driver's call, one event: {}",
@@ -313,11 +317,30 @@ fn small_uploads(stager: &Stager, section: &mut Section, progress: &mut Progress
     Ok(())
 }
 
-/// A runtime call's status as a `Result`.
-fn check(status: cudaError) -> Result<()> {
-    match status {
-        cudaError::cudaSuccess => Ok(()),
-        _ => Err(Error::Unsupported("a CUDA runtime call failed")),
+/// An event without timing, made and destroyed through the runtime.
+struct UntimedEvent(cudaEvent_t);
+
+impl UntimedEvent {
+    fn new() -> Result<Self> {
+        let mut event = std::ptr::null_mut();
+        // SAFETY: `event` is valid for the write.
+        let status =
+            unsafe { cudart()?.cudaEventCreateWithFlags()?(&mut event, cudaEventDisableTiming) };
+        if status == cudaError::cudaSuccess {
+            Ok(Self(event))
+        } else {
+            Err(Error::Unsupported("cudaEventCreateWithFlags failed"))
+        }
+    }
+}
+
+impl Drop for UntimedEvent {
+    fn drop(&mut self) {
+        if let Ok(Ok(destroy)) = cudart().map(|runtime| runtime.cudaEventDestroy()) {
+            // SAFETY: the event is ours and used no more; destroying one whose work is
+            // pending is allowed.
+            unsafe { destroy(self.0) };
+        }
     }
 }
 

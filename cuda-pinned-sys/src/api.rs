@@ -104,8 +104,9 @@ macro_rules! driver_api {
             )*
 
             /// The names of the bound functions that this runtime and driver do not provide,
-            /// each resolved now. Callers that fall back to the runtime where a driver function
-            /// is missing work either way; this tells which path they take.
+            /// each resolved now. Where an event, copy or pointer-lookup function is missing,
+            /// `cuda-pinned` makes the runtime's call instead; this tells which path it takes.
+            /// The virtual-memory functions have no such stand-in.
             pub fn unresolved(&self) -> Vec<&'static str> {
                 let mut missing = Vec::new();
                 $(

@@ -41,6 +41,27 @@ macro_rules! driver {
     }};
 }
 
+/// A driver function resolved once per process: `None` where the runtime or the driver does
+/// not provide it (runtimes before 12.5), so that callers fall back to the runtime's call
+/// without asking again.
+macro_rules! driver_fn {
+    ($name:ident: $type:ty) => {{
+        static RESOLVED: OnceLock<Option<$type>> = OnceLock::new();
+        *RESOLVED.get_or_init(|| cu::driver().and_then(cu::Driver::$name).ok())
+    }};
+}
+
+type LookupFn = unsafe extern "C" fn(
+    std::ffi::c_uint,
+    *mut cu::CUpointer_attribute,
+    *mut *mut c_void,
+    cu::CUdeviceptr,
+) -> CUresult;
+type UploadFn =
+    unsafe extern "C" fn(cu::CUdeviceptr, *const c_void, usize, cu::CUstream) -> CUresult;
+type RecordFn = unsafe extern "C" fn(cu::CUevent, cu::CUstream) -> CUresult;
+type EventFn = unsafe extern "C" fn(cu::CUevent) -> CUresult;
+
 /// A driver call's status as a `Result`.
 fn driver_status(call: &'static str, status: CUresult) -> Result<()> {
     if status == CUresult::CUDA_SUCCESS {
@@ -338,19 +359,24 @@ pub(crate) fn is_pageable(ptr: *const c_void) -> bool {
 
 /// Whether the driver knows `ptr` as memory of some type (host, device, managed); an address
 /// it does not know reads as type 0 (`cuPointerGetAttributes` fills unknown addresses with
-/// zeros instead of failing).
+/// zeros instead of failing). An answer it did not write counts as an error.
 fn driver_memory_type(ptr: *const c_void) -> Result<bool> {
-    let mut memory_type: std::ffi::c_uint = 0;
+    const UNWRITTEN: std::ffi::c_uint = std::ffi::c_uint::MAX;
+    let mut memory_type = UNWRITTEN;
     let mut attribute = cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE;
     let mut data = [(&raw mut memory_type).cast::<c_void>()];
-    // The lookup never dereferences `ptr`; `data` holds one pointer to a `c_uint`, the
-    // memory type attribute's value.
-    driver!(cuPointerGetAttributes(
-        1,
-        &mut attribute,
-        data.as_mut_ptr(),
-        ptr as cu::CUdeviceptr
+    let lookup = driver_fn!(cuPointerGetAttributes: LookupFn).ok_or(Error::Unsupported(
+        "cuPointerGetAttributes is not reachable",
     ))?;
+    // SAFETY: the lookup never dereferences `ptr`; `data` holds one pointer to a `c_uint`,
+    // the memory type attribute's value.
+    let status = unsafe { lookup(1, &mut attribute, data.as_mut_ptr(), ptr as cu::CUdeviceptr) };
+    driver_status("cuPointerGetAttributes", status)?;
+    if memory_type == UNWRITTEN {
+        return Err(Error::Unsupported(
+            "cuPointerGetAttributes left the memory type unwritten",
+        ));
+    }
     Ok(memory_type != 0)
 }
 
@@ -534,7 +560,7 @@ pub(crate) unsafe fn upload_async(
     bytes: usize,
     stream: sys::cudaStream_t,
 ) -> Result<()> {
-    let Ok(copy) = cu::driver().and_then(cu::Driver::cuMemcpyHtoDAsync) else {
+    let Some(copy) = driver_fn!(cuMemcpyHtoDAsync: UploadFn) else {
         // SAFETY: forwarded from the caller.
         return unsafe {
             memcpy_async(
@@ -739,7 +765,7 @@ pub(crate) unsafe fn event_record(
     event: sys::cudaEvent_t,
     stream: sys::cudaStream_t,
 ) -> Result<()> {
-    if let Ok(record) = cu::driver().and_then(cu::Driver::cuEventRecord) {
+    if let Some(record) = driver_fn!(cuEventRecord: RecordFn) {
         // SAFETY: forwarded from the caller.
         return driver_status("cuEventRecord", unsafe {
             record(event.cast(), stream.cast())
@@ -754,7 +780,7 @@ pub(crate) unsafe fn event_record(
 ///
 /// - `event` is live.
 pub(crate) unsafe fn event_query(event: sys::cudaEvent_t) -> Result<bool> {
-    if let Ok(function) = cu::driver().and_then(cu::Driver::cuEventQuery) {
+    if let Some(function) = driver_fn!(cuEventQuery: EventFn) {
         // SAFETY: the caller guarantees the event is live.
         return match unsafe { function(event.cast()) } {
             CUresult::CUDA_ERROR_NOT_READY => Ok(false),
@@ -770,7 +796,7 @@ pub(crate) unsafe fn event_query(event: sys::cudaEvent_t) -> Result<bool> {
 ///
 /// - `event` is live.
 pub(crate) unsafe fn event_synchronize(event: sys::cudaEvent_t) -> Result<()> {
-    if let Ok(function) = cu::driver().and_then(cu::Driver::cuEventSynchronize) {
+    if let Some(function) = driver_fn!(cuEventSynchronize: EventFn) {
         // SAFETY: the caller guarantees the event is live.
         return driver_status("cuEventSynchronize", unsafe { function(event.cast()) });
     }
@@ -787,4 +813,50 @@ pub(crate) unsafe fn event_elapsed_ms(
     let mut ms = 0.0f32;
     cuda!(cudaEventElapsedTime(&mut ms, start, end))?;
     Ok(ms)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{CudaHost, DeviceBuffer, PinnedVec, Registered, VirtualHost};
+
+    /// Ordinary memory reads as pageable; every kind of page-locked memory, at both ends, and
+    /// device memory do not: on a thread that has used CUDA and on one with no current
+    /// context.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn only_ordinary_memory_reads_as_pageable() {
+        const LEN: usize = 1 << 20;
+        let ordinary = vec![0u8; LEN];
+        let host = PinnedVec::<u8, _>::zeroed_in(LEN, CudaHost::new()).unwrap();
+        let registered = PinnedVec::<u8, _>::zeroed_in(LEN, Registered::new()).unwrap();
+        let mapped = PinnedVec::<u8, _>::zeroed_in(LEN, VirtualHost::new()).unwrap();
+        let device = DeviceBuffer::<u8>::zeroed(LEN).unwrap();
+        let check = || {
+            assert!(is_pageable(ordinary.as_ptr().cast()));
+            assert!(is_pageable(ordinary[LEN - 1..].as_ptr().cast()));
+            for (what, memory) in [
+                ("cudaHostAlloc", &host[..]),
+                ("registered", &registered[..]),
+                ("virtual host", &mapped[..]),
+            ] {
+                assert!(!is_pageable(memory.as_ptr().cast()), "{what}");
+                assert!(
+                    !is_pageable(memory[LEN - 1..].as_ptr().cast()),
+                    "{what}, last byte"
+                );
+            }
+            assert!(!is_pageable(device.as_raw() as *const c_void));
+        };
+        check();
+        std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    assert!(current_context().unwrap().is_null());
+                    check();
+                })
+                .join()
+                .unwrap();
+        });
+    }
 }

@@ -11,10 +11,10 @@
 //! Persistent worker threads and the calling thread take pieces in parallel; a copy of at
 //! most [`StagingConfig::single_thread_bytes`] runs on the calling thread alone. Uploads of
 //! the sizes where the driver's own path was measured as fast
-//! ([`StagingConfig::driver_uploads`]) take that path, from ordinary memory only, on devices
-//! that cannot read pageable memory themselves (the driver then stages the source before
-//! its call returns). Downloads copy large pieces out with non-temporal stores
-//! ([`StagingConfig::streaming_stores`]).
+//! ([`StagingConfig::driver_uploads`]) take that path, from sources that start in ordinary
+//! memory, on devices that cannot read pageable memory themselves (the driver then stages
+//! the source before its call returns). Downloads copy large pieces out with non-temporal
+//! stores ([`StagingConfig::streaming_stores`]).
 
 use std::collections::VecDeque;
 use std::mem::ManuallyDrop;
@@ -51,7 +51,8 @@ pub struct StagingConfig {
     /// per thread, smaller at both ends: the DMA engine starts early and drains a short tail.
     pub min_piece_bytes: usize,
     /// Uploads of these sizes (in bytes) from ordinary memory take the driver's own path:
-    /// one `cudaMemcpyAsync` from the source. On a device that cannot read pageable memory
+    /// one copy call from the source (`cuMemcpyHtoDAsync`, or the runtime's `cudaMemcpyAsync`
+    /// where the driver's entry points cannot be reached). On a device that cannot read pageable memory
     /// itself, the driver copies such a source into pinned staging buffers before the call
     /// returns (CUDA documents this for `cudaMemcpy`; for `cudaMemcpyAsync` it was observed,
     /// and the GPU tests check it with the stream held back). Devices that read pageable

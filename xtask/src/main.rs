@@ -195,10 +195,13 @@ fn generate_driver(include: &Path) -> Result<String, String> {
     // header defines as `cuMemcpyHtoDAsync_v2`); the ABI version picks the variant.
     let mut bindings = bindings;
     for function in DRIVER_FUNCTIONS {
-        if let Some((base, version)) = function.rsplit_once("_v")
-            && version.parse::<u32>().is_ok()
-        {
-            bindings = bindings.replace(&format!("pub fn {function}("), &format!("pub fn {base}("));
+        let base = match function.rsplit_once("_v") {
+            Some((base, version)) if version.parse::<u32>().is_ok() => base,
+            _ => function,
+        };
+        bindings = bindings.replace(&format!("pub fn {function}("), &format!("pub fn {base}("));
+        if !bindings.contains(&format!("pub fn {base}(")) {
+            return Err(format!("bindgen emitted no declaration for {function}"));
         }
     }
     Ok(format!(

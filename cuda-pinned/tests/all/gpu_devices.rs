@@ -194,8 +194,13 @@ fn a_thread_without_a_context_is_left_without_one() {
         assert_eq!(memory.to_vec().unwrap(), [3u8; 16]);
         stream.synchronize().unwrap();
         assert!(stream.query().unwrap());
-        stream.wait_event(&stream.record_event().unwrap()).unwrap();
-        drop((memory, stream, registered));
+        let event = stream.record_event().unwrap();
+        stream.wait_event(&event).unwrap();
+        // Events are queried and waited for by the driver's calls, with no context current.
+        event.synchronize().unwrap();
+        assert!(event.query().unwrap());
+        assert!(!has_context());
+        drop((memory, stream, registered, event));
         assert!(
             !has_context(),
             "working on device {} left a context current",
