@@ -545,7 +545,7 @@ pub(crate) unsafe fn memcpy_async(
 }
 
 /// One host-to-device copy of `bytes` from `src`, through the driver's own call where its
-/// entry points are reachable: the runtime's `cudaMemcpyAsync` costs about 0.3 µs more per
+/// entry points are reachable: the runtime's `cudaMemcpyAsync` costs 0.1–0.3 µs more per
 /// call on an H100 host, a few percent of a small copy from ordinary memory. The calling
 /// thread's current context must be `dst`'s device's (as [`on_device`] leaves it). Unlike
 /// [`memcpy_async`], the copy is not cut where buffers registered in chunks end: it is meant

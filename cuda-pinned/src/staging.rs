@@ -51,11 +51,12 @@ pub struct StagingConfig {
     /// per thread, smaller at both ends: the DMA engine starts early and drains a short tail.
     pub min_piece_bytes: usize,
     /// Uploads of these sizes (in bytes) from ordinary memory take the driver's own path:
-    /// one copy call from the source (`cuMemcpyHtoDAsync`, or the runtime's `cudaMemcpyAsync`
-    /// where the driver's entry points cannot be reached). On a device that cannot read pageable memory
-    /// itself, the driver copies such a source into pinned staging buffers before the call
-    /// returns (CUDA documents this for `cudaMemcpy`; for `cudaMemcpyAsync` it was observed,
-    /// and the GPU tests check it with the stream held back). Devices that read pageable
+    /// one copy call from the source (`cuMemcpyHtoDAsync`, or the runtime's
+    /// `cudaMemcpyAsync` where the driver's entry points cannot be reached). On a device that
+    /// cannot read pageable memory itself, the driver copies such a source into pinned
+    /// staging buffers before the call returns (CUDA documents this for `cudaMemcpy`; for the
+    /// asynchronous calls it was observed, and the GPU tests check it with the stream held
+    /// back). Devices that read pageable
     /// memory directly (HMM, ATS) and sources that start in page-locked memory always go
     /// through the ring. The driver decides by the source's first byte, looked up by byte,
     /// not by page: registered memory sharing a page with the source, lying inside it or
