@@ -951,6 +951,12 @@ driver_api! {
         ByteCount: usize,
         hStream: CUstream,
     ) -> CUresult;
+    pub fn cuMemcpyDtoHAsync(
+        dstHost: *mut ::core::ffi::c_void,
+        srcDevice: CUdeviceptr,
+        ByteCount: usize,
+        hStream: CUstream,
+    ) -> CUresult;
     pub fn cuMemAddressReserve(
         ptr: *mut CUdeviceptr,
         size: usize,

@@ -100,12 +100,12 @@ fn failure(
 impl std::error::Error for CudaError {}
 
 /// A CUDA driver call that returned an error code: host memory through the virtual-memory
-/// API ([`VirtualHost`](crate::VirtualHost)) is made with driver calls, and events are
-/// recorded, queried and waited for, and small uploads from ordinary memory made, with the
-/// driver's own calls where its entry points can be reached (CUDA 12.5 and later). An error
-/// of device work (an illegal address in a kernel, say) can therefore come from a wait as a
-/// `DriverError`; its [`code`](Self::code) is the driver's number for it, which is the
-/// runtime's number for the same error.
+/// API ([`VirtualHost`](crate::VirtualHost)) is made with driver calls, and copies are
+/// queued and events recorded, queried and waited for with the driver's own calls where its
+/// entry points can be reached (CUDA 12.5 and later). An error of device work (an illegal
+/// address in a kernel, say) can therefore come from a wait as a `DriverError`; its
+/// [`code`](Self::code) is the driver's number for it, which is the runtime's number for the
+/// same error.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct DriverError {
     code: CUresult,

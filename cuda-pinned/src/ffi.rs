@@ -59,6 +59,8 @@ type LookupFn = unsafe extern "C" fn(
 ) -> CUresult;
 type UploadFn =
     unsafe extern "C" fn(cu::CUdeviceptr, *const c_void, usize, cu::CUstream) -> CUresult;
+type DownloadFn =
+    unsafe extern "C" fn(*mut c_void, cu::CUdeviceptr, usize, cu::CUstream) -> CUresult;
 type RecordFn = unsafe extern "C" fn(cu::CUevent, cu::CUstream) -> CUresult;
 type EventFn = unsafe extern "C" fn(cu::CUevent) -> CUresult;
 
@@ -520,6 +522,10 @@ impl Direction {
     }
 }
 
+/// Queues a copy between host and device memory on `stream`, cut where buffers registered in
+/// chunks end (a copy may not span two registrations). The calling thread's current context
+/// is the device's (as [`on_device`] leaves it).
+///
 /// # Safety
 ///
 /// - `src` is readable and `dst` writable for `bytes` bytes, in the memory the direction
@@ -539,17 +545,15 @@ pub(crate) unsafe fn memcpy_async(
     for (offset, piece) in chunked::pieces(host, bytes) {
         // Plain address arithmetic: one side is a device address, no Rust allocation.
         let (dst, src) = (dst.wrapping_byte_add(offset), src.wrapping_byte_add(offset));
-        cuda!(cudaMemcpyAsync(dst, src, piece, direction.kind(), stream))?;
+        // SAFETY: forwarded from the caller, for a part of the copy.
+        unsafe { copy_once(dst, src, piece, direction, stream)? };
     }
     Ok(())
 }
 
-/// One host-to-device copy of `bytes` from `src`, through the driver's own call where its
-/// entry points are reachable: the runtime's `cudaMemcpyAsync` costs 0.1–0.3 µs more per
-/// call on an H100 host, a few percent of a small copy from ordinary memory. The calling
-/// thread's current context must be `dst`'s device's (as [`on_device`] leaves it). Unlike
-/// [`memcpy_async`], the copy is not cut where buffers registered in chunks end: it is meant
-/// for a source that starts in ordinary memory, which the driver stages whole.
+/// One host-to-device copy of `bytes` from `src`, whole: unlike [`memcpy_async`] it is not
+/// cut where buffers registered in chunks end, for a source that starts in ordinary memory,
+/// which the driver stages whole.
 ///
 /// # Safety
 ///
@@ -560,22 +564,49 @@ pub(crate) unsafe fn upload_async(
     bytes: usize,
     stream: sys::cudaStream_t,
 ) -> Result<()> {
-    let Some(copy) = driver_fn!(cuMemcpyHtoDAsync: UploadFn) else {
-        // SAFETY: forwarded from the caller.
-        return unsafe {
-            memcpy_async(
-                dst as *mut c_void,
-                src,
-                bytes,
-                Direction::HostToDevice,
-                stream,
-            )
-        };
-    };
-    // SAFETY: forwarded from the caller; the runtime's and the driver's stream handles are
-    // the same object.
-    let status = unsafe { copy(dst, src, bytes, stream.cast()) };
-    driver_status("cuMemcpyHtoDAsync", status)
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        copy_once(
+            dst as *mut c_void,
+            src,
+            bytes,
+            Direction::HostToDevice,
+            stream,
+        )
+    }
+}
+
+/// One copy call: the driver's own where its entry points are reachable, else the runtime's
+/// `cudaMemcpyAsync`, which costs 0.1–0.3 µs more per call on an H100 host (a few percent of
+/// a small copy). The handles and addresses are the same for both.
+///
+/// # Safety
+///
+/// As [`memcpy_async`], for a copy that spans no two registrations.
+unsafe fn copy_once(
+    dst: *mut c_void,
+    src: *const c_void,
+    bytes: usize,
+    direction: Direction,
+    stream: sys::cudaStream_t,
+) -> Result<()> {
+    match direction {
+        Direction::HostToDevice => {
+            if let Some(copy) = driver_fn!(cuMemcpyHtoDAsync: UploadFn) {
+                // SAFETY: forwarded from the caller.
+                let status = unsafe { copy(dst as u64, src, bytes, stream.cast()) };
+                return driver_status("cuMemcpyHtoDAsync", status);
+            }
+        }
+        Direction::DeviceToHost => {
+            if let Some(copy) = driver_fn!(cuMemcpyDtoHAsync: DownloadFn) {
+                // SAFETY: forwarded from the caller.
+                let status = unsafe { copy(dst, src as u64, bytes, stream.cast()) };
+                return driver_status("cuMemcpyDtoHAsync", status);
+            }
+        }
+    }
+    cuda!(cudaMemcpyAsync(dst, src, bytes, direction.kind(), stream))
 }
 
 /// `(offset, len)` pieces of a copy of `bytes` from `src` to `dst` such that neither side of a

@@ -199,8 +199,8 @@
 //!
 //! Everything the world can do is an [`Error`] value: no CUDA ([`Error::Unavailable`] lists
 //! where libcudart was looked for), a CUDA error ([`CudaError`] with code, name and
-//! description, or [`DriverError`] from the driver's calls this crate makes: events, small
-//! uploads, host memory through the virtual-memory API), the memlock limit
+//! description, or [`DriverError`] from the driver's calls this crate makes: copies,
+//! events, host memory through the virtual-memory API), the memlock limit
 //! ([`Error::MemlockLimit`] with the limit and a fix), out of memory, and sizes that
 //! overflow. A failed CUDA call clears the runtime's sticky last-error so it does not
 //! resurface in your next, unrelated call.

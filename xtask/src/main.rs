@@ -76,6 +76,7 @@ const DRIVER_FUNCTIONS: &[&str] = &[
     "cuMemRelease",
     "cuMemSetAccess",
     "cuMemUnmap",
+    "cuMemcpyDtoHAsync_v2",
     "cuMemcpyHtoDAsync_v2",
     "cuPointerGetAttributes",
 ];
