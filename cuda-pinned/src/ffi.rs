@@ -47,8 +47,23 @@ macro_rules! driver {
 macro_rules! driver_fn {
     ($name:ident: $type:ty) => {{
         static RESOLVED: OnceLock<Option<$type>> = OnceLock::new();
-        *RESOLVED.get_or_init(|| cu::driver().and_then(cu::Driver::$name).ok())
+        *RESOLVED.get_or_init(|| {
+            runtime_calls_not_asked()
+                .then(|| cu::driver().and_then(cu::Driver::$name).ok())
+                .flatten()
+        })
     }};
+}
+
+/// The environment variable that makes copies, events and pointer lookups go through the
+/// runtime's calls even where the driver's can be reached: what runtimes before 12.5 do, to
+/// compare or test that path. Read once.
+pub const RUNTIME_CALLS_VAR: &str = "CUDA_PINNED_RUNTIME_CALLS";
+
+/// Whether [`RUNTIME_CALLS_VAR`] is unset (or empty).
+fn runtime_calls_not_asked() -> bool {
+    static NOT_ASKED: OnceLock<bool> = OnceLock::new();
+    *NOT_ASKED.get_or_init(|| std::env::var_os(RUNTIME_CALLS_VAR).is_none_or(|v| v.is_empty()))
 }
 
 type LookupFn = unsafe extern "C" fn(
@@ -523,14 +538,16 @@ impl Direction {
 }
 
 /// Queues a copy between host and device memory on `stream`, cut where buffers registered in
-/// chunks end (a copy may not span two registrations). The calling thread's current context
-/// is the device's (as [`on_device`] leaves it).
+/// chunks end (a copy may not span two registrations).
 ///
 /// # Safety
 ///
 /// - `src` is readable and `dst` writable for `bytes` bytes, in the memory the direction
 ///   names, until the copy finishes on `stream` (which stays alive until then);
-/// - nothing else writes `dst` or `src` (or reads `dst`) while the copy is pending.
+/// - nothing else writes `dst` or `src` (or reads `dst`) while the copy is pending;
+/// - the calling thread's current context is the primary context of `stream`'s device (as
+///   [`on_device`] leaves it): the driver checks device addresses against it, and it decides
+///   which stream a default-stream handle names.
 pub(crate) unsafe fn memcpy_async(
     dst: *mut c_void,
     src: *const c_void,
@@ -578,11 +595,12 @@ pub(crate) unsafe fn upload_async(
 
 /// One copy call: the driver's own where its entry points are reachable, else the runtime's
 /// `cudaMemcpyAsync`, which costs 0.1–0.3 µs more per call on an H100 host (a few percent of
-/// a small copy). The handles and addresses are the same for both.
+/// a small copy). The handles and addresses are the same for both. A page-locked side that
+/// spans two registrations is refused with an error.
 ///
 /// # Safety
 ///
-/// As [`memcpy_async`], for a copy that spans no two registrations.
+/// As [`memcpy_async`].
 unsafe fn copy_once(
     dst: *mut c_void,
     src: *const c_void,
@@ -791,7 +809,9 @@ pub(crate) unsafe fn event_destroy(event: sys::cudaEvent_t) -> Result<()> {
 
 /// # Safety
 ///
-/// - `event` and `stream` are live.
+/// - `event` and `stream` are live;
+/// - the calling thread's current context is the primary context of `stream`'s device,
+///   which decides which stream a default-stream handle names.
 pub(crate) unsafe fn event_record(
     event: sys::cudaEvent_t,
     stream: sys::cudaStream_t,
@@ -849,28 +869,37 @@ pub(crate) unsafe fn event_elapsed_ms(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{CudaHost, DeviceBuffer, PinnedVec, Registered, VirtualHost};
+    use crate::{CudaHost, Device, DeviceBuffer, HostLocked, PinnedVec, Registered, VirtualHost};
 
-    /// Ordinary memory reads as pageable; every kind of page-locked memory, at both ends, and
-    /// device memory do not: on a thread that has used CUDA and on one with no current
-    /// context.
+    /// Ordinary memory (and memory locked with `mlock`, which CUDA does not know) reads as
+    /// pageable; every kind of page-locked memory, at both ends, and device memory do not: on
+    /// a thread that has used CUDA and on one with no current context, which the driver's
+    /// lookup leaves without one.
     #[test]
     #[ignore = "needs a CUDA device"]
     fn only_ordinary_memory_reads_as_pageable() {
         const LEN: usize = 1 << 20;
         let ordinary = vec![0u8; LEN];
+        let locked = PinnedVec::<u8, _>::zeroed_in(LEN, HostLocked::new()).unwrap();
         let host = PinnedVec::<u8, _>::zeroed_in(LEN, CudaHost::new()).unwrap();
         let registered = PinnedVec::<u8, _>::zeroed_in(LEN, Registered::new()).unwrap();
-        let mapped = PinnedVec::<u8, _>::zeroed_in(LEN, VirtualHost::new()).unwrap();
+        let mapped = Device::current()
+            .unwrap()
+            .supports_virtual_host_memory()
+            .unwrap()
+            .then(|| PinnedVec::<u8, _>::zeroed_in(LEN, VirtualHost::new()).unwrap());
         let device = DeviceBuffer::<u8>::zeroed(LEN).unwrap();
         let check = || {
-            assert!(is_pageable(ordinary.as_ptr().cast()));
-            assert!(is_pageable(ordinary[LEN - 1..].as_ptr().cast()));
-            for (what, memory) in [
+            for (what, memory) in [("ordinary", &ordinary[..]), ("mlock", &locked[..])] {
+                assert!(is_pageable(memory.as_ptr().cast()), "{what}");
+                assert!(is_pageable(memory[LEN - 1..].as_ptr().cast()), "{what}");
+            }
+            let mut pinned = vec![
                 ("cudaHostAlloc", &host[..]),
                 ("registered", &registered[..]),
-                ("virtual host", &mapped[..]),
-            ] {
+            ];
+            pinned.extend(mapped.as_deref().map(|m| ("virtual host", m)));
+            for (what, memory) in pinned {
                 assert!(!is_pageable(memory.as_ptr().cast()), "{what}");
                 assert!(
                     !is_pageable(memory[LEN - 1..].as_ptr().cast()),
@@ -884,7 +913,13 @@ mod tests {
             scope
                 .spawn(|| {
                     assert!(current_context().unwrap().is_null());
+                    if runtime_calls_not_asked() {
+                        assert!(driver_memory_type(ordinary.as_ptr().cast()).is_ok());
+                    }
                     check();
+                    if runtime_calls_not_asked() {
+                        assert!(current_context().unwrap().is_null());
+                    }
                 })
                 .join()
                 .unwrap();

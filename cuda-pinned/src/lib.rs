@@ -203,7 +203,9 @@
 //! events, host memory through the virtual-memory API), the memlock limit
 //! ([`Error::MemlockLimit`] with the limit and a fix), out of memory, and sizes that
 //! overflow. A failed CUDA call clears the runtime's sticky last-error so it does not
-//! resurface in your next, unrelated call.
+//! resurface in your next, unrelated call. Set [`RUNTIME_CALLS_VAR`] to make copies, events
+//! and pointer lookups go through the runtime's calls instead of the driver's, as they do
+//! with runtimes before 12.5.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
@@ -244,6 +246,7 @@ pub use device::{
 };
 pub use device_buffer::{DeviceBuffer, DeviceSlice, DeviceSliceMut};
 pub use error::{CudaError, DriverError, Error, Result};
+pub use ffi::RUNTIME_CALLS_VAR;
 pub use host_alloc::{CudaHost, HostAllocFlags};
 pub use locked::HostLocked;
 pub use pin::PinMemory;

@@ -27,11 +27,12 @@ pub(crate) enum Owner {
     Kept(Box<dyn Send + Sync>),
 }
 
-// SAFETY: a CUDA stream handle may be used from any thread (the runtime API is thread-safe
-// for streams); the handle is only destroyed once, in Drop, when the last clone goes, and the
-// kept owner is `Send + Sync` itself.
+// SAFETY: a CUDA stream handle may be used from any thread (the runtime and driver APIs are
+// thread-safe for streams); the handle is only destroyed once, in Drop, when the last clone
+// goes, and the kept owner is `Send + Sync` itself.
 unsafe impl Send for StreamHandle {}
-// SAFETY: as above; every operation through `&StreamHandle` is a thread-safe runtime call.
+// SAFETY: as above; every operation through `&StreamHandle` is a thread-safe runtime or
+// driver call.
 unsafe impl Sync for StreamHandle {}
 
 impl Drop for StreamHandle {
@@ -252,7 +253,8 @@ impl Stream {
                 raw: ffi::event_create(flags)?,
                 device,
             };
-            // SAFETY: both handles are live, and of the same device.
+            // SAFETY: both handles are live, and of the same device, whose primary context
+            // `on_device` made current.
             unsafe { ffi::event_record(event.raw, self.as_raw())? };
             Ok(event)
         })
@@ -369,7 +371,7 @@ pub struct Event {
 
 // SAFETY: event handles may be used from any thread; destroyed once, in Drop.
 unsafe impl Send for Event {}
-// SAFETY: every operation through `&Event` is a thread-safe runtime call.
+// SAFETY: every operation through `&Event` is a thread-safe runtime or driver call.
 unsafe impl Sync for Event {}
 
 impl fmt::Debug for Event {
@@ -434,7 +436,8 @@ impl Event {
     /// CUDA error.
     pub fn record(&self, stream: &Stream) -> Result<()> {
         check_same_device("the stream", self.device, stream.handle.device)?;
-        // SAFETY: both handles are live while borrowed, and of the same device.
+        // SAFETY: both handles are live while borrowed, and of the same device, whose primary
+        // context `on_device` makes current.
         ffi::on_device(self.device, || unsafe {
             ffi::event_record(self.raw, stream.as_raw())
         })

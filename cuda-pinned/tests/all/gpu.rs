@@ -164,6 +164,26 @@ pub(crate) fn block(stream: &Stream, ms: u64) -> Arc<AtomicBool> {
     unblocked
 }
 
+/// An event behind work that has not run reads as not finished (the driver's "not ready" is
+/// no error), and as finished once the work has run.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn an_event_behind_held_work_is_not_ready_until_it_runs() {
+    let stream = Stream::new().unwrap();
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    stream
+        .launch_host_fn(move || {
+            let _ = held.recv();
+        })
+        .unwrap();
+    let event = stream.record_event().unwrap();
+    assert!(!event.query().unwrap());
+    assert!(!event.query().unwrap());
+    release.send(()).unwrap();
+    event.synchronize().unwrap();
+    assert!(event.query().unwrap());
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn reading_after_a_delayed_copy_sees_the_finished_data() {
