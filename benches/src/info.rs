@@ -4,6 +4,36 @@ use cuda_pinned::{Device, Error};
 
 use crate::host;
 
+/// Whose calls queue copies and handle events: the driver's own (cheaper), or the runtime's.
+fn calls() -> String {
+    let asked = std::env::var_os(cuda_pinned::RUNTIME_CALLS_VAR).is_some_and(|v| !v.is_empty());
+    if asked {
+        return format!("the runtime's ({} is set)", cuda_pinned::RUNTIME_CALLS_VAR);
+    }
+    match cuda_pinned::sys::driver::driver() {
+        Ok(driver) => {
+            let missing: Vec<_> = driver
+                .unresolved()
+                .into_iter()
+                .filter(|name| {
+                    ["cuMemcpy", "cuEvent", "cuPointer"]
+                        .iter()
+                        .any(|p| name.starts_with(p))
+                })
+                .collect();
+            if missing.is_empty() {
+                "the driver's own".into()
+            } else {
+                format!(
+                    "the runtime's where the driver lacks them: {}",
+                    missing.join(", ")
+                )
+            }
+        }
+        Err(e) => format!("the runtime's: {e}"),
+    }
+}
+
 /// The facts as (key, value) pairs; never fails (what cannot be read says so).
 pub fn facts() -> Vec<(String, String)> {
     let mut facts = Vec::new();
@@ -18,6 +48,7 @@ pub fn facts() -> Vec<(String, String)> {
             let driver = cuda_pinned::driver_version()
                 .map_or_else(|e| format!("unknown: {e}"), |v| v.to_string());
             fact("driver", format!("supports CUDA {driver}"));
+            fact("copy and event calls", calls());
             match Device::all() {
                 Ok(devices) if devices.is_empty() => fact(
                     "devices",
