@@ -19,7 +19,7 @@ use crate::barrier::Barrier;
 use crate::completion::Completion;
 use crate::config::{ConfigError, PoolConfig};
 use crate::local::{Amount, Cached, Counted, Local, LocalData, idle_bytes, magazine_has_room};
-use crate::reserve::Reserve;
+use crate::reserve::{Ready, Reserve};
 use crate::size_class::{CLASSES, MAX_NODES, PAGE, SLOT_STRIDE, class_of, class_size, slots};
 use crate::stats::{DurationStat, PoolStats, Stat};
 use crate::threads::PerThread;
@@ -60,9 +60,9 @@ pub struct Pool<B: PinnedAllocator = DefaultPinned, C: Completion = PendingUses>
     central: Mutex<Central>,
     /// Blocks given back while device work may still use them.
     pending: Mutex<Vec<(Allocation, C)>>,
-    /// Every block pinned from the backend, by address, as the backend described it, with
-    /// the slot it serves.
-    blocks: Mutex<HashMap<usize, (Allocation, usize), BuildAddressHasher>>,
+    /// Every block pinned from the backend (blocks pinned ahead included, entered by the
+    /// reserve thread), by address, as the backend described it, with the slot it serves.
+    blocks: Arc<BlockMap>,
     /// NUMA nodes whose blocks are kept apart (the backend's, at most `MAX_NODES`): the lists
     /// are indexed by slot, a class on a node.
     nodes: usize,
@@ -225,7 +225,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             shared: Local::new(nodes),
             central: Mutex::new(Central::new(nodes)),
             pending: Mutex::new(Vec::new()),
-            blocks: Mutex::new(HashMap::default()),
+            blocks: Arc::default(),
             nodes,
             reserved: Arc::new(AtomicUsize::new(0)),
             ahead: OnceLock::new(),
@@ -381,8 +381,8 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             {
                 return Ok(cached);
             }
-            if let Some(block) = ahead.take(class) {
-                let allocation = self.adopt(local, block, class, size);
+            if let Some(ready) = ahead.take(class) {
+                let allocation = self.adopt_ready(local, ready, size);
                 return Ok(Cached::new(&allocation, None));
             }
         }
@@ -438,10 +438,10 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         }
         // The pending count rises before a block is listed as pending: zero means no block
         // could reach the lists by finishing its device work first.
-        let block = ahead
+        let ready = ahead
             .filter(|_| self.pending_requests.load(Ordering::Relaxed) == 0)?
             .take(class)?;
-        let allocation = self.adopt_locked(&mut central, local, data, block, class, size);
+        let allocation = self.count_adopted(&mut central, local, data, ready, size);
         Some(Cached::new(&allocation, None))
     }
 
@@ -556,33 +556,41 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     }
 
     /// Makes `block` (new, pinned for `class` and counted against the cap) one of the pool's
-    /// blocks, and hands it out to `local`'s thread: one pass under the lock counts both.
+    /// blocks, and hands it out to `local`'s thread. No other lock is taken while the block
+    /// map's is held.
     fn adopt(&self, local: &Local, block: Allocation, class: usize, size: usize) -> Allocation {
+        let ready = (
+            Allocation::new(block.ptr(), size, block.kind(), class),
+            block.bytes(),
+        );
+        self.blocks
+            .lock()
+            .insert(block.ptr().as_ptr() as usize, (block, class));
+        self.adopt_ready(local, ready, size)
+    }
+
+    /// Hands a block in the block map but never handed out before to `local`'s thread: one
+    /// pass under the lock counts both.
+    fn adopt_ready(&self, local: &Local, ready: Ready, size: usize) -> Allocation {
         let mut central = self.central.lock();
         // SAFETY: this thread owns `local` (the allocating thread's cache, or the shared one),
         // is outside `enter` and holds the lock.
         let data = unsafe { self.own(local) };
-        self.adopt_locked(&mut central, local, data, block, class, size)
+        self.count_adopted(&mut central, local, data, ready, size)
     }
 
-    /// [`adopt`](Self::adopt) under the lock, with `local`'s data. The block map's lock is
-    /// taken inside the pool's (never the other way round).
-    fn adopt_locked(
+    /// [`adopt_ready`](Self::adopt_ready) under the lock, with `local`'s data. `ready` is the
+    /// block as handed out, and the bytes the backend pinned.
+    fn count_adopted(
         &self,
         central: &mut Central,
         local: &Local,
         data: &mut LocalData,
-        block: Allocation,
-        class: usize,
+        (handed, bytes): Ready,
         size: usize,
     ) -> Allocation {
-        let handed = Allocation::new(block.ptr(), size, block.kind(), class);
-        let bytes = block.bytes() as u64;
-        self.blocks
-            .lock()
-            .insert(block.ptr().as_ptr() as usize, (block, class));
         raise(&mut central.allocations, 1);
-        raise(&mut central.allocated_bytes, bytes);
+        raise(&mut central.allocated_bytes, bytes as u64);
         self.hand_out(central, local, data, size, false, None);
         handed
     }
@@ -870,6 +878,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
                     self.nodes,
                     self.reserved.clone(),
                     self.config.max_pinned_bytes,
+                    self.blocks.clone(),
                 )
                 .map_err(|source| Error::Os {
                     call: "pthread_create",
@@ -882,13 +891,21 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             }
         };
         let class = class + ahead.slot_base;
-        for block in ahead.set_target(class, blocks) {
-            self.reserved
-                .fetch_sub(class_size(class), Ordering::Relaxed);
-            // SAFETY: pinned ahead from the backend and never handed out.
-            unsafe { self.backend.deallocate(block) };
+        for ready in ahead.set_target(class, blocks) {
+            self.release_ahead(ready);
         }
         Ok(())
+    }
+
+    /// Gives a block pinned ahead and never handed out back to the backend.
+    fn release_ahead(&self, (handed, _): Ready) {
+        let Some((block, slot)) = self.blocks.lock().remove(&(handed.ptr().as_ptr() as usize))
+        else {
+            return;
+        };
+        self.reserved.fetch_sub(class_size(slot), Ordering::Relaxed);
+        // SAFETY: pinned ahead from the backend, never handed out, and out of the map now.
+        unsafe { self.backend.deallocate(block) };
     }
 
     /// Starts what the configuration asks to keep pinned ahead ([`PoolConfig::reserve`]), as
@@ -1182,12 +1199,9 @@ impl<B: PinnedAllocator, C: Completion> Drop for Pool<B, C> {
     /// Waits for the device work of pending blocks, then releases every block. A block whose
     /// work cannot be waited for (the device is in an error state) is leaked, not freed.
     fn drop(&mut self) {
-        if let Some(ahead) = self.ahead.get_mut() {
-            for (class, block) in ahead.drain() {
-                self.reserved
-                    .fetch_sub(class_size(class), Ordering::Relaxed);
-                // SAFETY: pinned ahead from the backend and never handed out.
-                unsafe { self.backend.deallocate(block) };
+        if let Some(mut ahead) = self.ahead.take() {
+            for ready in ahead.drain() {
+                self.release_ahead(ready);
             }
         }
         let pending = std::mem::take(self.pending.get_mut());
@@ -1199,7 +1213,7 @@ impl<B: PinnedAllocator, C: Completion> Drop for Pool<B, C> {
                 self.release(vec![allocation]);
             } else {
                 self.blocks
-                    .get_mut()
+                    .lock()
                     .remove(&(allocation.ptr().as_ptr() as usize));
             }
         }
@@ -1253,12 +1267,15 @@ unsafe impl<B: PinnedAllocator, C: Completion + From<PendingUses>> PinnedAllocat
 }
 
 /// Hashes block addresses: distinct integers that no adversary chooses, for which one
-/// multiplication does what SipHash would at a fraction of the cost (an allocation that takes
-/// a block pinned ahead inserts one).
+/// multiplication does what SipHash would at a fraction of the cost (every new block inserts
+/// one).
 #[derive(Default)]
-struct AddressHasher(u64);
+pub(crate) struct AddressHasher(u64);
 
-type BuildAddressHasher = BuildHasherDefault<AddressHasher>;
+pub(crate) type BuildAddressHasher = BuildHasherDefault<AddressHasher>;
+
+/// Blocks by address: the backend's description of each, with the slot it serves.
+pub(crate) type BlockMap = Mutex<HashMap<usize, (Allocation, usize), BuildAddressHasher>>;
 
 impl Hasher for AddressHasher {
     fn write(&mut self, bytes: &[u8]) {

@@ -1,6 +1,7 @@
 //! Pinning ahead of need: a thread of the pool's own keeps blocks of chosen classes pinned and
 //! ready, so an allocation that finds its class empty takes one instead of waiting for the
-//! driver (PyTorch's `pinned_reserve_segment_size_mb`, per size class).
+//! driver (PyTorch's `pinned_reserve_segment_size_mb`, per size class). A block joins the
+//! pool's block map as soon as it is pinned, so that an allocation taking it only counts it.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -10,7 +11,12 @@ use std::thread::JoinHandle;
 use cuda_pinned::{Allocation, Error, PinnedAllocator};
 use parking_lot::{Condvar, Mutex};
 
+use crate::pool::BlockMap;
 use crate::size_class::{PAGE, SLOT_STRIDE, class_size, slots};
+
+/// A block pinned ahead: as the pool hands it out (the class size, tagged with its slot),
+/// with the bytes the backend pinned. The backend's own description is in the block map.
+pub(crate) type Ready = (Allocation, usize);
 
 /// What the reserve thread and the pool share.
 struct Shared {
@@ -22,8 +28,8 @@ struct Shared {
 struct State {
     /// Blocks to keep ready, by class.
     target: Vec<usize>,
-    /// Blocks ready, by class.
-    ready: Vec<Vec<Allocation>>,
+    /// Blocks ready, by class (slot).
+    ready: Vec<Vec<Ready>>,
     /// Their bytes. Kept under the lock rather than in atomics of their own, so that a take
     /// touches fewer cache lines the reserve thread writes.
     ready_bytes: usize,
@@ -50,7 +56,8 @@ pub(crate) struct Figures {
 }
 
 /// The reserve thread, stopped and joined when dropped; what it held is handed back through
-/// [`Reserve::drain`] first.
+/// [`Reserve::drain`] first. Its ready blocks are in the pool's block map: whoever takes one
+/// back from it (an allocation, or the pool releasing it) owns that entry.
 pub(crate) struct Reserve {
     shared: Arc<Shared>,
     /// The first slot of the NUMA node the thread pins on (as its backend said at start).
@@ -59,13 +66,14 @@ pub(crate) struct Reserve {
 }
 
 impl Reserve {
-    /// Starts the thread, pinning from `backend` and counting each block against `pinned`
-    /// within `limit` before pinning it.
+    /// Starts the thread, pinning from `backend`, counting each block against `pinned` within
+    /// `limit` before pinning it, and entering it in `blocks` once pinned.
     pub(crate) fn start<B>(
         backend: B,
         nodes: usize,
         pinned: Arc<AtomicUsize>,
         limit: Option<usize>,
+        blocks: Arc<BlockMap>,
     ) -> std::io::Result<Self>
     where
         B: PinnedAllocator + Send + 'static,
@@ -110,7 +118,7 @@ impl Reserve {
                         0
                     };
                     if node_sender.send(node).is_ok() {
-                        shared.run(&backend, &pinned, limit);
+                        shared.run(&backend, &pinned, limit, &blocks);
                     }
                 })?
         };
@@ -125,8 +133,8 @@ impl Reserve {
     }
 
     /// Keeps `blocks` blocks of `class` ready from now on; returns the ready blocks past that,
-    /// for the pool to release (still counted against the pinned bytes).
-    pub(crate) fn set_target(&self, class: usize, blocks: usize) -> Vec<Allocation> {
+    /// for the pool to release (still counted against the pinned bytes, still in the map).
+    pub(crate) fn set_target(&self, class: usize, blocks: usize) -> Vec<Ready> {
         let mut state = self.shared.state.lock();
         state.target[class] = blocks;
         state.stalled[class] = false;
@@ -141,7 +149,7 @@ impl Reserve {
     }
 
     /// A ready block of `class`, if there is one; the thread pins another in its place.
-    pub(crate) fn take(&self, class: usize) -> Option<Allocation> {
+    pub(crate) fn take(&self, class: usize) -> Option<Ready> {
         let mut state = self.shared.state.lock();
         let block = state.ready[class].pop()?;
         let size = class_size(class);
@@ -176,14 +184,14 @@ impl Reserve {
         }
     }
 
-    /// Stops the thread and returns every ready block (each `(class, block)`), already
-    /// counted against the pinned bytes.
-    pub(crate) fn drain(&mut self) -> Vec<(usize, Allocation)> {
+    /// Stops the thread and returns every ready block, already counted against the pinned
+    /// bytes and in the map.
+    pub(crate) fn drain(&mut self) -> Vec<Ready> {
         self.stop();
         let mut state = self.shared.state.lock();
         let mut blocks = Vec::new();
-        for (class, ready) in state.ready.iter_mut().enumerate() {
-            blocks.extend(ready.drain(..).map(|block| (class, block)));
+        for ready in &mut state.ready {
+            blocks.append(ready);
         }
         state.ready_bytes = 0;
         state.held_bytes = 0;
@@ -208,7 +216,13 @@ impl Drop for Reserve {
 
 impl Shared {
     /// The thread: pins a block for the first class short of its target, until told to stop.
-    fn run<B: PinnedAllocator>(&self, backend: &B, pinned: &AtomicUsize, limit: Option<usize>) {
+    fn run<B: PinnedAllocator>(
+        &self,
+        backend: &B,
+        pinned: &AtomicUsize,
+        limit: Option<usize>,
+        blocks: &BlockMap,
+    ) {
         loop {
             let class = {
                 let mut state = self.state.lock();
@@ -250,7 +264,14 @@ impl Shared {
             let mut state = self.state.lock();
             match pinned_block {
                 Ok(block) if state.ready[class].len() < state.target[class] => {
-                    state.ready[class].push(block);
+                    // Entered in the map here, off the allocating threads' path (the map's
+                    // lock is the innermost of all).
+                    let handed = Allocation::new(block.ptr(), size, block.kind(), class);
+                    let bytes = block.bytes();
+                    blocks
+                        .lock()
+                        .insert(block.ptr().as_ptr() as usize, (block, class));
+                    state.ready[class].push((handed, bytes));
                     state.ready_bytes += size;
                 }
                 Ok(block) => {

@@ -1,6 +1,7 @@
 //! Pinning ahead of need: the reserve thread, over the counting heap backend.
 
 use std::alloc::Layout;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -73,6 +74,34 @@ unsafe impl PinnedAllocator for Gated {
     }
 }
 
+/// The heap backend pinning a page more than asked, which checks that every block comes back
+/// as it described it.
+#[derive(Clone, Default)]
+struct Padded {
+    heap: Heap,
+    /// Bytes of each block out, by address.
+    out: Arc<Mutex<HashMap<usize, usize>>>,
+}
+
+// SAFETY: forwards to `Heap`, with a larger layout.
+unsafe impl PinnedAllocator for Padded {
+    fn allocate(&self, layout: Layout) -> Result<Allocation> {
+        let padded = Layout::from_size_align(layout.size() + PAGE, layout.align()).unwrap();
+        let block = self.heap.allocate(padded)?;
+        let address = block.ptr().as_ptr() as usize;
+        self.out.lock().unwrap().insert(address, block.bytes());
+        Ok(block)
+    }
+
+    unsafe fn deallocate(&self, allocation: Allocation) {
+        let address = allocation.ptr().as_ptr() as usize;
+        let bytes = self.out.lock().unwrap().remove(&address);
+        assert_eq!(bytes, Some(allocation.bytes()), "not the block as pinned");
+        // SAFETY: forwarded from the caller.
+        unsafe { self.heap.deallocate(allocation) }
+    }
+}
+
 /// Waits until `done` holds; fails the test after a minute (a thread that never got there).
 fn eventually(what: &str, mut done: impl FnMut() -> bool) {
     let start = Instant::now();
@@ -83,6 +112,7 @@ fn eventually(what: &str, mut done: impl FnMut() -> bool) {
 }
 
 const MIB: usize = 1 << 20;
+const PAGE: usize = 4096;
 
 #[test]
 fn allocations_take_blocks_pinned_ahead_and_the_thread_tops_up() {
@@ -441,4 +471,39 @@ fn a_block_cached_while_a_miss_looks_at_pending_blocks_comes_before_one_pinned_a
     );
     // SAFETY: allocated from this pool; nothing uses it.
     unsafe { pool.free_raw(got) };
+}
+
+#[test]
+fn a_block_pinned_ahead_counts_as_pinned_once_taken_and_is_released_as_pinned() {
+    let backend = Padded::default();
+    let pool = Pool::with_backend(backend.clone(), PoolConfig::new());
+    pool.reserve(MIB, 2).unwrap();
+    eventually("ready", || {
+        pool.stats().reserve_ready_bytes == 2 * MIB as u64
+    });
+    assert_eq!(pool.stats().allocations.current, 0, "counted before taken");
+
+    let held = pool.with_capacity(MIB).unwrap();
+    let stats = pool.stats();
+    assert_eq!(stats.allocations.current, 1);
+    assert_eq!(stats.allocated_bytes.current, (MIB + PAGE) as u64);
+    drop(held);
+    // Released from the cache, from the reserve, and with the pool: each as the backend
+    // described it (`Padded` checks), and each once.
+    pool.empty_cache();
+    let stats = pool.stats();
+    assert_eq!(stats.allocations.current, 0);
+    assert_eq!(stats.allocated_bytes.current, 0);
+    eventually("topped up", || {
+        pool.stats().reserve_ready_bytes == 2 * MIB as u64
+    });
+    pool.reserve(MIB, 0).unwrap();
+    assert_eq!(backend.heap.live(), 0);
+    pool.reserve(MIB, 1).unwrap();
+    eventually("ready again", || {
+        pool.stats().reserve_ready_bytes == MIB as u64
+    });
+    drop(pool);
+    assert_eq!(backend.heap.live(), 0);
+    assert!(backend.out.lock().unwrap().is_empty());
 }
