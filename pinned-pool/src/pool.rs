@@ -19,7 +19,7 @@ use crate::barrier::Barrier;
 use crate::completion::Completion;
 use crate::config::{ConfigError, PoolConfig};
 use crate::local::{Amount, Cached, Counted, Local, LocalData, idle_bytes, magazine_has_room};
-use crate::reserve::{Ready, Reserve};
+use crate::reserve::{Ahead, Ready, Reserve};
 use crate::size_class::{CLASSES, MAX_NODES, PAGE, SLOT_STRIDE, class_of, class_size, slots};
 use crate::stats::{DurationStat, PoolStats, Stat};
 use crate::threads::PerThread;
@@ -57,7 +57,7 @@ pub struct Pool<B: PinnedAllocator = DefaultPinned, C: Completion = PendingUses>
     /// lock; counted, paused and drained like every other.
     shared: Local,
     /// What threads share: taken on a thread's slow path, and to pause every cache.
-    central: Mutex<Central>,
+    central: Arc<Mutex<Central>>,
     /// Blocks given back while device work may still use them.
     pending: Mutex<Vec<(Allocation, C)>>,
     /// Every block pinned from the backend (blocks pinned ahead included, entered by the
@@ -85,7 +85,7 @@ pub struct Pool<B: PinnedAllocator = DefaultPinned, C: Completion = PendingUses>
 }
 
 /// The shared part of a pool.
-struct Central {
+pub(crate) struct Central {
     /// Idle blocks by class that no thread keeps: spilled from full thread stacks, and
     /// pending blocks whose device work has finished.
     depot: Box<[Vec<Cached>]>,
@@ -96,6 +96,8 @@ struct Central {
     allocated_bytes: Stat,
     host_alloc_time: DurationStat,
     host_free_time: DurationStat,
+    /// Blocks pinned ahead, and what the reserve thread is asked and has met.
+    pub(crate) ahead: Ahead,
 }
 
 impl Central {
@@ -107,6 +109,7 @@ impl Central {
             allocated_bytes: Stat::default(),
             host_alloc_time: DurationStat::default(),
             host_free_time: DurationStat::default(),
+            ahead: Ahead::new(nodes),
         }
     }
 
@@ -223,7 +226,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             barrier: Barrier::new(),
             locals: PerThread::new(),
             shared: Local::new(nodes),
-            central: Mutex::new(Central::new(nodes)),
+            central: Arc::new(Mutex::new(Central::new(nodes))),
             pending: Mutex::new(Vec::new()),
             blocks: Arc::default(),
             nodes,
@@ -381,8 +384,11 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             {
                 return Ok(cached);
             }
-            if let Some(ready) = ahead.take(class) {
-                let allocation = self.adopt_ready(local, ready, size);
+            let mut central = self.central.lock();
+            if let Some(ready) = ahead.take(&mut central.ahead, class) {
+                // SAFETY: this thread owns `local`, is outside `enter` and holds the lock.
+                let data = unsafe { self.own(local) };
+                let allocation = self.count_adopted(&mut central, local, data, ready, size);
                 return Ok(Cached::new(&allocation, None));
             }
         }
@@ -440,7 +446,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         // could reach the lists by finishing its device work first.
         let ready = ahead
             .filter(|_| self.pending_requests.load(Ordering::Relaxed) == 0)?
-            .take(class)?;
+            .take(&mut central.ahead, class)?;
         let allocation = self.count_adopted(&mut central, local, data, ready, size);
         Some(Cached::new(&allocation, None))
     }
@@ -566,12 +572,6 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         self.blocks
             .lock()
             .insert(block.ptr().as_ptr() as usize, (block, class));
-        self.adopt_ready(local, ready, size)
-    }
-
-    /// Hands a block in the block map but never handed out before to `local`'s thread: one
-    /// pass under the lock counts both.
-    fn adopt_ready(&self, local: &Local, ready: Ready, size: usize) -> Allocation {
         let mut central = self.central.lock();
         // SAFETY: this thread owns `local` (the allocating thread's cache, or the shared one),
         // is outside `enter` and holds the lock.
@@ -579,7 +579,8 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         self.count_adopted(&mut central, local, data, ready, size)
     }
 
-    /// [`adopt_ready`](Self::adopt_ready) under the lock, with `local`'s data. `ready` is the
+    /// Counts a block in the block map but never handed out before as one of the pool's, and
+    /// hands it out to `local`'s thread (whose data this is, under the lock). `ready` is the
     /// block as handed out, and the bytes the backend pinned.
     fn count_adopted(
         &self,
@@ -873,25 +874,30 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         let ahead = match self.ahead.get() {
             Some(ahead) => ahead,
             None => {
-                let started = Reserve::start(
-                    self.backend.clone(),
-                    self.nodes,
-                    self.reserved.clone(),
-                    self.config.max_pinned_bytes,
-                    self.blocks.clone(),
-                )
-                .map_err(|source| Error::Os {
-                    call: "pthread_create",
-                    source,
-                })?;
-                // Two first calls at once: one thread is kept, the other stopped (it had no
-                // work yet).
-                let _ = self.ahead.set(started);
+                // Under the pool's lock, so that two first calls at once start one thread.
+                let central = self.central.lock();
+                if self.ahead.get().is_none() {
+                    let started = Reserve::start(
+                        self.backend.clone(),
+                        self.nodes,
+                        self.reserved.clone(),
+                        self.config.max_pinned_bytes,
+                        self.blocks.clone(),
+                        self.central.clone(),
+                    )
+                    .map_err(|source| Error::Os {
+                        call: "pthread_create",
+                        source,
+                    })?;
+                    let _ = self.ahead.set(started);
+                }
+                drop(central);
                 self.ahead.get().expect("set above")
             }
         };
         let class = class + ahead.slot_base;
-        for ready in ahead.set_target(class, blocks) {
+        let excess = ahead.set_target(&mut self.central.lock().ahead, class, blocks);
+        for ready in excess {
             self.release_ahead(ready);
         }
         Ok(())
@@ -927,10 +933,8 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// [`reserve`](Self::reserve)), or why the configured reserve could not start; `None`
     /// when there was none.
     pub fn take_reserve_error(&self) -> Option<Error> {
-        self.reserve_start_error
-            .lock()
-            .take()
-            .or_else(|| self.ahead.get().and_then(Reserve::take_error))
+        let start_error = self.reserve_start_error.lock().take();
+        start_error.or_else(|| self.central.lock().ahead.take_error())
     }
 
     /// Releases every idle block to the backend (PyTorch's `empty_cache`). Blocks in use or
@@ -1086,7 +1090,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// at that moment, so the totals may mix moments (a block freed on one thread and just
     /// handed out on another may count twice or not at all, and `cached_bytes` is derived
     /// from the others). Peaks and backend figures are exact. It costs a short hold of the
-    /// pool's lock (and the reserve's) and a read of each thread's counters, and slows no
+    /// pool's lock and a read of each thread's counters, and slows no
     /// allocation that its thread's cache serves.
     pub fn approximate_stats(&self) -> PoolStats {
         let central = self.central.lock();
@@ -1133,13 +1137,9 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         stats.host_free_time = central.host_free_time;
         stats.pending_requests = self.pending_requests.load(Ordering::Relaxed);
         stats.pending_bytes = self.pending_bytes.load(Ordering::Relaxed) as u64;
-        let Some(ahead) = self.ahead.get() else {
-            return 0;
-        };
-        let figures = ahead.figures();
-        stats.reserve_ready_bytes = figures.ready_bytes as u64;
-        stats.reserve_failures = figures.failures;
-        figures.held_bytes as u64
+        stats.reserve_ready_bytes = central.ahead.ready_bytes() as u64;
+        stats.reserve_failures = central.ahead.failures();
+        central.ahead.held_bytes() as u64
     }
 
     /// Sets every peak to its current value.
@@ -1223,7 +1223,7 @@ impl<B: PinnedAllocator, C: Completion> Drop for Pool<B, C> {
                 idle.extend(list.drain(..).map(|cached| cached.into_allocation(class)));
             }
         };
-        drain(&mut self.central.get_mut().depot);
+        drain(&mut self.central.lock().depot);
         for local in self.locals.iter_mut() {
             drain(&mut local.data_mut().magazine);
         }

@@ -1,7 +1,8 @@
 //! Pinning ahead of need: a thread of the pool's own keeps blocks of chosen classes pinned and
 //! ready, so an allocation that finds its class empty takes one instead of waiting for the
-//! driver (PyTorch's `pinned_reserve_segment_size_mb`, per size class). A block joins the
-//! pool's block map as soon as it is pinned, so that an allocation taking it only counts it.
+//! driver (PyTorch's `pinned_reserve_segment_size_mb`, per size class). The ready blocks are
+//! in the pool's block map already and listed under the pool's own lock, so an allocation
+//! takes one in the hold of the lock that found its class empty, as it would a cached block.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -11,55 +12,83 @@ use std::thread::JoinHandle;
 use cuda_pinned::{Allocation, Error, PinnedAllocator};
 use parking_lot::{Condvar, Mutex};
 
-use crate::pool::BlockMap;
+use crate::pool::{BlockMap, Central};
 use crate::size_class::{PAGE, SLOT_STRIDE, class_size, slots};
 
 /// A block pinned ahead: as the pool hands it out (the class size, tagged with its slot),
 /// with the bytes the backend pinned. The backend's own description is in the block map.
 pub(crate) type Ready = (Allocation, usize);
 
-/// What the reserve thread and the pool share.
-struct Shared {
-    state: Mutex<State>,
-    /// Wakes the thread: a target raised, a block taken, or stop.
-    wake: Condvar,
-}
-
-struct State {
-    /// Blocks to keep ready, by class.
+/// What the reserve thread and the pool share: part of the pool's [`Central`], under its lock.
+pub(crate) struct Ahead {
+    /// Blocks to keep ready, by slot.
     target: Vec<usize>,
-    /// Blocks ready, by class (slot).
+    /// Blocks ready, by slot.
     ready: Vec<Vec<Ready>>,
-    /// Their bytes. Kept under the lock rather than in atomics of their own, so that a take
-    /// touches fewer cache lines the reserve thread writes.
+    /// Their bytes.
     ready_bytes: usize,
-    /// Those, and a block being pinned: what the reserve holds of the pinned-bytes count.
-    held_bytes: usize,
+    /// Bytes of the block being pinned, if any.
+    pinning_bytes: usize,
     /// The first error met since it was last taken, and how many in all.
     error: Option<Error>,
     failures: u64,
-    /// Classes given up on after an error, until the next `reserve` or take.
+    /// Slots given up on after an error, until the next `reserve` or take.
     stalled: Vec<bool>,
     stop: bool,
     /// The thread waits for a wake-up (else it looks at the targets again by itself).
     sleeping: bool,
 }
 
-/// What the reserve holds and has met, at one moment.
-pub(crate) struct Figures {
+impl Ahead {
+    pub(crate) fn new(nodes: usize) -> Self {
+        let slots = slots(nodes);
+        Self {
+            target: vec![0; slots],
+            ready: (0..slots).map(|_| Vec::new()).collect(),
+            ready_bytes: 0,
+            pinning_bytes: 0,
+            error: None,
+            failures: 0,
+            stalled: vec![false; slots],
+            stop: false,
+            sleeping: false,
+        }
+    }
+
     /// Bytes of the blocks ready.
-    pub(crate) ready_bytes: usize,
-    /// Those, and a block being pinned.
-    pub(crate) held_bytes: usize,
+    pub(crate) fn ready_bytes(&self) -> usize {
+        self.ready_bytes
+    }
+
+    /// Those, and a block being pinned: what the reserve holds of the pinned-bytes count.
+    pub(crate) fn held_bytes(&self) -> usize {
+        self.ready_bytes + self.pinning_bytes
+    }
+
     /// Errors met in all.
-    pub(crate) failures: u64,
+    pub(crate) fn failures(&self) -> u64 {
+        self.failures
+    }
+
+    /// The first error met since the last call.
+    pub(crate) fn take_error(&mut self) -> Option<Error> {
+        self.error.take()
+    }
+
+    /// The first slot short of its target, not given up on.
+    fn short(&self) -> Option<usize> {
+        (0..self.target.len())
+            .find(|&slot| !self.stalled[slot] && self.ready[slot].len() < self.target[slot])
+    }
 }
 
 /// The reserve thread, stopped and joined when dropped; what it held is handed back through
 /// [`Reserve::drain`] first. Its ready blocks are in the pool's block map: whoever takes one
-/// back from it (an allocation, or the pool releasing it) owns that entry.
+/// from the lists (an allocation, or the pool releasing it) owns that entry.
 pub(crate) struct Reserve {
-    shared: Arc<Shared>,
+    central: Arc<Mutex<Central>>,
+    /// Wakes the thread: a target raised, a block taken, or stop.
+    wake: Arc<Condvar>,
     /// The first slot of the NUMA node the thread pins on (as its backend said at start).
     pub(crate) slot_base: usize,
     thread: Option<JoinHandle<()>>,
@@ -67,32 +96,20 @@ pub(crate) struct Reserve {
 
 impl Reserve {
     /// Starts the thread, pinning from `backend`, counting each block against `pinned` within
-    /// `limit` before pinning it, and entering it in `blocks` once pinned.
+    /// `limit` before pinning it, and entering it in `blocks` and the lists of `central` once
+    /// pinned. One pool starts one thread (the lists have one writer).
     pub(crate) fn start<B>(
         backend: B,
         nodes: usize,
         pinned: Arc<AtomicUsize>,
         limit: Option<usize>,
         blocks: Arc<BlockMap>,
+        central: Arc<Mutex<Central>>,
     ) -> std::io::Result<Self>
     where
         B: PinnedAllocator + Send + 'static,
     {
-        let slots = slots(nodes);
-        let shared = Arc::new(Shared {
-            state: Mutex::new(State {
-                target: vec![0; slots],
-                ready: (0..slots).map(|_| Vec::new()).collect(),
-                ready_bytes: 0,
-                held_bytes: 0,
-                error: None,
-                failures: 0,
-                stalled: vec![false; slots],
-                stop: false,
-                sleeping: false,
-            }),
-            wake: Condvar::new(),
-        });
+        let wake = Arc::new(Condvar::new());
         // The thread pins for the device current where the pool was told to reserve: the
         // backends place memory near the current device. A new thread starts on device 0, so
         // only another device is set (setting one starts its context, which a pool of memory
@@ -104,7 +121,13 @@ impl Reserve {
         // The thread says which node it pins on: its blocks serve that node's requests.
         let (node_sender, node) = std::sync::mpsc::channel();
         let thread = {
-            let shared = shared.clone();
+            let thread = Pinner {
+                central: central.clone(),
+                wake: wake.clone(),
+                blocks,
+                pinned,
+                limit,
+            };
             std::thread::Builder::new()
                 .name("pinned-pool-reserve".into())
                 .spawn(move || {
@@ -118,7 +141,7 @@ impl Reserve {
                         0
                     };
                     if node_sender.send(node).is_ok() {
-                        shared.run(&backend, &pinned, limit, &blocks);
+                        thread.run(&backend);
                     }
                 })?
         };
@@ -126,81 +149,59 @@ impl Reserve {
             .recv()
             .map_err(|_| std::io::Error::other("the reserve thread ended before it started"))?;
         Ok(Self {
-            shared,
+            central,
+            wake,
             slot_base: node * SLOT_STRIDE,
             thread: Some(thread),
         })
     }
 
-    /// Keeps `blocks` blocks of `class` ready from now on; returns the ready blocks past that,
+    /// Keeps `blocks` blocks of `slot` ready from now on; returns the ready blocks past that,
     /// for the pool to release (still counted against the pinned bytes, still in the map).
-    pub(crate) fn set_target(&self, class: usize, blocks: usize) -> Vec<Ready> {
-        let mut state = self.shared.state.lock();
-        state.target[class] = blocks;
-        state.stalled[class] = false;
-        let keep = state.ready[class].len().min(blocks);
-        let excess: Vec<_> = state.ready[class].drain(keep..).collect();
-        let bytes = excess.len() * class_size(class);
-        state.ready_bytes -= bytes;
-        state.held_bytes -= bytes;
-        drop(state);
-        self.shared.wake.notify_one();
+    pub(crate) fn set_target(&self, ahead: &mut Ahead, slot: usize, blocks: usize) -> Vec<Ready> {
+        ahead.target[slot] = blocks;
+        ahead.stalled[slot] = false;
+        let keep = ahead.ready[slot].len().min(blocks);
+        let excess: Vec<_> = ahead.ready[slot].drain(keep..).collect();
+        ahead.ready_bytes -= excess.len() * class_size(slot);
+        self.wake.notify_one();
         excess
     }
 
-    /// A ready block of `class`, if there is one; the thread pins another in its place.
-    pub(crate) fn take(&self, class: usize) -> Option<Ready> {
-        let mut state = self.shared.state.lock();
-        let block = state.ready[class].pop()?;
-        let size = class_size(class);
-        state.ready_bytes -= size;
-        state.held_bytes -= size;
+    /// A ready block of `slot`, if there is one; the thread pins another in its place.
+    #[inline]
+    pub(crate) fn take(&self, ahead: &mut Ahead, slot: usize) -> Option<Ready> {
+        let block = ahead.ready[slot].pop()?;
+        ahead.ready_bytes -= class_size(slot);
         // Written only when set: the thread reads these flags, and a write would take the
         // cache line from it.
-        if state.stalled[class] {
-            state.stalled[class] = false;
+        if ahead.stalled[slot] {
+            ahead.stalled[slot] = false;
         }
-        let wake = state.sleeping && state.target[class] > 0;
-        drop(state);
         // A busy thread sees the shortfall itself: the allocating thread pays no wake-up.
-        if wake {
-            self.shared.wake.notify_one();
+        if ahead.sleeping && ahead.target[slot] > 0 {
+            self.wake.notify_one();
         }
         Some(block)
-    }
-
-    /// The first error the thread met since the last call.
-    pub(crate) fn take_error(&self) -> Option<Error> {
-        self.shared.state.lock().error.take()
-    }
-
-    /// Its statistics, read together.
-    pub(crate) fn figures(&self) -> Figures {
-        let state = self.shared.state.lock();
-        Figures {
-            ready_bytes: state.ready_bytes,
-            held_bytes: state.held_bytes,
-            failures: state.failures,
-        }
     }
 
     /// Stops the thread and returns every ready block, already counted against the pinned
     /// bytes and in the map.
     pub(crate) fn drain(&mut self) -> Vec<Ready> {
         self.stop();
-        let mut state = self.shared.state.lock();
+        let mut central = self.central.lock();
+        let ahead = &mut central.ahead;
         let mut blocks = Vec::new();
-        for ready in &mut state.ready {
+        for ready in &mut ahead.ready {
             blocks.append(ready);
         }
-        state.ready_bytes = 0;
-        state.held_bytes = 0;
+        ahead.ready_bytes = 0;
         blocks
     }
 
     fn stop(&mut self) {
-        self.shared.state.lock().stop = true;
-        self.shared.wake.notify_all();
+        self.central.lock().ahead.stop = true;
+        self.wake.notify_all();
         if let Some(thread) = self.thread.take() {
             // A panic in the backend ended the thread early; what it pinned is still listed.
             let _ = thread.join();
@@ -214,40 +215,37 @@ impl Drop for Reserve {
     }
 }
 
-impl Shared {
-    /// The thread: pins a block for the first class short of its target, until told to stop.
-    fn run<B: PinnedAllocator>(
-        &self,
-        backend: &B,
-        pinned: &AtomicUsize,
-        limit: Option<usize>,
-        blocks: &BlockMap,
-    ) {
+/// What the thread holds.
+struct Pinner {
+    central: Arc<Mutex<Central>>,
+    wake: Arc<Condvar>,
+    blocks: Arc<BlockMap>,
+    pinned: Arc<AtomicUsize>,
+    limit: Option<usize>,
+}
+
+impl Pinner {
+    /// The thread: pins a block for the first slot short of its target, until told to stop.
+    fn run<B: PinnedAllocator>(&self, backend: &B) {
         loop {
-            let class = {
-                let mut state = self.state.lock();
+            let slot = {
+                let mut central = self.central.lock();
                 loop {
-                    if state.stop {
+                    let ahead = &mut central.ahead;
+                    if ahead.stop {
                         return;
                     }
-                    let short = (0..state.target.len()).find(|&class| {
-                        !state.stalled[class] && state.ready[class].len() < state.target[class]
-                    });
-                    match short {
-                        Some(class) => {
-                            state.held_bytes += class_size(class);
-                            break class;
-                        }
-                        None => {
-                            state.sleeping = true;
-                            self.wake.wait(&mut state);
-                            state.sleeping = false;
-                        }
+                    if let Some(slot) = ahead.short() {
+                        ahead.pinning_bytes = class_size(slot);
+                        break slot;
                     }
+                    ahead.sleeping = true;
+                    self.wake.wait(&mut central);
+                    central.ahead.sleeping = false;
                 }
             };
-            let size = class_size(class);
-            let pinned_block = count(pinned, size, limit).and_then(|()| {
+            let size = class_size(slot);
+            let pinned_block = count(&self.pinned, size, self.limit).and_then(|()| {
                 let layout = std::alloc::Layout::from_size_align(size, PAGE)
                     .map_err(|_| Error::CapacityOverflow);
                 // A panicking backend is an error like any other: the thread goes on, and
@@ -257,48 +255,47 @@ impl Shared {
                         .unwrap_or(Err(Error::Unsupported("the backend panicked")))
                 });
                 if block.is_err() {
-                    pinned.fetch_sub(size, Ordering::Relaxed);
+                    self.pinned.fetch_sub(size, Ordering::Relaxed);
                 }
                 block
             });
-            let mut state = self.state.lock();
+            let mut central = self.central.lock();
+            let ahead = &mut central.ahead;
+            ahead.pinning_bytes = 0;
             match pinned_block {
-                Ok(block) if state.ready[class].len() < state.target[class] => {
-                    // Entered in the map here, off the allocating threads' path (the map's
-                    // lock is the innermost of all).
-                    let handed = Allocation::new(block.ptr(), size, block.kind(), class);
+                Ok(block) if ahead.ready[slot].len() < ahead.target[slot] => {
+                    let handed = Allocation::new(block.ptr(), size, block.kind(), slot);
                     let bytes = block.bytes();
-                    blocks
+                    // Entered in the map here, off the allocating threads' path.
+                    self.blocks
                         .lock()
-                        .insert(block.ptr().as_ptr() as usize, (block, class));
-                    state.ready[class].push((handed, bytes));
-                    state.ready_bytes += size;
+                        .insert(block.ptr().as_ptr() as usize, (block, slot));
+                    ahead.ready[slot].push((handed, bytes));
+                    ahead.ready_bytes += size;
                 }
                 Ok(block) => {
                     // The target fell while the block was being pinned: it is not wanted.
-                    state.held_bytes -= size;
-                    drop(state);
+                    drop(central);
                     let released = std::panic::catch_unwind(AssertUnwindSafe(|| {
                         // SAFETY: pinned above from the backend and never handed out.
                         unsafe { backend.deallocate(block) }
                     }));
                     if released.is_ok() {
-                        pinned.fetch_sub(size, Ordering::Relaxed);
+                        self.pinned.fetch_sub(size, Ordering::Relaxed);
                     } else {
                         // Whether the block was freed is unknown: its bytes stay counted
                         // (the cap errs on the safe side), and the thread goes on.
-                        let mut state = self.state.lock();
-                        state.error.get_or_insert(Error::Unsupported(
+                        let ahead = &mut self.central.lock().ahead;
+                        ahead.error.get_or_insert(Error::Unsupported(
                             "the backend panicked releasing a block pinned ahead",
                         ));
-                        state.failures += 1;
+                        ahead.failures += 1;
                     }
                 }
                 Err(error) => {
-                    state.held_bytes -= size;
-                    state.error.get_or_insert(error);
-                    state.failures += 1;
-                    state.stalled[class] = true;
+                    ahead.error.get_or_insert(error);
+                    ahead.failures += 1;
+                    ahead.stalled[slot] = true;
                 }
             }
         }

@@ -217,3 +217,65 @@ fn blocks_cached_by_finished_threads_are_released() {
     pool.empty_cache();
     assert_eq!(heap.live(), 0);
 }
+
+#[test]
+fn threads_taking_blocks_pinned_ahead_while_the_target_moves_keep_exact_stats() {
+    const MIB: usize = 1 << 20;
+    let heap = Heap::new();
+    let pool = Arc::new(TestPool::with_completion(heap.clone(), PoolConfig::new()));
+    pool.reserve(MIB, 4).unwrap();
+    let threads = 8;
+    let start = Arc::new(Barrier::new(threads + 1));
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let (pool, start) = (pool.clone(), start.clone());
+            std::thread::spawn(move || {
+                start.wait();
+                let mut held = Vec::new();
+                for i in 0..rounds() {
+                    let size = if (i + t) % 3 == 0 { 64 << 10 } else { MIB };
+                    held.push(pool.allocate_raw(size).unwrap());
+                    // Up to a dozen held: the 1 MiB class runs dry and takes ready blocks.
+                    if held.len() > 12 || i % 7 == 0 {
+                        // SAFETY: from this pool, unused.
+                        unsafe { pool.free_raw(held.swap_remove(0)) };
+                    }
+                }
+                for block in held {
+                    // SAFETY: from this pool, unused.
+                    unsafe { pool.free_raw(block) };
+                }
+            })
+        })
+        .collect();
+    start.wait();
+    for i in 0..rounds() / 10 {
+        pool.reserve(MIB, [0, 8, 2, 16][i % 4]).unwrap();
+        let stats = pool.approximate_stats();
+        assert!(stats.reserve_ready_bytes <= 16 * MIB as u64);
+        if i % 5 == 0 {
+            pool.empty_cache();
+        }
+    }
+    for handle in handles {
+        handle.join().unwrap();
+    }
+    pool.reserve(MIB, 0).unwrap();
+    // A block being pinned when the target fell is released by the thread itself.
+    let start = std::time::Instant::now();
+    while heap.live() as u64 != pool.stats().allocations.current {
+        assert!(start.elapsed().as_secs() < 60, "the reserve kept a block");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let stats = pool.stats();
+    let total = (threads * rounds()) as u64;
+    assert_eq!(stats.reserve_ready_bytes, 0);
+    assert_eq!(stats.active_requests.current, 0);
+    assert_eq!(stats.active_requests.allocated, total);
+    assert_eq!(stats.cache_hits + stats.cache_misses, total);
+    // Every miss pinned a block or took one pinned ahead; those all count as allocations.
+    assert_eq!(stats.cache_misses, stats.num_host_alloc);
+    assert_eq!(stats.cached_bytes, stats.allocated_bytes.current);
+    drop(pool);
+    assert_eq!(heap.live(), 0);
+}
