@@ -113,17 +113,18 @@
 //!
 //! *Pinning ahead.* [`Pool::reserve`] starts a thread of the pool's own that keeps a number of
 //! blocks of a class pinned and ready, and pins another each time one is taken (or configure
-//! it: [`PoolConfig::reserve`], `CUDA_PINNED_POOL_CONF=reserve_mb:16x64`). An
-//! allocation that finds its class empty takes a ready block before anything slower (no
-//! pause, no backend call). Pinning runs outside every pool lock; registration holds the
-//! driver's lock for its whole range, so small blocks keep other threads' copies from waiting
-//! long while the pool grows (measured on an H100 host: 1 GiB as 128 blocks of 8 MiB grew in
-//! 150–180 ms with the worst concurrent 64 KiB copy at 0.5–0.7 ms in four runs of five,
-//! against 20–31 ms for one 1 GiB registration). Over host memory from CUDA's
-//! virtual-memory API (`Pool::with_backend(VirtualHost::new().fixed_size(), ..)`), which takes the driver's
-//! lock one chunk at a time, the worst concurrent copy while the pool grew by 1 GiB was
-//! 0.04–0.46 ms in eleven runs; that memory costs 0.24–0.30 s per GiB to create, which the
-//! background thread pays.
+//! it: [`PoolConfig::reserve`], `CUDA_PINNED_POOL_CONF=reserve_mb:16x64`). An allocation that
+//! finds its class empty takes a ready block before anything slower (no pause, no backend
+//! call), in the same hold of the pool's lock, as it would a cached block: on an H100 host
+//! 0.94–1.09× the cost of a pool hit of the same size. Pinning runs outside every pool lock;
+//! registration holds the driver's lock for its whole range, so small blocks keep other
+//! threads' copies from waiting long while the pool grows (measured on an H100 host: 1 GiB as
+//! 128 blocks of 8 MiB grew in 150–180 ms with the worst concurrent 64 KiB copy at 0.5–0.7 ms
+//! in four runs of five, against 20–31 ms for one 1 GiB registration). Over host memory from
+//! CUDA's virtual-memory API (`Pool::with_backend(VirtualHost::new().fixed_size(), ..)`), which
+//! takes the driver's lock one chunk at a time, the worst concurrent copy while the pool grew
+//! by 1 GiB was 0.04–0.46 ms in eleven runs; that memory costs 0.24–0.30 s per GiB to create,
+//! which the background thread pays.
 //!
 //! *Failure.* A block whose device work cannot be known (a CUDA error) is never reused and,
 //! when the pool drops, never freed: leaking is the only safe answer to a device that may
