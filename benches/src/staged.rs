@@ -39,7 +39,7 @@ fn sizes(quick: bool) -> Vec<usize> {
 
 /// Work items, for the progress bar.
 pub fn steps(quick: bool) -> usize {
-    sizes(quick).len() + if quick { 3 } else { 5 }
+    sizes(quick).len() + if quick { 3 } else { 6 }
 }
 
 fn gbps(bytes: usize, seconds: f64) -> f64 {
@@ -317,6 +317,58 @@ fn small_uploads(stager: &Stager, section: &mut Section, progress: &mut Progress
     Ok(())
 }
 
+/// What a small download into ordinary memory costs, in ns per call: the driver's path as the
+/// table times it (`cudaMemcpyAsync`, then the stream waited for) and the stager, interleaved
+/// run by run.
+fn small_downloads(stager: &Stager, section: &mut Section, progress: &mut Progress) -> Result<()> {
+    progress.step("staged small downloads");
+    let stream = Stream::new()?;
+    let mut lines = Vec::new();
+    for bytes in [4 << 10, 16 << 10] {
+        let mut sink = vec![0xA5u8; bytes];
+        let device = DeviceBuffer::<u8>::zeroed(bytes)?;
+        let calls = calls_per_rep(bytes);
+        let (mut plain, mut staged) = (Vec::new(), Vec::new());
+        for rep in 0..=15 {
+            let p = timed_calls(calls, || {
+                // SAFETY: the buffers hold `bytes` and outlive the call, which waits.
+                unsafe {
+                    raw(
+                        &stream,
+                        sink.as_mut_ptr(),
+                        device.as_raw(),
+                        bytes,
+                        Direction::DeviceToHost,
+                    )
+                }
+            })?;
+            let s = timed_calls(calls, || {
+                stager.copy_from_device(&stream, &device, &mut sink)
+            })?;
+            if rep > 0 {
+                plain.push(p * 1e9);
+                staged.push(s * 1e9);
+            }
+        }
+        let (plain, staged) = (Spread::of(plain), Spread::of(staged));
+        lines.push(format!(
+            "{}: cudaMemcpyAsync {:.0}, staged {:.0} / {:.0} / {:.0} ({:.3}× cudaMemcpyAsync)",
+            size_label(bytes as u64),
+            plain.median,
+            staged.min,
+            staged.median,
+            staged.max,
+            plain.median / staged.median,
+        ));
+    }
+    section.notes.push(format!(
+        "small downloads into ordinary memory, ns per call, medians of 15 runs (staged min / \
+         median / max): {}",
+        lines.join("; ")
+    ));
+    Ok(())
+}
+
 /// An event without timing, made and destroyed through the runtime.
 struct UntimedEvent(cudaEvent_t);
 
@@ -546,6 +598,7 @@ fn sweep(section: &mut Section, progress: &mut Progress) -> Result<()> {
         let mut line = format!("sweep {:>7}:", size_label(bytes as u64));
         let ring_only = StagingConfig {
             driver_uploads: Vec::new(),
+            driver_downloads: Vec::new(),
             ..StagingConfig::default()
         };
         let variants = [
@@ -664,6 +717,7 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
     by_size(&stager, quick, &mut section, progress)?;
     if !quick {
         small_uploads(&stager, &mut section, progress)?;
+        small_downloads(&stager, &mut section, progress)?;
     }
     back_to_back(&stager, quick, &mut section, progress)?;
     both_ways(&stager, quick, &mut section, progress)?;

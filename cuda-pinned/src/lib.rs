@@ -49,8 +49,9 @@
 //!
 //! Data that lives in a `Vec` or a `&[T]` need not be pinned first: a [`Stager`] copies it
 //! through a ring of page-locked chunks that several threads fill while the DMA engine drains
-//! them (on an H100, 3.5–5.9× the driver's own path from 64 MiB up; at 1 GiB 85% of
-//! page-locked memory for uploads, 96% for downloads; see benches/RESULTS.md).
+//! them (on an H100, 3.5–5.9× the driver's own path from 64 MiB up; at 1 GiB about 90% of
+//! page-locked memory for uploads made back to back, 96% for downloads; see
+//! benches/RESULTS.md). Copies of the sizes where the driver's own call is as fast take it.
 //! An upload returns once the source has been read; a download once the destination is filled.
 //!
 //! ```no_run

@@ -9,12 +9,13 @@
 //! - device → host: the DMA fills the chunk, then a thread copies it out.
 //!
 //! Persistent worker threads and the calling thread take pieces in parallel; a copy of at
-//! most [`StagingConfig::single_thread_bytes`] runs on the calling thread alone. Uploads of
+//! most [`StagingConfig::single_thread_bytes`] runs on the calling thread alone. Copies of
 //! the sizes where the driver's own path was measured as fast
-//! ([`StagingConfig::driver_uploads`]) take that path, from sources that start in ordinary
-//! memory, on devices that cannot read pageable memory themselves (the driver then stages
-//! the source before its call returns). Downloads copy large pieces out with non-temporal
-//! stores ([`StagingConfig::streaming_stores`]).
+//! ([`StagingConfig::driver_uploads`], [`StagingConfig::driver_downloads`]) take that path,
+//! for host memory that starts in ordinary memory, on devices that cannot read pageable
+//! memory themselves (the driver then stages it within its call: a source is read, a
+//! destination filled, before the call returns). Downloads copy large pieces out with
+//! non-temporal stores ([`StagingConfig::streaming_stores`]).
 
 use std::collections::VecDeque;
 use std::mem::ManuallyDrop;
@@ -50,18 +51,17 @@ pub struct StagingConfig {
     /// The smallest piece a larger copy is cut into. Copies are cut into about two pieces
     /// per thread, smaller at both ends: the DMA engine starts early and drains a short tail.
     pub min_piece_bytes: usize,
-    /// Uploads of these sizes (in bytes) from ordinary memory take the driver's own path:
-    /// one copy call from the source (`cuMemcpyHtoDAsync`, or the runtime's
-    /// `cudaMemcpyAsync` where the driver's entry points cannot be reached). On a device that
-    /// cannot read pageable memory itself, the driver copies such a source into pinned
-    /// staging buffers before the call returns (CUDA documents this for `cudaMemcpy`; for the
-    /// asynchronous calls it was observed, and the GPU tests check it with the stream held
-    /// back). Devices that read pageable
-    /// memory directly (HMM, ATS) and sources that start in page-locked memory always go
-    /// through the ring. The driver decides by the source's first byte, looked up by byte,
+    /// Uploads of these sizes (in bytes) from ordinary memory take the driver's own path: one
+    /// copy call from the source (`cuMemcpyHtoDAsync`, or the runtime's `cudaMemcpyAsync` where
+    /// the driver's entry points cannot be reached). On a device that cannot read pageable
+    /// memory itself, the driver copies such a source into pinned staging buffers before the
+    /// call returns (CUDA documents this for `cudaMemcpy`; for the asynchronous calls it was
+    /// observed, and the GPU tests check it with the stream held back). Devices that read
+    /// pageable memory directly (HMM, ATS) and sources that start in page-locked memory always
+    /// go through the ring. The driver decides by the source's first byte, looked up by byte,
     /// not by page: registered memory sharing a page with the source, lying inside it or
-    /// holding its end leaves it staged (checked by the GPU tests too). The call may wait
-    /// for work queued earlier on the stream.
+    /// holding its end leaves it staged (checked by the GPU tests too). The call may wait for
+    /// work queued earlier on the stream.
     ///
     /// The defaults are where the ring was not reliably faster on an H100 host: up to 16 KiB
     /// (a chunk's event calls cost more than they save) and from 128 KiB to 4 MiB (the driver
@@ -70,6 +70,21 @@ pub struct StagingConfig {
     /// 0.65–0.9× on others). Around 64 KiB the driver's path is slow and one chunk 1.6×
     /// faster. Empty: every upload goes through the ring.
     pub driver_uploads: Vec<RangeInclusive<usize>>,
+    /// Downloads of these sizes (in bytes) into ordinary memory take the driver's own path:
+    /// one copy call into the destination (`cuMemcpyDtoHAsync`, or `cudaMemcpyAsync`). On a
+    /// device that cannot read pageable memory itself, that call returns only once such a
+    /// destination is filled (CUDA documents this for `cudaMemcpyAsync`), so the download
+    /// needs no event and no wait of its own. As for uploads, the driver decides by the
+    /// destination's first byte (observed, and checked by the GPU tests with registered
+    /// memory inside it, holding its end or sharing its pages); page-locked destinations and
+    /// devices that read pageable memory go through the ring.
+    ///
+    /// The default is up to 16 KiB: there the driver's call alone ran 1.04–1.20× the
+    /// driver's path as programs use it (`cudaMemcpyAsync`, then the stream waited for) on an
+    /// H100 host, the ring's one chunk (a copy call, an event recorded and waited for, then a
+    /// copy out) 0.97–1.19×; from 32 KiB the two ran alike. Empty: every download goes
+    /// through the ring.
+    pub driver_downloads: Vec<RangeInclusive<usize>>,
     /// Downloads copy pieces of 4 KiB and more out of the ring with non-temporal stores
     /// (past the CPU's caches) where the CPU has them (x86-64 with AVX2): the destination's
     /// cache lines are not read first, which saves memory bandwidth on large downloads, but
@@ -89,6 +104,7 @@ impl Default for StagingConfig {
             single_thread_bytes: 256 << 10,
             min_piece_bytes: 512 << 10,
             driver_uploads: vec![0..=(16 << 10), (128 << 10)..=(4 << 20)],
+            driver_downloads: vec![0..=(16 << 10)],
             streaming_stores: true,
         }
     }
@@ -214,7 +230,7 @@ impl<A: PinnedAllocator> Stager<A> {
         self.prepare(stream, range, src.len())?;
         let bytes = size_of_val(src);
         ffi::on_device(self.engine.device, || {
-            let copied = if self.takes_driver_path(src) {
+            let copied = if self.takes_driver_path(src, &self.config().driver_uploads) {
                 // SAFETY: this device cannot read pageable memory, so the driver copies a
                 // pageable source into its own pinned buffers before its copy call returns
                 // (`driver_uploads` says how this is known); `src` starts in ordinary memory,
@@ -223,7 +239,13 @@ impl<A: PinnedAllocator> Stager<A> {
                 // need only be valid during the call. The device range is live, borrowed
                 // uniquely, and records the copy below.
                 unsafe {
-                    ffi::upload_async(range.address, src.as_ptr().cast(), bytes, stream.as_raw())
+                    ffi::copy_once(
+                        range.address as *mut std::ffi::c_void,
+                        src.as_ptr().cast(),
+                        bytes,
+                        Direction::HostToDevice,
+                        stream.as_raw(),
+                    )
                 }
             } else {
                 // SAFETY: `src` is readable for `bytes` and borrowed until the engine
@@ -246,22 +268,18 @@ impl<A: PinnedAllocator> Stager<A> {
         })
     }
 
-    /// Whether an upload from `src` takes the driver's own path: its size is one of
-    /// `driver_uploads`, the device cannot read pageable memory, and CUDA sees the source's
-    /// first byte as ordinary memory. The driver decides by that byte alone: a source that
+    /// Whether a copy from or into `host` takes the driver's own path: its size is one of
+    /// `sizes`, the device cannot read pageable memory, and CUDA sees the host side's first
+    /// byte as ordinary memory. The driver decides by that byte alone: host memory that
     /// starts in ordinary memory is staged even where registered memory lies inside it or
-    /// holds its end (the GPU tests check both), and one that starts in registered memory
+    /// holds its end (the GPU tests check both), and memory that starts in registered memory
     /// but ends past it is refused. Runs with the stager's device current.
-    fn takes_driver_path<T>(&self, src: &[T]) -> bool {
-        let bytes = size_of_val(src);
+    fn takes_driver_path<T>(&self, host: &[T], sizes: &[RangeInclusive<usize>]) -> bool {
+        let bytes = size_of_val(host);
         bytes > 0
             && self.stages_pageable
-            && self
-                .config()
-                .driver_uploads
-                .iter()
-                .any(|r| r.contains(&bytes))
-            && ffi::is_pageable(src.as_ptr().cast())
+            && sizes.iter().any(|r| r.contains(&bytes))
+            && ffi::is_pageable(host.as_ptr().cast())
     }
 
     /// Checks the devices and the lengths, and orders `stream` after copies of `range` on
@@ -324,6 +342,30 @@ impl<A: PinnedAllocator> Stager<A> {
         self.prepare(stream, range, dst.len())?;
         let bytes = size_of_val(dst);
         ffi::on_device(self.engine.device, || {
+            if self.takes_driver_path(dst, &self.config().driver_downloads) {
+                // SAFETY: this device cannot read pageable memory, so the driver fills a
+                // pageable destination from its own pinned buffers before its copy call
+                // returns (`driver_downloads` says how this is known); `dst` starts in
+                // ordinary memory, which is what the driver decides by, is writable for
+                // `bytes` and borrowed uniquely until this returns, and any bytes are a valid
+                // `T`. The device range is live; once the call has returned, the destination
+                // is filled and nothing reads the range any more.
+                let copied = unsafe {
+                    ffi::copy_once(
+                        dst.as_mut_ptr().cast(),
+                        range.address as *const std::ffi::c_void,
+                        bytes,
+                        Direction::DeviceToHost,
+                        stream.as_raw(),
+                    )
+                };
+                if copied.is_err() {
+                    // Whether the driver's DMA still reads the range is unknown: it must know
+                    // when the stream gets past it.
+                    let _ = self.end_on(stream, range);
+                }
+                return copied;
+            }
             // SAFETY: `dst` is writable for `bytes`, borrowed uniquely until the engine
             // returns (after its last write), and any bytes are a valid `T`; the device range
             // is live and records the reads below before its memory can be freed.

@@ -284,6 +284,7 @@ fn config(chunk_bytes: usize, threads: usize, slots: usize) -> StagingConfig {
         single_thread_bytes: chunk_bytes,
         min_piece_bytes: 64,
         driver_uploads: Vec::new(),
+        driver_downloads: Vec::new(),
         streaming_stores: true,
     }
 }

@@ -66,6 +66,7 @@ fn typed_elements_and_odd_configurations() {
         single_thread_bytes: 0,
         min_piece_bytes: 1000,
         driver_uploads: Vec::new(),
+        driver_downloads: Vec::new(),
         // Chunks of 4104 bytes: downloads start their streaming stores unaligned.
         streaming_stores: true,
     };
@@ -153,6 +154,27 @@ fn takes_the_drivers_path(stager: &Stager, len: usize) -> bool {
         .any(|r| r.contains(&len))
 }
 
+fn downloads_take_the_drivers_path(stager: &Stager, len: usize) -> bool {
+    stager
+        .config()
+        .driver_downloads
+        .iter()
+        .any(|r| r.contains(&len))
+}
+
+/// Downloads into `into` behind 200 ms of other work on the stream, and checks that `into`
+/// holds the device's data as soon as the download returns.
+fn filled_when_the_download_returns(stager: &Stager, stream: &Stream, into: &mut [u8], what: &str) {
+    let original = pattern(into.len(), 5);
+    let device = DeviceBuffer::from_slice(&original).unwrap();
+    into.fill(0);
+    stream
+        .launch_host_fn(|| std::thread::sleep(Duration::from_millis(200)))
+        .unwrap();
+    stager.copy_from_device(stream, &device, into).unwrap();
+    assert!(into == &original[..], "{what}, {} bytes", into.len());
+}
+
 /// Page-locked sources of sizes the driver's path takes, of every kind: a `cudaMemcpyAsync`
 /// from them would return before reading them, so they go through the ring, and changing
 /// them right after the upload returns still does not change what arrives.
@@ -224,7 +246,6 @@ impl Drop for RawRegistration {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_source_starting_in_ordinary_memory_is_read_before_the_upload_returns() {
-    const PAGE: usize = 4096;
     let stager = Stager::new().unwrap();
     let stream = Stream::new().unwrap();
     if reads_pageable_memory() {
@@ -234,52 +255,90 @@ fn a_source_starting_in_ordinary_memory_is_read_before_the_upload_returns() {
     for len in [12 << 10, 256 << 10, 4 << 20] {
         assert!(takes_the_drivers_path(&stager, len));
         let mut memory = vec![0u8; len + 4 * PAGE];
-        // The source starts half a page into the second page and ends half a page into its
-        // last page.
-        let start = PAGE - (memory.as_ptr() as usize % PAGE) + PAGE / 2;
-        let end = start + len;
-        let mut cases: Vec<(String, Vec<(usize, usize)>)> = vec![
-            (
-                "registered bytes in its first and last pages".into(),
-                vec![(start - PAGE / 2, PAGE / 2), (end, PAGE / 2)],
-            ),
-            (
-                "a page registered inside it".into(),
-                vec![(start + PAGE / 2, PAGE)],
-            ),
-            (
-                "its end inside a registration".into(),
-                vec![(end - 1024, 2 * PAGE)],
-            ),
-        ];
-        // Registrations from a point inside the source past its end, at the starts of pieces
-        // of the sizes a driver might cut a copy into, and at page starts.
-        for from in [2 << 10, 32 << 10, 64 << 10, 128 << 10, 1 << 20, 2 << 20] {
-            if from < len {
-                cases.push((
-                    format!("a registration from byte {from} past its end"),
-                    vec![(start + from, len - from + PAGE)],
-                ));
-                let page = (start + from).next_multiple_of(PAGE) - start;
-                if page == from {
-                    continue;
-                }
-                cases.push((
-                    format!("a registration from the page at byte {page} past its end"),
-                    vec![(start + page, len - page + PAGE)],
-                ));
-            }
-        }
+        let (start, cases) = registered_around(&memory, len);
         for (what, registrations) in cases {
             let _registered: Vec<_> = registrations
                 .into_iter()
                 .map(|(at, bytes)| RawRegistration::new(&mut memory, at, bytes))
                 .collect();
-            let source = &mut memory[start..end];
+            let source = &mut memory[start..start + len];
             source.copy_from_slice(&pattern(len, 7));
             arrives_as_it_was_when_the_upload_returned(&stager, &stream, source, &what);
         }
     }
+}
+
+/// As for uploads, a destination that starts in ordinary memory is filled before the
+/// download returns, whatever registered memory lies around, inside or at the end of it:
+/// the driver's path, which looks only at the first byte, is taken for all of them.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_destination_starting_in_ordinary_memory_is_filled_before_the_download_returns() {
+    let stager = Stager::new().unwrap();
+    let stream = Stream::new().unwrap();
+    if reads_pageable_memory() {
+        eprintln!("this device reads ordinary memory itself: the driver's path is never taken");
+        return;
+    }
+    for len in [12 << 10, 16 << 10] {
+        assert!(downloads_take_the_drivers_path(&stager, len));
+        let mut memory = vec![0u8; len + 4 * PAGE];
+        let (start, cases) = registered_around(&memory, len);
+        for (what, registrations) in cases {
+            let _registered: Vec<_> = registrations
+                .into_iter()
+                .map(|(at, bytes)| RawRegistration::new(&mut memory, at, bytes))
+                .collect();
+            let into = &mut memory[start..start + len];
+            filled_when_the_download_returns(&stager, &stream, into, &what);
+        }
+    }
+}
+
+const PAGE: usize = 4096;
+
+/// What a case is called, and the `(start, bytes)` ranges it registers.
+type Case = (String, Vec<(usize, usize)>);
+
+/// Where in `memory` (of `len` + 4 pages) host memory of `len` bytes starts (half a page into
+/// its second page, ending half a page into its last), and ranges to register around it:
+/// bytes in its first and last pages, a page inside it, its end, and from points inside it
+/// past its end (at the starts of pieces of the sizes a driver might cut a copy into, and at
+/// page starts).
+fn registered_around(memory: &[u8], len: usize) -> (usize, Vec<Case>) {
+    let start = PAGE - (memory.as_ptr() as usize % PAGE) + PAGE / 2;
+    let end = start + len;
+    let mut cases: Vec<Case> = vec![
+        (
+            "registered bytes in its first and last pages".into(),
+            vec![(start - PAGE / 2, PAGE / 2), (end, PAGE / 2)],
+        ),
+        (
+            "a page registered inside it".into(),
+            vec![(start + PAGE / 2, PAGE)],
+        ),
+        (
+            "its end inside a registration".into(),
+            vec![(end - 1024, 2 * PAGE)],
+        ),
+    ];
+    for from in [2 << 10, 32 << 10, 64 << 10, 128 << 10, 1 << 20, 2 << 20] {
+        if from < len {
+            cases.push((
+                format!("a registration from byte {from} past its end"),
+                vec![(start + from, len - from + PAGE)],
+            ));
+            let page = (start + from).next_multiple_of(PAGE) - start;
+            if page == from {
+                continue;
+            }
+            cases.push((
+                format!("a registration from the page at byte {page} past its end"),
+                vec![(start + page, len - page + PAGE)],
+            ));
+        }
+    }
+    (start, cases)
 }
 
 /// Whether the current device reads ordinary memory itself (HMM, ATS): then every upload goes
@@ -300,24 +359,32 @@ fn reads_pageable_memory() -> bool {
     access != 0
 }
 
-/// A download returns with the destination filled, behind other work on the stream, into
-/// ordinary and into page-locked memory.
+/// A download returns with the destination filled, behind other work on the stream: into
+/// ordinary memory (the driver's path at 4 and 16 KiB, the ring at 64 KiB) and into
+/// page-locked memory of every kind (the ring, which the driver's call would leave to fill
+/// later).
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_download_returns_with_the_destination_filled() {
     let stager = Stager::new().unwrap();
     let stream = Stream::new().unwrap();
-    let len = 4096;
-    let original = pattern(len, 5);
-    let device = DeviceBuffer::from_slice(&original).unwrap();
-    let mut ordinary = vec![0u8; len];
-    let mut locked = cuda_pinned::PinnedVec::<u8>::zeroed(len).unwrap();
-    for into in [&mut ordinary[..], &mut locked[..]] {
-        stream
-            .launch_host_fn(|| std::thread::sleep(Duration::from_millis(200)))
-            .unwrap();
-        stager.copy_from_device(&stream, &device, into).unwrap();
-        assert!(into == &original[..]);
+    for len in [4 << 10, 16 << 10, 64 << 10] {
+        assert_eq!(
+            downloads_take_the_drivers_path(&stager, len),
+            len <= 16 << 10
+        );
+        filled_when_the_download_returns(&stager, &stream, &mut vec![0u8; len], "ordinary");
+        let mut host = PinnedVec::<u8, _>::with_capacity_in(len, CudaHost::new()).unwrap();
+        host.resize(len, 0);
+        filled_when_the_download_returns(&stager, &stream, &mut host, "cudaHostAlloc");
+        let mut registered = PinnedVec::<u8, _>::with_capacity_in(len, Registered::new()).unwrap();
+        registered.resize(len, 0);
+        filled_when_the_download_returns(&stager, &stream, &mut registered, "registered");
+        if stager.device().supports_virtual_host_memory().unwrap() {
+            let mut mapped = PinnedVec::<u8, _>::with_capacity_in(len, VirtualHost::new()).unwrap();
+            mapped.resize(len, 0);
+            filled_when_the_download_returns(&stager, &stream, &mut mapped, "virtual host");
+        }
     }
 }
 
