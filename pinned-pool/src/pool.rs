@@ -71,6 +71,10 @@ pub struct Pool<B: PinnedAllocator = DefaultPinned, C: Completion = PendingUses>
     reserved: Arc<AtomicUsize>,
     /// The thread that pins ahead of need, started by the first [`Pool::reserve`].
     ahead: OnceLock<Reserve>,
+    /// Held while that thread starts, so that two first calls at once start one. Not the
+    /// central lock: starting waits for the thread to ask the backend its node, and the
+    /// backend may take a lock of its own that a thread holds around other pool calls.
+    starting: Mutex<()>,
     /// Why the configured reserve could not be started, for [`Pool::take_reserve_error`].
     reserve_start_error: Mutex<Option<Error>>,
     pending_bytes: AtomicUsize,
@@ -232,6 +236,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             nodes,
             reserved: Arc::new(AtomicUsize::new(0)),
             ahead: OnceLock::new(),
+            starting: Mutex::new(()),
             reserve_start_error: Mutex::new(None),
             pending_bytes: AtomicUsize::new(0),
             pending_requests: AtomicU64::new(0),
@@ -874,8 +879,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         let ahead = match self.ahead.get() {
             Some(ahead) => ahead,
             None => {
-                // Under the pool's lock, so that two first calls at once start one thread.
-                let central = self.central.lock();
+                let starting = self.starting.lock();
                 if self.ahead.get().is_none() {
                     let started = Reserve::start(
                         self.backend.clone(),
@@ -891,7 +895,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
                     })?;
                     let _ = self.ahead.set(started);
                 }
-                drop(central);
+                drop(starting);
                 self.ahead.get().expect("set above")
             }
         };

@@ -3,7 +3,7 @@
 use std::alloc::Layout;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use cuda_pinned::{Allocation, Error, PinnedAllocator, Result};
@@ -506,4 +506,72 @@ fn a_block_pinned_ahead_counts_as_pinned_once_taken_and_is_released_as_pinned() 
     drop(pool);
     assert_eq!(backend.heap.live(), 0);
     assert!(backend.out.lock().unwrap().is_empty());
+}
+
+/// The heap backend on two nodes, whose node query takes a lock of the application's (say, a
+/// registry of which device each thread drives) and says when it is asked.
+#[derive(Clone)]
+struct NodeUnderLock {
+    heap: Heap,
+    registry: Arc<Mutex<()>>,
+    asked: mpsc::Sender<()>,
+}
+
+// SAFETY: forwards to `Heap`.
+unsafe impl PinnedAllocator for NodeUnderLock {
+    fn allocate(&self, layout: Layout) -> Result<Allocation> {
+        self.heap.allocate(layout)
+    }
+
+    unsafe fn deallocate(&self, allocation: Allocation) {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.heap.deallocate(allocation) }
+    }
+
+    fn numa_nodes(&self) -> usize {
+        2
+    }
+
+    fn numa_node(&self) -> usize {
+        let _ = self.asked.send(());
+        let _registry = self.registry.lock().unwrap();
+        0
+    }
+}
+
+#[test]
+fn starting_the_reserve_thread_holds_no_lock_that_pool_calls_take() {
+    let registry = Arc::new(Mutex::new(()));
+    let (asked, asking) = mpsc::channel();
+    let backend = NodeUnderLock {
+        heap: Heap::new(),
+        registry: registry.clone(),
+        asked,
+    };
+    let pool = Arc::new(Pool::with_backend(backend.clone(), PoolConfig::new()));
+    let held = registry.lock().unwrap();
+    let reserving = {
+        let pool = pool.clone();
+        std::thread::spawn(move || pool.reserve(MIB, 1))
+    };
+    // The new thread asks its node and waits for the registry; the first call waits for it.
+    asking.recv().unwrap();
+    // Meanwhile a thread holding the registry maintains the pool.
+    let (done, finished) = mpsc::channel();
+    let maintaining = {
+        let pool = pool.clone();
+        std::thread::spawn(move || {
+            pool.trim(0);
+            let _ = pool.stats();
+            let _ = done.send(());
+        })
+    };
+    let maintained = finished.recv_timeout(Duration::from_secs(10)).is_ok();
+    drop(held);
+    maintaining.join().unwrap();
+    reserving.join().unwrap().unwrap();
+    assert!(maintained, "pool calls waited for the thread starting");
+    eventually("ready", || pool.stats().reserve_ready_bytes == MIB as u64);
+    drop(pool);
+    assert_eq!(backend.heap.live(), 0);
 }
