@@ -180,6 +180,20 @@ pub struct cudaMemcpyKind(pub ::core::ffi::c_uint);
 pub type cudaHostFn_t = ::core::option::Option<
     unsafe extern "C" fn(userData: *mut ::core::ffi::c_void),
 >;
+impl cudaStreamCaptureStatus {
+    pub const cudaStreamCaptureStatusNone: cudaStreamCaptureStatus = cudaStreamCaptureStatus(
+        0,
+    );
+    pub const cudaStreamCaptureStatusActive: cudaStreamCaptureStatus = cudaStreamCaptureStatus(
+        1,
+    );
+    pub const cudaStreamCaptureStatusInvalidated: cudaStreamCaptureStatus = cudaStreamCaptureStatus(
+        2,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct cudaStreamCaptureStatus(pub ::core::ffi::c_uint);
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct cudaPointerAttributes {
@@ -989,6 +1003,10 @@ cudart_api! {
     ) -> cudaError_t;
     pub fn cudaStreamSynchronize(stream: cudaStream_t) -> cudaError_t;
     pub fn cudaStreamQuery(stream: cudaStream_t) -> cudaError_t;
+    pub fn cudaStreamIsCapturing(
+        stream: cudaStream_t,
+        pCaptureStatus: *mut cudaStreamCaptureStatus,
+    ) -> cudaError_t;
     pub fn cudaEventCreateWithFlags(
         event: *mut cudaEvent_t,
         flags: ::core::ffi::c_uint,

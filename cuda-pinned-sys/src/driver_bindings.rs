@@ -563,6 +563,21 @@ impl CUpointer_attribute_enum {
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUpointer_attribute_enum(pub ::core::ffi::c_uint);
 pub use self::CUpointer_attribute_enum as CUpointer_attribute;
+impl CUstreamCaptureStatus_enum {
+    pub const CU_STREAM_CAPTURE_STATUS_NONE: CUstreamCaptureStatus_enum = CUstreamCaptureStatus_enum(
+        0,
+    );
+    pub const CU_STREAM_CAPTURE_STATUS_ACTIVE: CUstreamCaptureStatus_enum = CUstreamCaptureStatus_enum(
+        1,
+    );
+    pub const CU_STREAM_CAPTURE_STATUS_INVALIDATED: CUstreamCaptureStatus_enum = CUstreamCaptureStatus_enum(
+        2,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUstreamCaptureStatus_enum(pub ::core::ffi::c_uint);
+pub use self::CUstreamCaptureStatus_enum as CUstreamCaptureStatus;
 impl cudaError_enum {
     pub const CUDA_SUCCESS: cudaError_enum = cudaError_enum(0);
     pub const CUDA_ERROR_INVALID_VALUE: cudaError_enum = cudaError_enum(1);
@@ -996,6 +1011,10 @@ driver_api! {
         attributes: *mut CUpointer_attribute,
         data: *mut *mut ::core::ffi::c_void,
         ptr: CUdeviceptr,
+    ) -> CUresult;
+    pub fn cuStreamIsCapturing(
+        hStream: CUstream,
+        captureStatus: *mut CUstreamCaptureStatus,
     ) -> CUresult;
     pub fn cuEventRecord(hEvent: CUevent, hStream: CUstream) -> CUresult;
     pub fn cuEventQuery(hEvent: CUevent) -> CUresult;

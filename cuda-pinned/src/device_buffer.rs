@@ -589,12 +589,15 @@ impl<'a, T> DeviceSliceMut<'a, T> {
             return Ok(());
         }
         self.range.check_stream(stream)?;
+        // Before anything is queued or waited on: a graph would write when launched, after
+        // the buffer may be freed.
+        ffi::on_device(self.range.device, || stream.refuse_capture())?;
         self.range.pending.order_before(stream)?;
-        // SAFETY: the view is `bytes` bytes of a live device allocation of the stream's
-        // device, borrowed uniquely; the buffer keeps the memory until the event recorded
-        // below has completed.
-        ffi::on_device(self.range.device, || unsafe {
-            ffi::memset_async(self.range.address, value, bytes, stream.as_raw())
+        ffi::on_device(self.range.device, || {
+            // SAFETY: the view is `bytes` bytes of a live device allocation of the stream's
+            // device, borrowed uniquely; the buffer keeps the memory until the event recorded
+            // below has completed.
+            unsafe { ffi::memset_async(self.range.address, value, bytes, stream.as_raw()) }
         })?;
         match stream.record_event_untimed() {
             Ok(event) => {

@@ -745,6 +745,28 @@ pub(crate) unsafe fn stream_query(stream: sys::cudaStream_t) -> Result<bool> {
     query("cudaStreamQuery", unsafe { function(stream) })
 }
 
+/// Whether work queued on the stream now is being captured into a CUDA graph (or was, and
+/// the capture failed without ending) instead of running.
+///
+/// # Safety
+///
+/// - `stream` is a live stream (or null for the default stream).
+pub(crate) unsafe fn stream_is_capturing(stream: sys::cudaStream_t) -> Result<bool> {
+    type CapturingFn =
+        unsafe extern "C" fn(cu::CUstream, *mut cu::CUstreamCaptureStatus) -> CUresult;
+    if let Some(function) = driver_fn!(cuStreamIsCapturing: CapturingFn) {
+        let mut status = cu::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: the caller guarantees the stream is live; `status` is writable.
+        driver_status("cuStreamIsCapturing", unsafe {
+            function(stream.cast(), &mut status)
+        })?;
+        return Ok(status != cu::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE);
+    }
+    let mut status = sys::cudaStreamCaptureStatus::cudaStreamCaptureStatusNone;
+    cuda!(cudaStreamIsCapturing(stream, &mut status))?;
+    Ok(status != sys::cudaStreamCaptureStatus::cudaStreamCaptureStatusNone)
+}
+
 /// # Safety
 ///
 /// - `stream` and `event` are live.

@@ -34,6 +34,7 @@ use crate::ffi::{self, Direction};
 use crate::stream::{Event, Stream, check_same_device};
 use crate::streaming::copy_bytes_streaming;
 use crate::vec::PinnedVec;
+use driver_check::DriverPaths;
 
 /// How a [`Stager`] cuts and spreads copies. The defaults come from measurements on an H100
 /// over PCIe 5.0 (benches/RESULTS.md); override them for other machines.
@@ -55,13 +56,17 @@ pub struct StagingConfig {
     /// copy call from the source (`cuMemcpyHtoDAsync`, or the runtime's `cudaMemcpyAsync` where
     /// the driver's entry points cannot be reached). On a device that cannot read pageable
     /// memory itself, the driver copies such a source into pinned staging buffers before the
-    /// call returns (CUDA documents this for `cudaMemcpy`; for the asynchronous calls it was
-    /// observed, and the GPU tests check it with the stream held back). Devices that read
-    /// pageable memory directly (HMM, ATS) and sources that start in page-locked memory always
-    /// go through the ring. The driver decides by the source's first byte, looked up by byte,
-    /// not by page: registered memory sharing a page with the source, lying inside it or
-    /// holding its end leaves it staged (checked by the GPU tests too). The call may wait for
-    /// work queued earlier on the stream.
+    /// call returns: CUDA documents this for `cudaMemcpy`, and for the asynchronous calls up
+    /// to version 11; since then its documentation says only that they "might be
+    /// synchronous". So a stager checks it on its device before taking this path (once per
+    /// device and process: a 4 KiB upload behind work that holds the stream back, its source
+    /// overwritten as the call returns; see [`Stager::driver_uploads_taken`]), and the GPU
+    /// tests check it for every default size. Devices that read pageable memory directly
+    /// (HMM, ATS) and sources that start in page-locked memory always go through the ring.
+    /// The driver decides by the source's first byte, looked up by byte, not by page:
+    /// registered memory sharing a page with the source, lying inside it or holding its end
+    /// leaves it staged (checked by the GPU tests too). The call may wait for work queued
+    /// earlier on the stream.
     ///
     /// The defaults are where the ring was not reliably faster on an H100 host: up to 16 KiB
     /// (a chunk's event calls cost more than they save) and from 128 KiB to 4 MiB (the driver
@@ -73,11 +78,15 @@ pub struct StagingConfig {
     /// Downloads of these sizes (in bytes) into ordinary memory take the driver's own path:
     /// one copy call into the destination (`cuMemcpyDtoHAsync`, or `cudaMemcpyAsync`). On a
     /// device that cannot read pageable memory itself, that call returns only once such a
-    /// destination is filled (CUDA documents this for `cudaMemcpyAsync`), so the download
-    /// needs no event and no wait of its own. As for uploads, the driver decides by the
-    /// destination's first byte (observed, and checked by the GPU tests with registered
-    /// memory inside it, holding its end or sharing its pages); page-locked destinations and
-    /// devices that read pageable memory go through the ring.
+    /// destination is filled, so the download needs no event and no wait of its own. CUDA
+    /// documented this for `cudaMemcpyAsync` up to version 11 and version 13 behaves so, but
+    /// its documentation now says only that the call "might be synchronous": as for uploads,
+    /// a stager checks it on its device first (a 4 KiB download behind held-back work, looked
+    /// at as the call returns; see [`Stager::driver_downloads_taken`]). The driver decides by
+    /// the destination's first byte (observed from 4 to 64 KiB, and checked by the GPU tests
+    /// at 12 and 16 KiB with registered memory inside it, holding its end or sharing its
+    /// pages); page-locked destinations and devices that read pageable memory go through the
+    /// ring.
     ///
     /// The default is up to 16 KiB: there the driver's call alone ran 1.04–1.20× the
     /// driver's path as programs use it (`cudaMemcpyAsync`, then the stream waited for) on an
@@ -132,9 +141,10 @@ impl Default for StagingConfig {
 /// ```
 pub struct Stager<A: PinnedAllocator = DefaultPinned> {
     engine: Engine<Cuda, A>,
-    /// The device cannot read pageable memory itself, so the driver stages a pageable source
-    /// before its copy call returns: the condition for the driver's path.
-    stages_pageable: bool,
+    /// Which driver paths are taken: none where the device reads pageable memory itself
+    /// (the driver then stages nothing), else those whose calls behaved as needed when
+    /// checked.
+    driver_paths: DriverPaths,
     /// Events that ended uploads, reused once nobody holds them (creating one costs about as
     /// much as a small copy).
     events: Mutex<Vec<Arc<Event>>>,
@@ -166,8 +176,9 @@ impl<A: PinnedAllocator> Stager<A> {
     ///
     /// # Errors
     ///
-    /// [`Error::Unsupported`] for a configuration with zero chunk bytes, threads or slots;
-    /// [`Error::Unavailable`] without CUDA; the allocator's error for the ring.
+    /// [`Error::Unsupported`] for a configuration with zero chunk bytes, threads or slots, or
+    /// a size range that ends before it starts; [`Error::Unavailable`] without CUDA; the
+    /// allocator's error for the ring; the CUDA error of checking the driver's paths.
     pub fn with_config_in(config: StagingConfig, allocator: A) -> Result<Self> {
         Self::with_config_on(Device::current()?, config, allocator)
     }
@@ -180,17 +191,25 @@ impl<A: PinnedAllocator> Stager<A> {
     ///
     /// As [`with_config_in`](Self::with_config_in).
     pub fn with_config_on(device: Device, config: StagingConfig, allocator: A) -> Result<Self> {
-        let (engine, pageable_access) = ffi::on_device(device.raw(), || {
-            let access = ffi::device_attribute(
+        ffi::on_device(device.raw(), || {
+            let engine = Engine::new(Cuda { device }, config, allocator)?;
+            let config = &engine.shared.config;
+            let stages_pageable = ffi::device_attribute(
                 cuda_pinned_sys::cudaDeviceAttr::cudaDevAttrPageableMemoryAccess,
                 device.raw(),
-            );
-            Ok((Engine::new(Cuda { device }, config, allocator)?, access))
-        })?;
-        Ok(Self {
-            engine,
-            stages_pageable: pageable_access.is_ok_and(|access| access == 0),
-            events: Mutex::new(Vec::new()),
+            )
+            .is_ok_and(|access| access == 0);
+            let wanted = !config.driver_uploads.is_empty() || !config.driver_downloads.is_empty();
+            let driver_paths = if stages_pageable && wanted {
+                driver_check::driver_paths(device)?
+            } else {
+                DriverPaths::default()
+            };
+            Ok(Self {
+                engine,
+                driver_paths,
+                events: Mutex::new(Vec::new()),
+            })
         })
     }
 
@@ -227,17 +246,22 @@ impl<A: PinnedAllocator> Stager<A> {
         dst: impl Into<DeviceSliceMut<'d, T>>,
     ) -> Result<StagedCopy> {
         let range = dst.into().range;
-        self.prepare(stream, range, src.len())?;
         let bytes = size_of_val(src);
         ffi::on_device(self.engine.device, || {
-            let copied = if self.takes_driver_path(src, &self.config().driver_uploads) {
-                // SAFETY: this device cannot read pageable memory, so the driver copies a
-                // pageable source into its own pinned buffers before its copy call returns
-                // (`driver_uploads` says how this is known); `src` starts in ordinary memory,
-                // which is what the driver decides by (a source starting in memory
-                // registered with CUDA, which it would read later, was ruled out), so it
-                // need only be valid during the call. The device range is live, borrowed
-                // uniquely, and records the copy below.
+            self.prepare(stream, range, src.len())?;
+            let copied = if self.takes_driver_path(
+                src,
+                self.driver_paths.uploads,
+                &self.config().driver_uploads,
+            ) {
+                // SAFETY: on this device the driver copies a source in ordinary memory into
+                // its own pinned buffers before its copy call returns (checked: the path is
+                // on), and the stream runs the copy now, not at a graph's launch (capture
+                // refused above); `src` starts in ordinary memory, which is what the driver
+                // decides by (a source starting in memory registered with CUDA, which it
+                // would read later, was ruled out), so it need only be valid during the
+                // call. The device range is live, borrowed uniquely, and records the copy
+                // below.
                 unsafe {
                     ffi::copy_once(
                         range.address as *mut std::ffi::c_void,
@@ -268,22 +292,38 @@ impl<A: PinnedAllocator> Stager<A> {
         })
     }
 
-    /// Whether a copy from or into `host` takes the driver's own path: its size is one of
-    /// `sizes`, the device cannot read pageable memory, and CUDA sees the host side's first
-    /// byte as ordinary memory. The driver decides by that byte alone: host memory that
+    /// Whether a copy from or into `host` takes the driver's own path: the path holds on
+    /// this device (`on`), the copy's size is one of `sizes`, and CUDA sees the host side's
+    /// first byte as ordinary memory. The driver decides by that byte alone: host memory that
     /// starts in ordinary memory is staged even where registered memory lies inside it or
     /// holds its end (the GPU tests check both), and memory that starts in registered memory
-    /// but ends past it is refused. Runs with the stager's device current.
-    fn takes_driver_path<T>(&self, host: &[T], sizes: &[RangeInclusive<usize>]) -> bool {
+    /// is not (the call may return before the copy, or refuse it). Runs with the stager's
+    /// device current.
+    fn takes_driver_path<T>(&self, host: &[T], on: bool, sizes: &[RangeInclusive<usize>]) -> bool {
         let bytes = size_of_val(host);
-        bytes > 0
-            && self.stages_pageable
+        on && bytes > 0
             && sizes.iter().any(|r| r.contains(&bytes))
             && ffi::is_pageable(host.as_ptr().cast())
     }
 
-    /// Checks the devices and the lengths, and orders `stream` after copies of `range` on
-    /// other streams.
+    /// Whether uploads of the sizes in [`StagingConfig::driver_uploads`] take the driver's
+    /// own path: not on a device that reads pageable memory itself, nor where the driver's
+    /// call did not return with the source read when checked (once per device and process,
+    /// as the first stager was made).
+    pub fn driver_uploads_taken(&self) -> bool {
+        self.driver_paths.uploads
+    }
+
+    /// Whether downloads of the sizes in [`StagingConfig::driver_downloads`] take the
+    /// driver's own path: as [`driver_uploads_taken`](Self::driver_uploads_taken), for a call
+    /// that must return with the destination filled.
+    pub fn driver_downloads_taken(&self) -> bool {
+        self.driver_paths.downloads
+    }
+
+    /// Checks the devices, the lengths and that `stream` runs its work now (not at a graph's
+    /// launch), and orders it after copies of `range` on other streams. Runs with the
+    /// stager's device current.
     fn prepare(&self, stream: &Stream, range: DeviceRange<'_>, host: usize) -> Result<()> {
         check_same_device("the stream", self.engine.device, stream.device().raw())?;
         check_same_device("the device buffer", self.engine.device, range.device)?;
@@ -293,6 +333,8 @@ impl<A: PinnedAllocator> Stager<A> {
                 device: range.len,
             });
         }
+        // Before anything is queued or waited on: a capture would include it.
+        stream.refuse_capture()?;
         range.pending.order_before(stream)
     }
 
@@ -339,14 +381,18 @@ impl<A: PinnedAllocator> Stager<A> {
         dst: &mut [T],
     ) -> Result<()> {
         let range = src.into().range;
-        self.prepare(stream, range, dst.len())?;
         let bytes = size_of_val(dst);
         ffi::on_device(self.engine.device, || {
-            if self.takes_driver_path(dst, &self.config().driver_downloads) {
-                // SAFETY: this device cannot read pageable memory, so the driver fills a
-                // pageable destination from its own pinned buffers before its copy call
-                // returns (`driver_downloads` says how this is known); `dst` starts in
-                // ordinary memory, which is what the driver decides by, is writable for
+            self.prepare(stream, range, dst.len())?;
+            if self.takes_driver_path(
+                dst,
+                self.driver_paths.downloads,
+                &self.config().driver_downloads,
+            ) {
+                // SAFETY: on this device the driver fills a destination in ordinary memory
+                // before its copy call returns (checked: the path is on), and the stream runs
+                // the copy now, not at a graph's launch (capture refused above); `dst` starts
+                // in ordinary memory, which is what the driver decides by, is writable for
                 // `bytes` and borrowed uniquely until this returns, and any bytes are a valid
                 // `T`. The device range is live; once the call has returned, the destination
                 // is filled and nothing reads the range any more.
@@ -430,6 +476,7 @@ impl StagedCopy {
     }
 }
 
+mod driver_check;
 #[cfg(test)]
 mod tests;
 
@@ -722,6 +769,12 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
             return Err(Error::Unsupported(
                 "a staging configuration needs at least one byte per chunk, one thread \
                  and one slot",
+            ));
+        }
+        let ranges = config.driver_uploads.iter().chain(&config.driver_downloads);
+        if ranges.clone().any(|range| range.start() > range.end()) {
+            return Err(Error::Unsupported(
+                "a staging configuration's driver sizes must each end at or after their start",
             ));
         }
         let bytes = config

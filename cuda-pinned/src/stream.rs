@@ -236,19 +236,39 @@ impl Stream {
     ///
     /// A CUDA error from creating or recording the event.
     pub fn record_event(&self) -> Result<Event> {
-        self.record_new_event(sys::cudaEventDefault)
+        self.record_new_event(sys::cudaEventDefault, false)
     }
 
-    /// Like [`record_event`](Self::record_event), without timing (cheaper).
+    /// Like [`record_event`](Self::record_event), without timing (cheaper), for tracking:
+    /// refused on a stream that is capturing a graph, where it would mark nothing.
     pub(crate) fn record_event_untimed(&self) -> Result<Event> {
-        self.record_new_event(sys::cudaEventDisableTiming)
+        self.record_new_event(sys::cudaEventDisableTiming, true)
+    }
+
+    /// [`Error::Unsupported`] while the stream is capturing a CUDA graph. Work queued there
+    /// then runs at each launch of the graph, not now, and an event recorded there completes
+    /// at once: host memory that the work reads or fills, lent for a call or released by an
+    /// event, could be gone or reused by then. Runs with the stream's device current.
+    pub(crate) fn refuse_capture(&self) -> Result<()> {
+        // SAFETY: the stream is live while borrowed.
+        if unsafe { ffi::stream_is_capturing(self.as_raw())? } {
+            return Err(Error::Unsupported(
+                "the stream is capturing a CUDA graph: copies with host memory and tracked \
+                 work would run at the graph's launch, after the memory may be gone",
+            ));
+        }
+        Ok(())
     }
 
     /// An event created on the stream's device (CUDA records an event only on a stream of its
-    /// own device) and recorded here.
-    fn record_new_event(&self, flags: u32) -> Result<Event> {
+    /// own device) and recorded here; refused while the stream captures a graph if the event
+    /// is to track work.
+    fn record_new_event(&self, flags: u32, tracking: bool) -> Result<Event> {
         let device = self.handle.device;
         ffi::on_device(device, || {
+            if tracking {
+                self.refuse_capture()?;
+            }
             let event = Event {
                 raw: ffi::event_create(flags)?,
                 device,

@@ -304,6 +304,11 @@ impl Stream {
             .ok_or(Error::CapacityOverflow)?;
         if let Some(range) = tracked {
             range.check_stream(self)?;
+        }
+        // Before anything is queued or waited on: a graph would copy when launched, the
+        // buffer gone.
+        ffi::on_device(self.device().raw(), || self.refuse_capture())?;
+        if let Some(range) = tracked {
             range.pending.order_before(self)?;
         }
         let (dst, src) = match direction {

@@ -47,6 +47,7 @@ const FUNCTIONS: &[&str] = &[
     "cudaStreamCreateWithFlags",
     "cudaStreamDestroy",
     "cudaStreamGetDevice",
+    "cudaStreamIsCapturing",
     "cudaStreamQuery",
     "cudaStreamSynchronize",
     "cudaStreamWaitEvent",
@@ -79,6 +80,7 @@ const DRIVER_FUNCTIONS: &[&str] = &[
     "cuMemcpyDtoHAsync_v2",
     "cuMemcpyHtoDAsync_v2",
     "cuPointerGetAttributes",
+    "cuStreamIsCapturing",
 ];
 
 /// Driver enums bound besides those the functions use (a device attribute is asked through

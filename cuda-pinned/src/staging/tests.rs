@@ -551,6 +551,38 @@ fn configurations_without_room_are_refused() {
     fake.stop();
 }
 
+#[test]
+#[allow(clippy::reversed_empty_ranges)]
+fn driver_sizes_that_end_before_they_start_are_refused() {
+    let reversed = (16 << 10)..=0;
+    let backwards = [
+        StagingConfig {
+            driver_uploads: vec![0..=4096, reversed.clone()],
+            ..config(4096, 1, 1)
+        },
+        StagingConfig {
+            driver_downloads: vec![reversed],
+            ..config(4096, 1, 1)
+        },
+    ];
+    for config in backwards {
+        let fake = Fake::new(0);
+        let result = Engine::new(fake.clone(), config, Counted::default());
+        assert!(matches!(result, Err(Error::Unsupported(_))));
+        fake.stop();
+    }
+    // Overlapping, single-size and unbounded ranges are fine.
+    let fake = Fake::new(0);
+    let fine = StagingConfig {
+        driver_uploads: vec![0..=4096, 4096..=4096, 1..=usize::MAX],
+        driver_downloads: vec![0..=0],
+        ..config(4096, 1, 1)
+    };
+    let engine = Engine::new(fake.clone(), fine, Counted::default()).unwrap();
+    drop(engine);
+    fake.stop();
+}
+
 /// Downloads through the engine in pieces large enough for non-temporal stores, from one to
 /// five threads, into destinations at every alignment.
 #[test]

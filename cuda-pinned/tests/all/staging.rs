@@ -147,19 +147,21 @@ fn arrives_as_it_was_when_the_upload_returned(
 }
 
 fn takes_the_drivers_path(stager: &Stager, len: usize) -> bool {
-    stager
-        .config()
-        .driver_uploads
-        .iter()
-        .any(|r| r.contains(&len))
+    stager.driver_uploads_taken()
+        && stager
+            .config()
+            .driver_uploads
+            .iter()
+            .any(|r| r.contains(&len))
 }
 
 fn downloads_take_the_drivers_path(stager: &Stager, len: usize) -> bool {
-    stager
-        .config()
-        .driver_downloads
-        .iter()
-        .any(|r| r.contains(&len))
+    stager.driver_downloads_taken()
+        && stager
+            .config()
+            .driver_downloads
+            .iter()
+            .any(|r| r.contains(&len))
 }
 
 /// Downloads into `into` behind 200 ms of other work on the stream, and checks that `into`
@@ -293,6 +295,42 @@ fn a_destination_starting_in_ordinary_memory_is_filled_before_the_download_retur
             filled_when_the_download_returns(&stager, &stream, into, &what);
         }
     }
+}
+
+/// A destination that starts in registered memory and ends past it, small enough that the
+/// driver's call would take it and return before filling it, goes through the ring and is
+/// filled before the download returns.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_destination_starting_in_a_registration_is_filled_before_the_download_returns() {
+    let stager = Stager::new().unwrap();
+    let stream = Stream::new().unwrap();
+    for len in [4 << 10, 6 << 10, 16 << 10] {
+        let mut memory = vec![0u8; len + 4 * PAGE];
+        let start = PAGE - (memory.as_ptr() as usize % PAGE) + PAGE / 2;
+        let _registered = RawRegistration::new(&mut memory, start - 1024, 3 << 10);
+        let into = &mut memory[start..start + len];
+        filled_when_the_download_returns(&stager, &stream, into, "its first 2 KiB registered");
+    }
+}
+
+/// The driver's paths are checked on the device as the first stager is made: on a device
+/// that does not read ordinary memory itself, the driver's calls pass the check.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_drivers_paths_pass_their_check_where_the_driver_stages() {
+    let stager = Stager::new().unwrap();
+    let staged = !reads_pageable_memory();
+    assert_eq!(stager.driver_uploads_taken(), staged);
+    assert_eq!(stager.driver_downloads_taken(), staged);
+    // Without sizes for the driver, nothing is checked or taken.
+    let ring_only = cuda_pinned::StagingConfig {
+        driver_uploads: Vec::new(),
+        driver_downloads: Vec::new(),
+        ..Default::default()
+    };
+    let stager = Stager::with_config_in(ring_only, cuda_pinned::DefaultPinned).unwrap();
+    assert!(!stager.driver_uploads_taken() && !stager.driver_downloads_taken());
 }
 
 const PAGE: usize = 4096;

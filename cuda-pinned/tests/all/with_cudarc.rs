@@ -228,3 +228,65 @@ fn tracked_copies_refuse_memory_of_another_device_and_keep_the_current_one() {
         "{error:?}"
     );
 }
+
+/// Work queued on a stream that captures a graph runs at each launch of the graph, after the
+/// host memory lent for a call may be gone and when events recorded now say nothing: the
+/// crate's copies and tracked work refuse such a stream before queueing anything, and the
+/// capture goes on unharmed.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn copies_and_tracked_work_on_a_stream_capturing_a_graph_are_refused() {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let stager = cuda_pinned::Stager::new().unwrap();
+    let stream = cudarc_stream();
+    let ours = Stream::from_cudarc(&stream).unwrap();
+    let mut device = cuda_pinned::DeviceBuffer::<u8>::zeroed(64 << 10).unwrap();
+    let refused = |result: Result<(), Error>, what: &str| {
+        assert!(
+            matches!(result, Err(Error::Unsupported(_))),
+            "{what}: {result:?}"
+        );
+    };
+    // Thread-local capture forbids this thread to free page-locked memory meanwhile, which a
+    // refused tracked copy does with its buffer: that copy is tried in relaxed mode only.
+    for (mode, relaxed) in [
+        (CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED, true),
+        (
+            CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            false,
+        ),
+    ] {
+        stream.begin_capture(mode).unwrap();
+        // 4 KiB: the driver's path where it holds; 64 KiB: the ring.
+        for len in [4 << 10, 64 << 10] {
+            let data = pattern(len, 3);
+            let upload = stager.copy_to_device(&ours, &data, device.slice_mut(..len));
+            refused(upload.map(drop), "staged upload");
+            let mut back = vec![7u8; len];
+            let download = stager.copy_from_device(&ours, device.slice(..len), &mut back);
+            refused(download, "staged download");
+            assert!(back.iter().all(|&b| b == 7), "the destination was written");
+        }
+        if relaxed {
+            let pinned = PinnedVec::from_slice(&pattern(4096, 1)).unwrap();
+            let transfer = ours.copy_to_device(pinned, device.slice_mut(..4096));
+            refused(transfer.map(drop), "tracked copy");
+        }
+        refused(
+            device.slice_mut(..).set_bytes_async(1, &ours),
+            "tracked memset",
+        );
+        // Nothing was queued or waited on: the capture is intact.
+        stream.end_capture(CUgraphInstantiate_flags(0)).unwrap();
+    }
+    // Outside a capture the same calls run.
+    let data = pattern(64 << 10, 9);
+    stager
+        .copy_to_device(&ours, &data, &mut device)
+        .unwrap()
+        .wait()
+        .unwrap();
+    let mut back = vec![0u8; 64 << 10];
+    stager.copy_from_device(&ours, &device, &mut back).unwrap();
+    assert!(back == data);
+}
