@@ -108,6 +108,8 @@ impl CudarcCopies for Arc<CudaStream> {
     {
         let stream = prepare(self, src.host_parts().1, dst.len(), dst.stream())?;
         ffi::on_device(ordinal(self), || {
+            // Before cudarc's wait below, which a capture would take in.
+            stream.refuse_capture()?;
             // cudarc makes the stream wait for earlier uses of `dst`, and records this write
             // on drop of `_written`, after the copy is queued.
             let (address, _written) = dst.device_ptr_mut(self);
@@ -126,6 +128,7 @@ impl CudarcCopies for Arc<CudaStream> {
     {
         let stream = prepare(self, dst.host_parts().1, src.len(), src.stream())?;
         ffi::on_device(ordinal(self), || {
+            stream.refuse_capture()?;
             let (address, _read) = src.device_ptr(self);
             // SAFETY: as in `copy_to_device`, with the device range read; cudarc orders later
             // writes of `src` after the read event recorded when `_read` drops.
@@ -178,7 +181,23 @@ fn ordinal(stream: &CudaStream) -> i32 {
 // DMA from page-locked memory is still running. These impls have cudarc synchronise the
 // stream before the call returns (cudarc's own `[T]` impl relies on the driver doing that for
 // pageable memory, which it does not do for pinned memory). For copies that overlap compute,
-// use `CudarcCopies`.
+// use `CudarcCopies`. A stream that is capturing a graph would copy at each launch instead,
+// after the borrow: cudarc's calls give no way to refuse it but a panic.
+
+/// Panics if `stream` is capturing a graph (see above). A stream whose state cannot be read
+/// is left to cudarc, whose copy call meets the same error.
+fn assert_not_capturing(stream: &CudaStream) {
+    use cudarc::driver::sys::CUstreamCaptureStatus;
+    let capturing = stream
+        .capture_status()
+        .is_ok_and(|status| status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE);
+    assert!(
+        !capturing,
+        "a page-locked buffer lent to cudarc's memcpy on a stream capturing a CUDA graph: the \
+         graph would copy at each launch, after the borrow ends; copy before capturing, or \
+         capture copies of memory the graph owns"
+    );
+}
 
 /// `HostSlice` for a buffer that dereferences to `[T]`: the slice, and a stream
 /// synchronisation when cudarc is done queueing.
@@ -194,6 +213,7 @@ macro_rules! synced_host_slice {
                 &'s self,
                 stream: &'s CudaStream,
             ) -> (&'s [T], SyncOnDrop<'s>) {
+                assert_not_capturing(stream);
                 (self, SyncOnDrop::sync_stream(stream))
             }
 
@@ -201,6 +221,7 @@ macro_rules! synced_host_slice {
                 &'s mut self,
                 stream: &'s CudaStream,
             ) -> (&'s mut [T], SyncOnDrop<'s>) {
+                assert_not_capturing(stream);
                 (self, SyncOnDrop::sync_stream(stream))
             }
         }
@@ -230,6 +251,7 @@ impl<T, A: PinnedAllocator> HostSlice<T> for PinnedBox<T, A> {
         &'s self,
         stream: &'s CudaStream,
     ) -> (&'s [T], SyncOnDrop<'s>) {
+        assert_not_capturing(stream);
         (
             std::slice::from_ref(&**self),
             SyncOnDrop::sync_stream(stream),
@@ -240,6 +262,7 @@ impl<T, A: PinnedAllocator> HostSlice<T> for PinnedBox<T, A> {
         &'s mut self,
         stream: &'s CudaStream,
     ) -> (&'s mut [T], SyncOnDrop<'s>) {
+        assert_not_capturing(stream);
         (
             std::slice::from_mut(&mut **self),
             SyncOnDrop::sync_stream(stream),

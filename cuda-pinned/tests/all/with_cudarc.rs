@@ -229,18 +229,39 @@ fn tracked_copies_refuse_memory_of_another_device_and_keep_the_current_one() {
     );
 }
 
+/// Set for the child process that runs the capture test alone.
+const ALONE: &str = "CUDA_PINNED_TEST_ALONE";
+
 /// Work queued on a stream that captures a graph runs at each launch of the graph, after the
 /// host memory lent for a call may be gone and when events recorded now say nothing: the
 /// crate's copies and tracked work refuse such a stream before queueing anything, and the
-/// capture goes on unharmed.
+/// capture goes on unharmed. Run alone in a child process: while a stream captures, other
+/// threads' device-wide synchronization fails, and invalidates the capture.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn copies_and_tracked_work_on_a_stream_capturing_a_graph_are_refused() {
+    let test = "with_cudarc::copies_and_tracked_work_on_a_capturing_stream_alone";
+    let status = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--include-ignored", "--exact", test])
+        .env(ALONE, "1")
+        .status()
+        .unwrap();
+    assert!(status.success(), "{test}: {status}");
+}
+
+/// The test above, when run in its own process.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn copies_and_tracked_work_on_a_capturing_stream_alone() {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    if std::env::var_os(ALONE).is_none() {
+        return;
+    }
     let stager = cuda_pinned::Stager::new().unwrap();
     let stream = cudarc_stream();
     let ours = Stream::from_cudarc(&stream).unwrap();
     let mut device = cuda_pinned::DeviceBuffer::<u8>::zeroed(64 << 10).unwrap();
+    let mut theirs = stream.alloc_zeros::<u8>(4096).unwrap();
     let refused = |result: Result<(), Error>, what: &str| {
         assert!(
             matches!(result, Err(Error::Unsupported(_))),
@@ -271,6 +292,15 @@ fn copies_and_tracked_work_on_a_stream_capturing_a_graph_are_refused() {
             let pinned = PinnedVec::from_slice(&pattern(4096, 1)).unwrap();
             let transfer = ours.copy_to_device(pinned, device.slice_mut(..4096));
             refused(transfer.map(drop), "tracked copy");
+            let pinned = PinnedVec::from_slice(&pattern(4096, 1)).unwrap();
+            let transfer = stream.copy_to_device(pinned, &mut theirs);
+            refused(transfer.map(drop), "tracked copy into cudarc memory");
+            // cudarc's own copy cannot be refused with an error: it panics before queueing.
+            let pinned = PinnedVec::from_slice(&pattern(4096, 1)).unwrap();
+            let lent = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                stream.memcpy_htod(&pinned, &mut theirs)
+            }));
+            assert!(lent.is_err(), "cudarc's copy from a lent buffer was queued");
         }
         refused(
             device.slice_mut(..).set_bytes_async(1, &ours),
