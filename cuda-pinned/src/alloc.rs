@@ -320,6 +320,9 @@ impl StreamUses {
         for stream in streams {
             match stream.record_event_untimed() {
                 Ok(event) => pending.push(Arc::new(event)),
+                // A graph captured there may use the memory at any launch; waiting for the
+                // stream would only break the capture.
+                Err(Error::Capturing) => return None,
                 Err(_) => stream.synchronize().ok()?,
             }
         }

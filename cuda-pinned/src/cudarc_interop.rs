@@ -77,7 +77,8 @@ pub trait CudarcCopies {
     /// # Errors
     ///
     /// [`Error::LengthMismatch`] when the lengths differ, [`Error::DeviceMismatch`] when the
-    /// device memory belongs to another context than the stream, or the CUDA error (making
+    /// device memory belongs to another context than the stream, [`Error::Capturing`] on a
+    /// stream capturing a graph (before cudarc's own calls), or the CUDA error (making
     /// the stream's device current among them). `src` is then dropped: given back to its
     /// allocator once nothing can still use it.
     fn copy_to_device<B, D>(&self, src: B, dst: &mut D) -> Result<Transfer<B>>
@@ -229,7 +230,9 @@ macro_rules! synced_host_slice {
 }
 
 synced_host_slice! {
-    /// `stream.memcpy_htod(&vec, ..)` and `memcpy_dtoh(.., &mut vec)` return after the copy.
+    /// `stream.memcpy_htod(&vec, ..)` and `memcpy_dtoh(.., &mut vec)` return after the copy;
+    /// on a stream capturing a graph they panic (for `memcpy_dtoh`, after cudarc has made the
+    /// stream wait for earlier writes of the device memory, which the capture takes in).
     impl[T, A: PinnedAllocator] for PinnedVec<T, A>
 }
 synced_host_slice! {

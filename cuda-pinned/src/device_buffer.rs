@@ -582,7 +582,8 @@ impl<'a, T> DeviceSliceMut<'a, T> {
     ///
     /// # Errors
     ///
-    /// [`Error::DeviceMismatch`] for a stream of another device, or the CUDA error.
+    /// [`Error::DeviceMismatch`] for a stream of another device, [`Error::Capturing`] on a
+    /// stream capturing a graph, or the CUDA error.
     pub fn set_bytes_async(&mut self, value: u8, stream: &Stream) -> Result<()> {
         let bytes = self.range.len * size_of::<T>();
         if bytes == 0 {

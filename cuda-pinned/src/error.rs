@@ -244,6 +244,16 @@ pub enum Error {
         /// The device it is on.
         found: usize,
     },
+    /// The stream is capturing a CUDA graph (or was, and the capture failed without ending):
+    /// work queued there would run at each launch of the graph, after the host memory it
+    /// reads or fills may be gone, so copies, tracked work and host functions refuse it.
+    /// Queue them before the capture begins, or capture copies of memory the graph owns.
+    ///
+    /// The stream is asked before the work is queued, and by the stager after its copies
+    /// too. A capture that another thread begins on the same stream in between is not
+    /// prevented: CUDA offers no way to queue work only if a stream is not capturing. Do not
+    /// begin a capture on a stream that other threads are using.
+    Capturing,
 }
 
 impl fmt::Display for Error {
@@ -292,6 +302,11 @@ impl fmt::Display for Error {
             } => write!(
                 f,
                 "{what} belongs to device {found}, but this needs one of device {expected}"
+            ),
+            Self::Capturing => write!(
+                f,
+                "the stream is capturing a CUDA graph: copies with host memory, tracked work and \
+                 host functions would run at the graph's launch, after the memory may be gone"
             ),
         }
     }

@@ -56,8 +56,9 @@
 //! memory before it returns. An upload returns once the source has been read; a download once
 //! the destination is filled.
 //!
-//! Copies and tracked work are refused on a stream that is capturing a CUDA graph: the graph
-//! would run them at each launch, after the host memory may be gone.
+//! Copies, tracked work and host functions refuse a stream that is capturing a CUDA graph
+//! ([`Error::Capturing`]): the graph would run them at each launch, after the host memory may
+//! be gone. A buffer marked as used on such a stream and freed meanwhile is never released.
 //!
 //! ```no_run
 //! # use cuda_pinned::{DeviceBuffer, Stager, Stream};

@@ -34,7 +34,7 @@ use crate::ffi::{self, Direction};
 use crate::stream::{Event, Stream, check_same_device};
 use crate::streaming::copy_bytes_streaming;
 use crate::vec::PinnedVec;
-use driver_check::DriverPaths;
+use driver_check::{DriverPaths, MAX_DRIVER_BYTES};
 
 /// How a [`Stager`] cuts and spreads copies. The defaults come from measurements on an H100
 /// over PCIe 5.0 (benches/RESULTS.md); override them for other machines.
@@ -59,9 +59,9 @@ pub struct StagingConfig {
     /// call returns: CUDA documents this for `cudaMemcpy`, and for the asynchronous calls up
     /// to version 11; since then its documentation says only that they "might be
     /// synchronous". So a stager checks it on its device before taking this path (once per
-    /// device and process: a 4 KiB upload behind work that holds the stream back, its source
-    /// overwritten as the call returns; see [`Stager::driver_uploads_taken`]), and the GPU
-    /// tests check it for every default size. Devices that read pageable memory directly
+    /// device and process: uploads of 4 KiB and 4 MiB behind work that holds the stream back,
+    /// their sources overwritten as the calls return; see [`Stager::driver_uploads_taken`]),
+    /// and the GPU tests check it for every default size. Sizes end at 4 MiB at most. Devices that read pageable memory directly
     /// (HMM, ATS) and sources that start in page-locked memory always go through the ring.
     /// The driver decides by the source's first byte, looked up by byte, not by page:
     /// registered memory sharing a page with the source, lying inside it or holding its end
@@ -81,8 +81,9 @@ pub struct StagingConfig {
     /// destination is filled, so the download needs no event and no wait of its own. CUDA
     /// documented this for `cudaMemcpyAsync` up to version 11 and version 13 behaves so, but
     /// its documentation now says only that the call "might be synchronous": as for uploads,
-    /// a stager checks it on its device first (a 4 KiB download behind held-back work, looked
-    /// at as the call returns; see [`Stager::driver_downloads_taken`]). The driver decides by
+    /// a stager checks it on its device first (downloads of 4 KiB and 4 MiB behind held-back
+    /// work, looked at as the calls return; see [`Stager::driver_downloads_taken`]), and
+    /// sizes end at 4 MiB at most. The driver decides by
     /// the destination's first byte (observed from 4 to 64 KiB, and checked by the GPU tests
     /// at 12 and 16 KiB with registered memory inside it, holding its end or sharing its
     /// pages); page-locked destinations and devices that read pageable memory go through the
@@ -177,7 +178,7 @@ impl<A: PinnedAllocator> Stager<A> {
     /// # Errors
     ///
     /// [`Error::Unsupported`] for a configuration with zero chunk bytes, threads or slots, or
-    /// a size range that ends before it starts; [`Error::Unavailable`] without CUDA; the
+    /// a driver size range that ends before it starts or past 4 MiB; [`Error::Unavailable`] without CUDA; the
     /// allocator's error for the ring; the CUDA error of checking the driver's paths.
     pub fn with_config_in(config: StagingConfig, allocator: A) -> Result<Self> {
         Self::with_config_on(Device::current()?, config, allocator)
@@ -237,8 +238,8 @@ impl<A: PinnedAllocator> Stager<A> {
     /// # Errors
     ///
     /// [`Error::LengthMismatch`] when the lengths differ, [`Error::DeviceMismatch`] when the
-    /// stream or the device buffer belongs to another device than the stager's, or the CUDA
-    /// error. After an error part of `dst` may have been written.
+    /// stream or the device buffer belongs to another device than the stager's,
+    /// [`Error::Capturing`] on a stream capturing a graph, or the CUDA error. After an error part of `dst` may have been written.
     pub fn copy_to_device<'d, T: NoUninit + 'd>(
         &self,
         stream: &Stream,
@@ -257,7 +258,8 @@ impl<A: PinnedAllocator> Stager<A> {
                 // SAFETY: on this device the driver copies a source in ordinary memory into
                 // its own pinned buffers before its copy call returns (checked: the path is
                 // on), and the stream runs the copy now, not at a graph's launch (capture
-                // refused above); `src` starts in ordinary memory, which is what the driver
+                // refused above: see `Error::Capturing` for a capture another thread begins
+                // on the same stream during the call); `src` starts in ordinary memory, which is what the driver
                 // decides by (a source starting in memory registered with CUDA, which it
                 // would read later, was ruled out), so it need only be valid during the
                 // call. The device range is live, borrowed uniquely, and records the copy
@@ -271,6 +273,8 @@ impl<A: PinnedAllocator> Stager<A> {
                         stream.as_raw(),
                     )
                 }
+                // A capture another thread began meanwhile is reported, if not prevented.
+                .and_then(|()| stream.refuse_capture())
             } else {
                 // SAFETY: `src` is readable for `bytes` and borrowed until the engine
                 // returns, which is after the last read of it; the device range is live,
@@ -316,7 +320,8 @@ impl<A: PinnedAllocator> Stager<A> {
 
     /// Whether downloads of the sizes in [`StagingConfig::driver_downloads`] take the
     /// driver's own path: as [`driver_uploads_taken`](Self::driver_uploads_taken), for a call
-    /// that must return with the destination filled.
+    /// that must return with the destination filled (the check downloads what it uploaded,
+    /// so it passes only where uploads pass too).
     pub fn driver_downloads_taken(&self) -> bool {
         self.driver_paths.downloads
     }
@@ -391,7 +396,9 @@ impl<A: PinnedAllocator> Stager<A> {
             ) {
                 // SAFETY: on this device the driver fills a destination in ordinary memory
                 // before its copy call returns (checked: the path is on), and the stream runs
-                // the copy now, not at a graph's launch (capture refused above); `dst` starts
+                // the copy now, not at a graph's launch (capture refused above: see
+                // `Error::Capturing` for a capture another thread begins on the same stream
+                // during the call); `dst` starts
                 // in ordinary memory, which is what the driver decides by, is writable for
                 // `bytes` and borrowed uniquely until this returns, and any bytes are a valid
                 // `T`. The device range is live; once the call has returned, the destination
@@ -404,7 +411,9 @@ impl<A: PinnedAllocator> Stager<A> {
                         Direction::DeviceToHost,
                         stream.as_raw(),
                     )
-                };
+                }
+                // A capture another thread began meanwhile is reported, if not prevented.
+                .and_then(|()| stream.refuse_capture());
                 if copied.is_err() {
                     // Whether the driver's DMA still reads the range is unknown: it must know
                     // when the stream gets past it.
@@ -578,7 +587,11 @@ impl Dma for Cuda {
     }
 
     fn record(&self, event: &Event, stream: &Stream) -> Result<()> {
-        event.record(stream)
+        event.record(stream)?;
+        // A capture begun on the stream (by another thread) since the copy was checked took
+        // in the piece and this event: the chunk is lost rather than reused, as waiting for a
+        // capturing stream fails.
+        stream.refuse_capture()
     }
 
     fn wait(&self, event: &Event) -> Result<()> {
@@ -771,10 +784,11 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
                  and one slot",
             ));
         }
-        let ranges = config.driver_uploads.iter().chain(&config.driver_downloads);
-        if ranges.clone().any(|range| range.start() > range.end()) {
+        let mut ranges = config.driver_uploads.iter().chain(&config.driver_downloads);
+        if ranges.any(|range| range.start() > range.end() || *range.end() > MAX_DRIVER_BYTES) {
             return Err(Error::Unsupported(
-                "a staging configuration's driver sizes must each end at or after their start",
+                "a staging configuration's driver sizes must each end at or after their start, \
+                 and at most at 4 MiB (the largest size at which the driver's paths are checked)",
             ));
         }
         let bytes = config

@@ -245,19 +245,31 @@ impl Stream {
         self.record_new_event(sys::cudaEventDisableTiming, true)
     }
 
-    /// [`Error::Unsupported`] while the stream is capturing a CUDA graph. Work queued there
+    /// [`Error::Capturing`] while the stream is capturing a CUDA graph. Work queued there
     /// then runs at each launch of the graph, not now, and an event recorded there completes
     /// at once: host memory that the work reads or fills, lent for a call or released by an
     /// event, could be gone or reused by then. Runs with the stream's device current.
     pub(crate) fn refuse_capture(&self) -> Result<()> {
         // SAFETY: the stream is live while borrowed.
         if unsafe { ffi::stream_is_capturing(self.as_raw())? } {
-            return Err(Error::Unsupported(
-                "the stream is capturing a CUDA graph: copies with host memory and tracked \
-                 work would run at the graph's launch, after the memory may be gone",
-            ));
+            return Err(Error::Capturing);
         }
         Ok(())
+    }
+
+    /// Whether work queued on the stream now would be captured into a CUDA graph rather than
+    /// run: a capture began on it, or it waits on work of a capture (which joins it to that
+    /// capture). This crate's copies, tracked work and host functions refuse such a stream
+    /// with [`Error::Capturing`].
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error (a default stream while another stream captures in global mode, say).
+    pub fn is_capturing(&self) -> Result<bool> {
+        // SAFETY: the stream is live while borrowed.
+        ffi::on_device(self.handle.device, || unsafe {
+            ffi::stream_is_capturing(self.as_raw())
+        })
     }
 
     /// An event created on the stream's device (CUDA records an event only on a stream of its
@@ -301,7 +313,8 @@ impl Stream {
     ///
     /// # Errors
     ///
-    /// A CUDA error; then `function` is dropped without running.
+    /// [`Error::Capturing`] on a stream capturing a graph, or a CUDA error; then `function`
+    /// is dropped without running.
     pub fn launch_host_fn<F: FnOnce() + Send + 'static>(&self, function: F) -> Result<()> {
         unsafe extern "C" fn trampoline<F: FnOnce() + Send + 'static>(data: *mut c_void) {
             // SAFETY: `data` is the `Box<F>` leaked below; the driver calls this exactly once.
@@ -309,10 +322,13 @@ impl Stream {
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(function));
         }
         let data = Box::into_raw(Box::new(function));
-        // SAFETY: the stream is live; the trampoline takes ownership of `data` exactly once;
-        // `F: Send + 'static`, so running it later on another thread is sound.
-        let queued = ffi::on_device(self.handle.device, || unsafe {
-            ffi::launch_host_func(self.as_raw(), trampoline::<F>, data.cast())
+        let queued = ffi::on_device(self.handle.device, || {
+            // A graph would call the function at each launch: the box would be taken twice.
+            self.refuse_capture()?;
+            // SAFETY: the stream is live and runs its work now; the trampoline takes
+            // ownership of `data` exactly once; `F: Send + 'static`, so running it later on
+            // another thread is sound.
+            unsafe { ffi::launch_host_func(self.as_raw(), trampoline::<F>, data.cast()) }
         });
         if queued.is_err() {
             // SAFETY: the driver did not take the function; we still own the box.
@@ -342,7 +358,8 @@ impl Stream {
     ///
     /// # Errors
     ///
-    /// The CUDA error; copies queued before it stay queued.
+    /// [`Error::Capturing`] on a stream capturing a graph (nothing is queued), or the CUDA
+    /// error; copies queued before it stay queued.
     ///
     /// # Safety
     ///
@@ -355,6 +372,8 @@ impl Stream {
             return Ok(());
         }
         ffi::on_device(self.handle.device, || {
+            // A graph would copy at each launch, after the memory may be gone.
+            self.refuse_capture()?;
             if copies.len() > 1 && ffi::has_memcpy_batch() {
                 let dsts: Vec<_> = copies.iter().map(|c| c.dst as *mut c_void).collect();
                 let srcs: Vec<_> = copies.iter().map(|c| c.src as *const c_void).collect();

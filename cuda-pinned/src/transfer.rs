@@ -185,7 +185,8 @@ impl Stream {
     /// # Errors
     ///
     /// [`Error::LengthMismatch`] when the lengths differ, [`Error::DeviceMismatch`] when the
-    /// device buffer is not on the stream's device, or the CUDA error. `src` is then dropped:
+    /// device buffer is not on the stream's device, [`Error::Capturing`] on a stream capturing
+    /// a graph, or the CUDA error. `src` is then dropped:
     /// given back to its allocator once nothing can still use it.
     pub fn copy_to_device<'d, B>(
         &self,
@@ -217,7 +218,8 @@ impl Stream {
     /// # Errors
     ///
     /// [`Error::LengthMismatch`] when the lengths differ, [`Error::DeviceMismatch`] when the
-    /// device buffer is not on the stream's device, or the CUDA error. `dst` is then dropped:
+    /// device buffer is not on the stream's device, [`Error::Capturing`] on a stream capturing
+    /// a graph, or the CUDA error. `dst` is then dropped:
     /// given back to its allocator once nothing can still use it.
     pub fn copy_from_device<'d, B>(
         &self,
@@ -244,7 +246,8 @@ impl Stream {
     ///
     /// # Errors
     ///
-    /// The CUDA error; `src` is then dropped once nothing can still use it.
+    /// [`Error::Capturing`] on a stream capturing a graph, or the CUDA error; `src` is then
+    /// dropped once nothing can still use it.
     ///
     /// # Safety
     ///
@@ -263,7 +266,8 @@ impl Stream {
     ///
     /// # Errors
     ///
-    /// The CUDA error; `dst` is then dropped once nothing can still use it.
+    /// [`Error::Capturing`] on a stream capturing a graph, or the CUDA error; `dst` is then
+    /// dropped once nothing can still use it.
     ///
     /// # Safety
     ///

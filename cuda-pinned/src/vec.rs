@@ -371,7 +371,9 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
     /// Marks the buffer as used by work on `stream` that this crate cannot see (a kernel
     /// reading it through [`device_ptr`](Self::device_ptr), a copy by another library).
     /// When the buffer is freed or returned to a pool, that work is waited for, or deferred on,
-    /// first. Copies made through this crate record their use themselves.
+    /// first. Copies made through this crate record their use themselves. Freed while `stream`
+    /// is capturing a CUDA graph, the buffer is never released: the graph may use it at any
+    /// launch.
     pub fn record_stream(&mut self, stream: &Stream) {
         self.block.record_stream(stream);
     }

@@ -539,6 +539,13 @@ impl<F: Fields> Drop for DeviceBatch<F> {
             return;
         };
         for stream in &self.streams {
+            if matches!(stream.is_capturing(), Ok(true)) {
+                // A graph captured there may read the slot at any launch (and a loader
+                // stream waiting on an event of the capture would join it): keep the slot
+                // out of use for good.
+                std::mem::forget(slot);
+                return;
+            }
             match stream.record_event() {
                 Ok(event) => slot.released.push(event),
                 Err(_) if stream.synchronize().is_ok() => {}

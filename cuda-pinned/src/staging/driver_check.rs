@@ -4,8 +4,10 @@
 //! pinned memory, and a download into ordinary memory returns once the destination is
 //! filled: CUDA documented both up to version 11, and version 13 still behaves so on the
 //! devices measured, but its documentation now says only that such calls "might be
-//! synchronous". So the first stager of each device in a process copies 4 KiB each way
-//! behind work that holds the stream back, and a path whose call returns early is not taken.
+//! synchronous". So the first stager of each device in a process copies 4 KiB and 4 MiB each
+//! way behind work that holds the stream back, and a path whose calls return early is not
+//! taken. A call that returns early is caught unless the checking thread stalls for the whole
+//! hold between the call's return and its look.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -32,11 +34,14 @@ pub(crate) struct DriverPaths {
 /// returns well within it.
 const HOLD: Duration = Duration::from_millis(5);
 
-/// Bytes copied each way.
-const BYTES: usize = 4096;
+/// The sizes copied each way: the smallest copies and the largest a driver path may take.
+pub(crate) const SIZES: [usize; 2] = [4 << 10, MAX_DRIVER_BYTES];
 
-/// The driver paths of `device`, checked once per process (at most `2 × HOLD`). Runs with
-/// the device current.
+/// The largest copy the stager's driver paths take: the largest size checked.
+pub(crate) const MAX_DRIVER_BYTES: usize = 4 << 20;
+
+/// The driver paths of `device`, checked once per process (at most `2 × HOLD` and the
+/// copies). Runs with the device current.
 pub(crate) fn driver_paths(device: Device) -> Result<DriverPaths> {
     static CHECKED: Mutex<Vec<(Device, DriverPaths)>> = Mutex::new(Vec::new());
     // Held through the check: stagers made at once wait for one check.
@@ -49,15 +54,22 @@ pub(crate) fn driver_paths(device: Device) -> Result<DriverPaths> {
     Ok(paths)
 }
 
-/// Uploads a pattern behind held-back work and overwrites the source as soon as the call
-/// returns; then downloads it behind held-back work and looks at the destination as soon as
-/// that call returns.
+/// Uploads a pattern of each size behind held-back work and overwrites the sources as soon
+/// as the calls return; then downloads them behind held-back work and looks at each
+/// destination as soon as its call returns.
 fn check(device: Device) -> Result<DriverPaths> {
     let stream = Stream::on(device)?;
-    let memory = DeviceBuffer::<u8>::zeroed_on(device, BYTES)?;
-    let original: Vec<u8> = (0..BYTES).map(|i| (i % 251) as u8 + 1).collect();
+    let total: usize = SIZES.iter().sum();
+    let memory = DeviceBuffer::<u8>::zeroed_on(device, total)?;
+    let offsets = SIZES.iter().scan(0, |at, &bytes| {
+        let offset = *at;
+        *at += bytes;
+        Some((offset, bytes))
+    });
+    let offsets: Vec<(usize, usize)> = offsets.collect();
+    let original: Vec<u8> = (0..total).map(|i| (i % 251) as u8 + 1).collect();
     let mut source = original.clone();
-    let mut back = vec![0u8; BYTES];
+    let mut back = vec![0u8; total];
     let hold = |stream: &Stream| -> Result<Arc<AtomicBool>> {
         let over = Arc::new(AtomicBool::new(false));
         let flag = over.clone();
@@ -67,49 +79,54 @@ fn check(device: Device) -> Result<DriverPaths> {
         })?;
         Ok(over)
     };
-    let queued = hold(&stream).and_then(|_| {
-        // SAFETY: `source` and `memory` outlive the work on the stream (waited for below,
-        // or both leaked); nothing else uses `memory`.
-        unsafe {
-            ffi::copy_once(
-                memory.as_raw() as *mut std::ffi::c_void,
-                source.as_ptr().cast(),
-                BYTES,
-                Direction::HostToDevice,
-                stream.as_raw(),
-            )
+    let uploaded = hold(&stream).and_then(|_| {
+        for &(offset, bytes) in &offsets {
+            // SAFETY: `source` and `memory` outlive the work on the stream (waited for
+            // below, or both leaked); nothing else uses `memory`.
+            unsafe {
+                ffi::copy_once(
+                    (memory.as_raw() + offset as u64) as *mut std::ffi::c_void,
+                    source.as_ptr().add(offset).cast(),
+                    bytes,
+                    Direction::HostToDevice,
+                    stream.as_raw(),
+                )
+            }?;
         }
+        Ok(())
     });
     // Through a raw pointer, as the driver may still read it: if it does, zeros arrive.
-    // SAFETY: `source` is live and `BYTES` long.
-    unsafe { std::ptr::write_bytes(source.as_mut_ptr(), 0, BYTES) };
-    let downloaded = queued.and_then(|()| {
+    // SAFETY: `source` is live and `total` bytes long.
+    unsafe { std::ptr::write_bytes(source.as_mut_ptr(), 0, total) };
+    let filled_on_return = uploaded.and_then(|()| {
         let held = hold(&stream)?;
-        // SAFETY: as above, for `back`.
-        unsafe {
-            ffi::copy_once(
-                back.as_mut_ptr().cast(),
-                memory.as_raw() as *const std::ffi::c_void,
-                BYTES,
-                Direction::DeviceToHost,
-                stream.as_raw(),
-            )
-        }?;
-        let waited = held.load(Ordering::Acquire);
-        // Read as the DMA may still write it (if the call did not wait for it).
-        // SAFETY: `back` is live and `BYTES` long; bytes are read one at a time.
-        let seen: Vec<u8> = (0..BYTES)
-            .map(|i| unsafe { back.as_ptr().add(i).read_volatile() })
-            .collect();
-        Ok(waited && seen == original)
+        let mut filled = true;
+        for &(offset, bytes) in &offsets {
+            // SAFETY: as above, for `back`.
+            unsafe {
+                ffi::copy_once(
+                    back.as_mut_ptr().add(offset).cast(),
+                    (memory.as_raw() + offset as u64) as *const std::ffi::c_void,
+                    bytes,
+                    Direction::DeviceToHost,
+                    stream.as_raw(),
+                )
+            }?;
+            // Read as the DMA may still write it (if the call did not wait for it).
+            // SAFETY: `back` is live and `total` bytes long; bytes are read one at a time.
+            let seen = (offset..offset + bytes)
+                .all(|i| unsafe { back.as_ptr().add(i).read_volatile() } == original[i]);
+            filled &= seen && held.load(Ordering::Acquire);
+        }
+        Ok(filled)
     });
     if let Err(error) = stream.synchronize() {
         // The copies may still run: their memory must stay.
         std::mem::forget((source, back, memory));
         return Err(error);
     }
-    let filled_on_return = downloaded?;
-    // `back` holds what the upload delivered.
+    let filled_on_return = filled_on_return?;
+    // `back` holds what the uploads delivered.
     let uploads = back == original;
     Ok(DriverPaths {
         uploads,

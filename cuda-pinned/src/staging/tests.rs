@@ -571,10 +571,19 @@ fn driver_sizes_that_end_before_they_start_are_refused() {
         assert!(matches!(result, Err(Error::Unsupported(_))));
         fake.stop();
     }
-    // Overlapping, single-size and unbounded ranges are fine.
+    // Past the largest size checked.
+    let fake = Fake::new(0);
+    let unbounded = StagingConfig {
+        driver_uploads: vec![1..=usize::MAX],
+        ..config(4096, 1, 1)
+    };
+    let result = Engine::new(fake.clone(), unbounded, Counted::default());
+    assert!(matches!(result, Err(Error::Unsupported(_))));
+    fake.stop();
+    // Overlapping and single-size ranges up to that size are fine.
     let fake = Fake::new(0);
     let fine = StagingConfig {
-        driver_uploads: vec![0..=4096, 4096..=4096, 1..=usize::MAX],
+        driver_uploads: vec![0..=4096, 4096..=4096, 1..=(4 << 20)],
         driver_downloads: vec![0..=0],
         ..config(4096, 1, 1)
     };

@@ -2,6 +2,7 @@
 //! GPU tests are ignored without a device.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use cuda_pinned::{CudarcCopies, Error, PinnedBox, PinnedVec, RegisteredVec, Stream};
@@ -241,12 +242,19 @@ const ALONE: &str = "CUDA_PINNED_TEST_ALONE";
 #[ignore = "needs a CUDA device"]
 fn copies_and_tracked_work_on_a_stream_capturing_a_graph_are_refused() {
     let test = "with_cudarc::copies_and_tracked_work_on_a_capturing_stream_alone";
-    let status = std::process::Command::new(std::env::current_exe().unwrap())
+    let child = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["--include-ignored", "--exact", test])
         .env(ALONE, "1")
-        .status()
+        .output()
         .unwrap();
-    assert!(status.success(), "{test}: {status}");
+    let out = String::from_utf8_lossy(&child.stdout);
+    let err = String::from_utf8_lossy(&child.stderr);
+    assert!(
+        child.status.success(),
+        "{test}: {}\n{out}\n{err}",
+        child.status
+    );
+    assert!(out.contains("1 passed"), "{test} did not run:\n{out}");
 }
 
 /// The test above, when run in its own process.
@@ -262,9 +270,10 @@ fn copies_and_tracked_work_on_a_capturing_stream_alone() {
     let ours = Stream::from_cudarc(&stream).unwrap();
     let mut device = cuda_pinned::DeviceBuffer::<u8>::zeroed(64 << 10).unwrap();
     let mut theirs = stream.alloc_zeros::<u8>(4096).unwrap();
+    let ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let refused = |result: Result<(), Error>, what: &str| {
         assert!(
-            matches!(result, Err(Error::Unsupported(_))),
+            matches!(result, Err(Error::Capturing)),
             "{what}: {result:?}"
         );
     };
@@ -278,6 +287,7 @@ fn copies_and_tracked_work_on_a_capturing_stream_alone() {
         ),
     ] {
         stream.begin_capture(mode).unwrap();
+        assert!(ours.is_capturing().unwrap());
         // 4 KiB: the driver's path where it holds; 64 KiB: the ring.
         for len in [4 << 10, 64 << 10] {
             let data = pattern(len, 3);
@@ -301,7 +311,25 @@ fn copies_and_tracked_work_on_a_capturing_stream_alone() {
                 stream.memcpy_htod(&pinned, &mut theirs)
             }));
             assert!(lent.is_err(), "cudarc's copy from a lent buffer was queued");
+            // A buffer marked as used on the stream and freed meanwhile is kept for good,
+            // without waiting for the stream (which would break the capture).
+            let mut used = PinnedVec::from_slice(&pattern(4096, 2)).unwrap();
+            used.record_stream(&ours);
+            drop(used);
+            let host = PinnedVec::from_slice(&pattern(4096, 4)).unwrap();
+            let copy = cuda_pinned::RawCopy {
+                dst: device.as_raw(),
+                src: host.as_ptr() as u64,
+                bytes: 4096,
+            };
+            // SAFETY: both ranges are live and 4096 bytes long; were the copy queued, it
+            // would be waited for below.
+            let batch = unsafe { ours.copy_batch_raw(&[copy]) };
+            refused(batch, "raw batch");
         }
+        let flag = ran.clone();
+        let host_fn = ours.launch_host_fn(move || flag.store(true, Ordering::SeqCst));
+        refused(host_fn, "host function");
         refused(
             device.slice_mut(..).set_bytes_async(1, &ours),
             "tracked memset",
@@ -318,5 +346,6 @@ fn copies_and_tracked_work_on_a_capturing_stream_alone() {
         .unwrap();
     let mut back = vec![0u8; 64 << 10];
     stager.copy_from_device(&ours, &device, &mut back).unwrap();
+    assert!(!ran.load(Ordering::SeqCst), "the refused host function ran");
     assert!(back == data);
 }
