@@ -307,8 +307,18 @@ impl StreamUses {
         self.0.is_none()
     }
 
+    /// Whether one of the streams is capturing a graph now.
+    pub(crate) fn capturing(&self) -> bool {
+        self.0.as_ref().is_some_and(|uses| {
+            uses.streams
+                .iter()
+                .any(|stream| matches!(stream.is_capturing(), Ok(true)))
+        })
+    }
+
     /// The uses as events; `None` when an event could not be recorded and the stream could
-    /// not be waited for either: then nobody can know when the memory is free.
+    /// not be waited for either, or a stream is capturing a graph: then nobody can know when
+    /// the memory is free.
     pub(crate) fn finish(self) -> Option<PendingUses> {
         let Some(uses) = self.0 else {
             return Some(PendingUses::none());

@@ -316,6 +316,9 @@ fn copies_and_tracked_work_on_a_capturing_stream_alone() {
             let mut used = PinnedVec::from_slice(&pattern(4096, 2)).unwrap();
             used.record_stream(&ours);
             drop(used);
+            let mut registered = RegisteredVec::new(pattern(4096, 3)).unwrap();
+            registered.record_stream(&ours);
+            assert!(matches!(registered.into_inner(), Err(Error::Capturing)));
             let host = PinnedVec::from_slice(&pattern(4096, 4)).unwrap();
             let copy = cuda_pinned::RawCopy {
                 dst: device.as_raw(),
