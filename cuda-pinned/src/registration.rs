@@ -151,9 +151,9 @@ impl<T> RegisteredVec<T> {
     ///
     /// # Errors
     ///
-    /// A CUDA error while waiting or unregistering, or [`Error::Capturing`](crate::Error::Capturing)
-    /// when a stream it was used on is capturing a graph; the memory is then leaked, since the
-    /// device may still use it.
+    /// A CUDA error while waiting or unregistering, or
+    /// [`Error::Capturing`](crate::Error::Capturing) when a stream it was used on is
+    /// capturing a graph; the memory is then leaked, since the device may still use it.
     pub fn into_inner(self) -> Result<Vec<T>> {
         let mut this = std::mem::ManuallyDrop::new(self);
         let uses = std::mem::take(&mut this.uses);

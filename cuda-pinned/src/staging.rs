@@ -52,21 +52,22 @@ pub struct StagingConfig {
     /// The smallest piece a larger copy is cut into. Copies are cut into about two pieces
     /// per thread, smaller at both ends: the DMA engine starts early and drains a short tail.
     pub min_piece_bytes: usize,
-    /// Uploads of these sizes (in bytes) from ordinary memory take the driver's own path: one
-    /// copy call from the source (`cuMemcpyHtoDAsync`, or the runtime's `cudaMemcpyAsync` where
-    /// the driver's entry points cannot be reached). On a device that cannot read pageable
-    /// memory itself, the driver copies such a source into pinned staging buffers before the
-    /// call returns: CUDA documents this for `cudaMemcpy`, and for the asynchronous calls up
-    /// to version 11; since then its documentation says only that they "might be
-    /// synchronous". So a stager checks it on its device before taking this path (once per
-    /// device and process: uploads of 4 KiB and 4 MiB behind work that holds the stream back,
-    /// their sources overwritten as the calls return; see [`Stager::driver_uploads_taken`]),
-    /// and the GPU tests check it for every default size. Sizes end at 4 MiB at most. Devices that read pageable memory directly
-    /// (HMM, ATS) and sources that start in page-locked memory always go through the ring.
-    /// The driver decides by the source's first byte, looked up by byte, not by page:
-    /// registered memory sharing a page with the source, lying inside it or holding its end
-    /// leaves it staged (checked by the GPU tests too). The call may wait for work queued
-    /// earlier on the stream.
+    /// Uploads of these sizes (in bytes) from ordinary memory take the driver's own path:
+    /// one copy call from the source (`cuMemcpyHtoDAsync`, or the runtime's
+    /// `cudaMemcpyAsync` where the driver's entry points cannot be reached). On a device
+    /// that cannot read pageable memory itself, the driver copies such a source into pinned
+    /// staging buffers before the call returns: CUDA documents this for `cudaMemcpy`, and
+    /// for the asynchronous calls up to version 11; since then its documentation says only
+    /// that they "might be synchronous". So a stager checks it on its device before taking
+    /// this path (once per device and process: uploads of 4 KiB and 4 MiB behind work that
+    /// holds the stream back, their sources overwritten as the calls return; see
+    /// [`Stager::driver_uploads_taken`]), and the GPU tests check it for every default size.
+    /// Sizes end at 4 MiB at most. Devices that read pageable memory directly (HMM, ATS) and
+    /// sources that start in page-locked memory always go through the ring. The driver
+    /// decides by the source's first byte, looked up by byte, not by page: registered memory
+    /// sharing a page with the source, lying inside it or holding its end leaves it staged
+    /// (checked by the GPU tests too). The call may wait for work queued earlier on the
+    /// stream.
     ///
     /// The defaults are where the ring was not reliably faster on an H100 host: up to 16 KiB
     /// (a chunk's event calls cost more than they save) and from 128 KiB to 4 MiB (the driver
@@ -83,11 +84,10 @@ pub struct StagingConfig {
     /// its documentation now says only that the call "might be synchronous": as for uploads,
     /// a stager checks it on its device first (downloads of 4 KiB and 4 MiB behind held-back
     /// work, looked at as the calls return; see [`Stager::driver_downloads_taken`]), and
-    /// sizes end at 4 MiB at most. The driver decides by
-    /// the destination's first byte (observed from 4 to 64 KiB, and checked by the GPU tests
-    /// at 12 and 16 KiB with registered memory inside it, holding its end or sharing its
-    /// pages); page-locked destinations and devices that read pageable memory go through the
-    /// ring.
+    /// sizes end at 4 MiB at most. The driver decides by the destination's first byte
+    /// (observed from 4 to 64 KiB, and checked by the GPU tests at 12 and 16 KiB with
+    /// registered memory inside it, holding its end or sharing its pages); page-locked
+    /// destinations and devices that read pageable memory go through the ring.
     ///
     /// The default is up to 16 KiB: there the driver's call alone ran 1.04–1.20× the
     /// driver's path as programs use it (`cudaMemcpyAsync`, then the stream waited for) on an
@@ -177,9 +177,10 @@ impl<A: PinnedAllocator> Stager<A> {
     ///
     /// # Errors
     ///
-    /// [`Error::Unsupported`] for a configuration with zero chunk bytes, threads or slots, or
-    /// a driver size range that ends before it starts or past 4 MiB; [`Error::Unavailable`] without CUDA; the
-    /// allocator's error for the ring; the CUDA error of checking the driver's paths.
+    /// [`Error::Unsupported`] for a configuration with zero chunk bytes, threads or slots,
+    /// or a driver size range that ends before it starts or past 4 MiB;
+    /// [`Error::Unavailable`] without CUDA; the allocator's error for the ring; the CUDA
+    /// error of checking the driver's paths.
     pub fn with_config_in(config: StagingConfig, allocator: A) -> Result<Self> {
         Self::with_config_on(Device::current()?, config, allocator)
     }
@@ -239,7 +240,8 @@ impl<A: PinnedAllocator> Stager<A> {
     ///
     /// [`Error::LengthMismatch`] when the lengths differ, [`Error::DeviceMismatch`] when the
     /// stream or the device buffer belongs to another device than the stager's,
-    /// [`Error::Capturing`] on a stream capturing a graph, or the CUDA error. After an error part of `dst` may have been written.
+    /// [`Error::Capturing`] on a stream capturing a graph, or the CUDA error. After an error
+    /// part of `dst` may have been written.
     pub fn copy_to_device<'d, T: NoUninit + 'd>(
         &self,
         stream: &Stream,
@@ -259,11 +261,11 @@ impl<A: PinnedAllocator> Stager<A> {
                 // its own pinned buffers before its copy call returns (checked: the path is
                 // on), and the stream runs the copy now, not at a graph's launch (capture
                 // refused above: see `Error::Capturing` for a capture another thread begins
-                // on the same stream during the call); `src` starts in ordinary memory, which is what the driver
-                // decides by (a source starting in memory registered with CUDA, which it
-                // would read later, was ruled out), so it need only be valid during the
-                // call. The device range is live, borrowed uniquely, and records the copy
-                // below.
+                // on the same stream during the call); `src` starts in ordinary memory,
+                // which is what the driver decides by (a source starting in memory
+                // registered with CUDA, which it would read later, was ruled out), so it
+                // need only be valid during the call. The device range is live, borrowed
+                // uniquely, and records the copy below.
                 unsafe {
                     ffi::copy_once(
                         range.address as *mut std::ffi::c_void,
@@ -395,14 +397,14 @@ impl<A: PinnedAllocator> Stager<A> {
                 &self.config().driver_downloads,
             ) {
                 // SAFETY: on this device the driver fills a destination in ordinary memory
-                // before its copy call returns (checked: the path is on), and the stream runs
-                // the copy now, not at a graph's launch (capture refused above: see
+                // before its copy call returns (checked: the path is on), and the stream
+                // runs the copy now, not at a graph's launch (capture refused above: see
                 // `Error::Capturing` for a capture another thread begins on the same stream
-                // during the call); `dst` starts
-                // in ordinary memory, which is what the driver decides by, is writable for
-                // `bytes` and borrowed uniquely until this returns, and any bytes are a valid
-                // `T`. The device range is live; once the call has returned, the destination
-                // is filled and nothing reads the range any more.
+                // during the call); `dst` starts in ordinary memory, which is what the
+                // driver decides by, is writable for `bytes` and borrowed uniquely until
+                // this returns, and any bytes are a valid `T`. The device range is live;
+                // once the call has returned, the destination is filled and nothing reads
+                // the range any more.
                 let copied = unsafe {
                     ffi::copy_once(
                         dst.as_mut_ptr().cast(),
