@@ -292,6 +292,11 @@ impl<A: PinnedAllocator> Stager<A> {
                     )
                 }
             };
+            if let Err(Error::Capturing) = copied {
+                // A capture took in the copy: an event there would mark nothing, and waiting
+                // for the stream would break the capture.
+                return Err(Error::Capturing);
+            }
             let ended = self.end_on(stream, range);
             copied?;
             Ok(StagedCopy { event: ended? })
@@ -416,9 +421,9 @@ impl<A: PinnedAllocator> Stager<A> {
                 }
                 // A capture another thread began meanwhile is reported, if not prevented.
                 .and_then(|()| stream.refuse_capture());
-                if copied.is_err() {
+                if matches!(copied, Err(ref error) if !matches!(error, Error::Capturing)) {
                     // Whether the driver's DMA still reads the range is unknown: it must know
-                    // when the stream gets past it.
+                    // when the stream gets past it (unless a capture took in the copy).
                     let _ = self.end_on(stream, range);
                 }
                 return copied;
@@ -435,9 +440,9 @@ impl<A: PinnedAllocator> Stager<A> {
                     stream,
                 )
             };
-            if copied.is_err() {
+            if matches!(copied, Err(ref error) if !matches!(error, Error::Capturing)) {
                 // Pieces still in flight may read the device range: it must know when they
-                // end.
+                // end (unless a capture took them in).
                 let _ = self.end_on(stream, range);
             }
             // On success every piece's copy was waited for: nothing is left to track.
@@ -591,8 +596,7 @@ impl Dma for Cuda {
     fn record(&self, event: &Event, stream: &Stream) -> Result<()> {
         event.record(stream)?;
         // A capture begun on the stream (by another thread) since the copy was checked took
-        // in the piece and this event: the chunk is lost rather than reused, as waiting for a
-        // capturing stream fails.
+        // in the piece and this event: the engine then loses the chunk.
         stream.refuse_capture()
     }
 
@@ -1022,8 +1026,10 @@ impl<D: Dma> Shared<D> {
         match moved {
             Ok(()) => taken.give_back(),
             Err(error) => {
-                // A copy may be queued that the chunk's event does not cover.
-                if self.dma.wait_stream(&job.stream).is_ok() {
+                // A copy may be queued that the chunk's event does not cover. One that a
+                // capture took in may run at any launch of its graph: the chunk is lost
+                // without waiting for the stream, which would break the capture.
+                if !matches!(error, Error::Capturing) && self.dma.wait_stream(&job.stream).is_ok() {
                     taken.give_back();
                 }
                 job.fail(error);

@@ -538,15 +538,21 @@ impl<F: Fields> Drop for DeviceBatch<F> {
         let Some(mut slot) = self.slot.take() else {
             return;
         };
+        // A graph captured on a consumer's stream may read the slot at any launch (and a
+        // loader stream waiting on an event of the capture would join it): such a slot is
+        // kept out of use for good. Asked before any event is recorded, and again after each.
+        let capturing = |stream: &Stream| matches!(stream.is_capturing(), Ok(true));
+        if self.streams.iter().any(capturing) {
+            std::mem::forget(slot);
+            return;
+        }
         for stream in &self.streams {
-            if matches!(stream.is_capturing(), Ok(true)) {
-                // A graph captured there may read the slot at any launch (and a loader
-                // stream waiting on an event of the capture would join it): keep the slot
-                // out of use for good.
-                std::mem::forget(slot);
-                return;
-            }
             match stream.record_event() {
+                Ok(event) if capturing(stream) => {
+                    slot.released.push(event);
+                    std::mem::forget(slot);
+                    return;
+                }
                 Ok(event) => slot.released.push(event),
                 Err(_) if stream.synchronize().is_ok() => {}
                 Err(_) => {

@@ -126,9 +126,10 @@
 //! by 1 GiB was 0.04–0.46 ms in eleven runs; that memory costs 0.24–0.30 s per GiB to create,
 //! which the background thread pays.
 //!
-//! *Failure.* A block whose device work cannot be known (a CUDA error) is never reused and,
-//! when the pool drops, never freed: leaking is the only safe answer to a device that may
-//! still write it.
+//! *Failure.* A block whose device work cannot be known (a CUDA error, or a stream recorded
+//! on it that is capturing a CUDA graph when it is freed) is never reused and, when the pool
+//! drops, never freed: leaking is the only safe answer to a device that may still write it.
+//! It stays counted as in use, and against the pool's cap.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 

@@ -333,6 +333,11 @@ fn copies_and_tracked_work_on_a_capturing_stream_alone() {
         let flag = ran.clone();
         let host_fn = ours.launch_host_fn(move || flag.store(true, Ordering::SeqCst));
         refused(host_fn, "host function");
+        assert_eq!(
+            Arc::strong_count(&ran),
+            1,
+            "the refused host function was kept"
+        );
         refused(
             device.slice_mut(..).set_bytes_async(1, &ours),
             "tracked memset",
