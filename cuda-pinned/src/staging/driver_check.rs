@@ -6,8 +6,8 @@
 //! devices measured, but its documentation now says only that such calls "might be
 //! synchronous". So the first stager of each device in a process copies 4 KiB and 4 MiB each
 //! way, each copy behind work that holds the stream back, and a path whose calls return early
-//! is not taken. A call that returns early is caught unless the checking thread stalls for the whole
-//! hold between the call's return and its look.
+//! is not taken. A call that returns early is caught unless the checking thread stalls for
+//! the whole hold between the call's return and its look.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -40,8 +40,8 @@ const SIZES: [usize; 2] = [4 << 10, MAX_DRIVER_BYTES];
 /// The largest copy the stager's driver paths take: the largest size checked.
 pub(crate) const MAX_DRIVER_BYTES: usize = 4 << 20;
 
-/// The driver paths of `device`, checked once per process (four holds and the copies, about
-/// 30 ms on an H100 host). Runs with the device current.
+/// The driver paths of `device`, checked once per process (four holds and the copies: about
+/// 40 ms on an H100 host). Runs with the device current.
 pub(crate) fn driver_paths(device: Device) -> Result<DriverPaths> {
     static CHECKED: Mutex<Vec<(Device, DriverPaths)>> = Mutex::new(Vec::new());
     // Held through the check: stagers made at once wait for one check.

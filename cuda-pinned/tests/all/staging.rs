@@ -297,9 +297,9 @@ fn a_destination_starting_in_ordinary_memory_is_filled_before_the_download_retur
     }
 }
 
-/// A destination that starts in registered memory and ends past it, small enough that the
-/// driver's call would take it and return before filling it, goes through the ring and is
-/// filled before the download returns.
+/// A destination that starts in registered memory and ends past it, which the driver's call
+/// would take and leave unfilled on return (below 8 KiB) or refuse, goes through the ring and
+/// is filled before the download returns.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_destination_starting_in_a_registration_is_filled_before_the_download_returns() {
