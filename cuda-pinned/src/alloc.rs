@@ -307,21 +307,12 @@ impl StreamUses {
         self.0.is_none()
     }
 
-    /// Whether one of the streams is capturing a graph now.
-    pub(crate) fn capturing(&self) -> bool {
-        self.0.as_ref().is_some_and(|uses| {
-            uses.streams
-                .iter()
-                .any(|stream| matches!(stream.is_capturing(), Ok(true)))
-        })
-    }
-
-    /// The uses as events; `None` when an event could not be recorded and the stream could
-    /// not be waited for either, or a stream is capturing a graph: then nobody can know when
-    /// the memory is free.
-    pub(crate) fn finish(self) -> Option<PendingUses> {
+    /// The uses as events. An error when a stream is capturing a graph
+    /// ([`Error::Capturing`]), or an event could not be recorded and the stream could not be
+    /// waited for either (that wait's error): then nobody can know when the memory is free.
+    pub(crate) fn finish(self) -> Result<PendingUses> {
         let Some(uses) = self.0 else {
-            return Some(PendingUses::none());
+            return Ok(PendingUses::none());
         };
         let Uses {
             streams,
@@ -332,11 +323,11 @@ impl StreamUses {
                 Ok(event) => pending.push(Arc::new(event)),
                 // A graph captured there may use the memory at any launch; waiting for the
                 // stream would only break the capture.
-                Err(Error::Capturing) => return None,
-                Err(_) => stream.synchronize().ok()?,
+                Err(Error::Capturing) => return Err(Error::Capturing),
+                Err(_) => stream.synchronize()?,
             }
         }
-        Some(pending)
+        Ok(pending)
     }
 }
 
@@ -356,7 +347,7 @@ pub(crate) unsafe fn release<A: PinnedAllocator + ?Sized>(
     if uses.is_empty() {
         // SAFETY: no device work was recorded; the caller's guarantees cover the rest.
         unsafe { allocator.deallocate(allocation) };
-    } else if let Some(pending) = std::mem::take(uses).finish() {
+    } else if let Ok(pending) = std::mem::take(uses).finish() {
         // SAFETY: `pending` covers every recorded use.
         unsafe { allocator.deallocate_after(allocation, pending) };
     }

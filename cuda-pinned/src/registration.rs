@@ -157,14 +157,7 @@ impl<T> RegisteredVec<T> {
     pub fn into_inner(self) -> Result<Vec<T>> {
         let mut this = std::mem::ManuallyDrop::new(self);
         let uses = std::mem::take(&mut this.uses);
-        let capturing = uses.capturing();
-        if let Some(pending) = uses.finish() {
-            pending.wait()?;
-        } else if capturing {
-            return Err(crate::Error::Capturing);
-        } else {
-            return Err(crate::Error::Unsupported("the device is in an error state"));
-        }
+        uses.finish()?.wait()?;
         if let Some(ptr) = this.registered {
             // SAFETY: registered by us; every device use has finished.
             unsafe { ffi::host_unregister(ptr)? };
@@ -177,7 +170,7 @@ impl<T> RegisteredVec<T> {
 impl<T> Drop for RegisteredVec<T> {
     fn drop(&mut self) {
         let uses = std::mem::take(&mut self.uses);
-        let finished = uses.finish().is_some_and(|pending| pending.wait().is_ok());
+        let finished = uses.finish().is_ok_and(|pending| pending.wait().is_ok());
         let unregistered = match self.registered {
             // SAFETY: registered by us; every device use has finished.
             Some(ptr) if finished => unsafe { ffi::host_unregister(ptr) }.is_ok(),
