@@ -109,7 +109,7 @@ type Copier<'a> = Box<dyn FnMut(Direction) -> Result<f64> + 'a>;
 /// the calling thread until the stream is idle, so it would wait for the gate forever).
 fn time_one(
     stream: &Stream,
-    events: &(Event, Event),
+    events: &mut (Event, Event),
     gate: bool,
     copy: impl FnOnce() -> Result<()>,
 ) -> Result<f64> {
@@ -207,14 +207,14 @@ impl Drop for RawHost {
 fn raw_copier(stream: &Stream, bytes: usize, pinned: bool) -> Result<Copier<'_>> {
     let host = RawHost::new(bytes, pinned)?;
     let device = DeviceBuffer::<u8>::zeroed(bytes)?;
-    let events = (Event::new()?, Event::new()?);
+    let mut events = (Event::new()?, Event::new()?);
     Ok(Box::new(move |direction| {
         // Name `host` whole: a closure that only read `host.ptr` would capture just that
         // field, and the buffer would be freed when this function returns.
         let host = &host;
         // SAFETY: `host` and `device` hold `bytes` and outlive the copy, which `time_one`
         // waits for.
-        time_one(stream, &events, pinned, || unsafe {
+        time_one(stream, &mut events, pinned, || unsafe {
             raw_copy(stream, host.ptr, device.as_raw(), bytes, direction)
         })
     }))
@@ -231,10 +231,10 @@ fn tracked_copier<'a, A: PinnedAllocator + 'a>(
     let gate = buffer.memory_kind().is_some_and(MemoryKind::is_cuda_pinned);
     let mut buffer = Some(buffer);
     let mut device = DeviceBuffer::<u8>::zeroed(bytes)?;
-    let events = (Event::new()?, Event::new()?);
+    let mut events = (Event::new()?, Event::new()?);
     Ok(Box::new(move |direction| {
         let mut in_flight = None;
-        let ms = time_one(stream, &events, gate, || {
+        let ms = time_one(stream, &mut events, gate, || {
             let host = buffer.take().expect("the buffer is back");
             in_flight = Some(match direction {
                 Direction::HostToDevice => stream.copy_to_device(host, &mut device)?,
@@ -419,7 +419,7 @@ fn time_both(
     mut queue: impl FnMut() -> Result<()>,
     mut finish: impl FnMut() -> Result<()>,
 ) -> Result<f64> {
-    let (start, down_done, end) = (Event::new()?, Event::new()?, Event::new()?);
+    let (mut start, mut down_done, mut end) = (Event::new()?, Event::new()?, Event::new()?);
     let mut times = Vec::new();
     for rep in 0..=reps {
         let gate = Gate::close(up)?;

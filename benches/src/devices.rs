@@ -47,7 +47,7 @@ fn h2d(
         Ok((stream, source, target, events))
     })();
     start.wait();
-    let (stream, mut source, mut target, (begin, end)) = setup?;
+    let (stream, mut source, mut target, (mut begin, mut end)) = setup?;
     let started = Instant::now();
     let mut gbps = Vec::with_capacity(reps);
     for _ in 0..reps {

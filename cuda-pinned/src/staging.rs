@@ -355,7 +355,7 @@ impl<A: PinnedAllocator> Stager<A> {
     /// fails, the device is in an error state).
     fn end_on(&self, stream: &Stream, range: DeviceRange<'_>) -> Result<Arc<Event>> {
         let ended = self.end_event().and_then(|event| {
-            event.record(stream)?;
+            event.record_shared(stream)?;
             range.pending.track(stream, event.clone());
             Ok(event)
         });
@@ -594,7 +594,7 @@ impl Dma for Cuda {
     }
 
     fn record(&self, event: &Event, stream: &Stream) -> Result<()> {
-        event.record(stream)?;
+        event.record_shared(stream)?;
         // A capture begun on the stream (by another thread) since the copy was checked took
         // in the piece and this event: the engine then loses the chunk.
         stream.refuse_capture()

@@ -468,12 +468,31 @@ impl Event {
 
     /// Captures the work queued on `stream` so far.
     ///
+    /// Recording needs the event to itself: an event this crate lends out (a [`Transfer`]'s,
+    /// say) marks the end of a copy, and memory is released when it completes, so recording
+    /// it again at an earlier point would release memory that the copy still uses.
+    ///
+    /// ```compile_fail,E0596
+    /// # use cuda_pinned::{PinnedVec, Stream, Transfer};
+    /// fn record_again(transfer: &Transfer<PinnedVec<u8>>, idle: &Stream) {
+    ///     transfer.event().record(idle).unwrap();
+    /// }
+    /// ```
+    ///
     /// # Errors
     ///
     /// [`Error::DeviceMismatch`] when the stream belongs to another device (CUDA records
     /// only there; [`Stream::record_event`] makes an event on the stream's device), or a
     /// CUDA error.
-    pub fn record(&self, stream: &Stream) -> Result<()> {
+    ///
+    /// [`Transfer`]: crate::Transfer
+    pub fn record(&mut self, stream: &Stream) -> Result<()> {
+        self.record_shared(stream)
+    }
+
+    /// [`record`](Self::record) through a shared reference, for events only this crate can
+    /// reach while it records them.
+    pub(crate) fn record_shared(&self, stream: &Stream) -> Result<()> {
         check_same_device("the stream", self.device, stream.handle.device)?;
         // SAFETY: both handles are live while borrowed, and of the same device, whose primary
         // context `on_device` makes current.

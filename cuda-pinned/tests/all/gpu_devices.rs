@@ -85,7 +85,7 @@ fn no_call_changes_the_calling_threads_current_device() {
         let stream = Stream::on(device).unwrap();
         unchanged("Stream::on");
         assert_eq!(stream.device(), device);
-        let event = Event::on(device).unwrap();
+        let mut event = Event::on(device).unwrap();
         unchanged("Event::on");
         event.record(&stream).unwrap();
         unchanged("Event::record");
@@ -229,7 +229,7 @@ fn mixing_devices_is_a_clear_error() {
         }) => assert_eq!((expected, found), (a.ordinal(), b.ordinal())),
         other => panic!("expected a device mismatch, got {:?}", other.err()),
     };
-    let event = Event::on(a).unwrap();
+    let mut event = Event::on(a).unwrap();
     mismatch(event.record(&on_b));
     let mut memory = DeviceBuffer::<u8>::zeroed_on(a, 16).unwrap();
     mismatch(
