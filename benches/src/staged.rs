@@ -217,8 +217,8 @@ fn memcpy_ceiling(
 /// What a small upload from ordinary memory costs, in ns per call: the driver's path as the
 /// table times it (`cudaMemcpyAsync`, then the stream waited for), the least a tracked copy
 /// can cost (the driver's own copy call after one pointer lookup, then an event recorded and
-/// waited for: what the stager adds to the driver's path), and the stager. Interleaved run
-/// by run.
+/// waited for: what the stager adds to the driver's path), the stager, and a stager without
+/// upload slots (the driver's path, then the ring). Interleaved run by run.
 fn small_uploads(stager: &Stager, section: &mut Section, progress: &mut Progress) -> Result<()> {
     progress.step("staged small uploads");
     let driver = driver()?;
@@ -237,8 +237,15 @@ fn small_uploads(stager: &Stager, section: &mut Section, progress: &mut Progress
     };
     let stream = Stream::new()?;
     let event = UntimedEvent::new()?;
+    let without_slots = Stager::with_config_in(
+        StagingConfig {
+            upload_slots: 0,
+            ..stager.config().clone()
+        },
+        DefaultPinned,
+    )?;
     let mut lines = Vec::new();
-    for bytes in [4 << 10, 16 << 10] {
+    for bytes in [4 << 10, 16 << 10, 64 << 10] {
         let source = vec![0x5Au8; bytes];
         let mut device = DeviceBuffer::<u8>::zeroed(bytes)?;
         let address = device.as_raw();
@@ -269,7 +276,7 @@ fn small_uploads(stager: &Stager, section: &mut Section, progress: &mut Progress
             }
         };
         let calls = calls_per_rep(bytes);
-        let mut ns = [Vec::new(), Vec::new(), Vec::new()];
+        let mut ns = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
         for rep in 0..=15 {
             let times = [
                 timed_calls(calls, || {
@@ -288,6 +295,11 @@ fn small_uploads(stager: &Stager, section: &mut Section, progress: &mut Progress
                 timed_calls(calls, || {
                     stager.copy_to_device(&stream, &source, &mut device)?.wait()
                 })?,
+                timed_calls(calls, || {
+                    without_slots
+                        .copy_to_device(&stream, &source, &mut device)?
+                        .wait()
+                })?,
             ];
             if rep > 0 {
                 for (n, t) in ns.iter_mut().zip(times) {
@@ -295,10 +307,11 @@ fn small_uploads(stager: &Stager, section: &mut Section, progress: &mut Progress
                 }
             }
         }
-        let [plain, floor, staged] = ns.map(Spread::of);
+        let [plain, floor, staged, unslotted] = ns.map(Spread::of);
         lines.push(format!(
             "{}: cudaMemcpyAsync {:.0}, least tracked {:.0}, staged {:.0} / {:.0} / {:.0} \
-             ({:.3}× cudaMemcpyAsync, {:.3}× least tracked)",
+             ({:.3}× cudaMemcpyAsync, {:.3}× least tracked), without upload slots {:.0} \
+             ({:.3}× cudaMemcpyAsync)",
             size_label(bytes as u64),
             plain.median,
             floor.median,
@@ -307,11 +320,14 @@ fn small_uploads(stager: &Stager, section: &mut Section, progress: &mut Progress
             staged.max,
             plain.median / staged.median,
             floor.median / staged.median,
+            unslotted.median,
+            plain.median / unslotted.median,
         ));
     }
     section.notes.push(format!(
         "small uploads, ns per call, medians of 15 runs (staged min / median / max); least \
-         tracked = one pointer lookup, the driver's call, one event: {}",
+         tracked = one pointer lookup, the driver's call, one event; without upload slots = \
+         the driver's path or the ring: {}",
         lines.join("; ")
     ));
     Ok(())
@@ -599,6 +615,7 @@ fn sweep(section: &mut Section, progress: &mut Progress) -> Result<()> {
         let ring_only = StagingConfig {
             driver_uploads: Vec::new(),
             driver_downloads: Vec::new(),
+            upload_slots: 0,
             ..StagingConfig::default()
         };
         let variants = [

@@ -51,10 +51,11 @@
 //! through a ring of page-locked chunks that several threads fill while the DMA engine drains
 //! them (on an H100, 3.5–5.9× the driver's own path from 64 MiB up; at 1 GiB about 90% of
 //! page-locked memory for uploads made back to back, 96% for downloads; see
-//! benches/RESULTS.md). Copies of the sizes where the driver's own call is as fast take it,
-//! once the first stager of the device has checked that the call reads or fills ordinary
-//! memory before it returns. An upload returns once the source has been read; a download once
-//! the destination is filled.
+//! benches/RESULTS.md). Small uploads go through slots of their own, ended by one event.
+//! Copies of the sizes where the driver's own call is as fast take it, once the first stager
+//! of the device has checked that the call reads or fills ordinary memory before it returns.
+//! An upload returns once the source has been read; a download once the destination is
+//! filled.
 //!
 //! Copies, tracked work and host functions refuse a stream that is capturing a CUDA graph
 //! ([`Error::Capturing`]): the graph would run them at each launch, after the host memory may

@@ -3,6 +3,7 @@
 use std::ffi::c_void;
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use cuda_pinned_sys::{self as sys, cudaEvent_t, cudaStream_t};
 
@@ -284,6 +285,7 @@ impl Stream {
             let event = Event {
                 raw: ffi::event_create(flags)?,
                 device,
+                finished: AtomicBool::new(false),
             };
             // SAFETY: both handles are live, and of the same device, whose primary context
             // `on_device` made current.
@@ -406,6 +408,9 @@ impl Stream {
 pub struct Event {
     raw: cudaEvent_t,
     device: i32,
+    /// The work recorded last has been seen finished: queries answer without a driver call
+    /// (about 0.3 µs), which makes reusing memory the event released nearly free.
+    finished: AtomicBool,
 }
 
 // SAFETY: event handles may be used from any thread; destroyed once, in Drop.
@@ -458,7 +463,11 @@ impl Event {
 
     fn create(device: i32, flags: u32) -> Result<Self> {
         let raw = ffi::on_device(device, || ffi::event_create(flags))?;
-        Ok(Self { raw, device })
+        Ok(Self {
+            raw,
+            device,
+            finished: AtomicBool::new(false),
+        })
     }
 
     /// The device the event belongs to.
@@ -494,6 +503,9 @@ impl Event {
     /// reach while it records them.
     pub(crate) fn record_shared(&self, stream: &Stream) -> Result<()> {
         check_same_device("the stream", self.device, stream.handle.device)?;
+        // Before the record: nobody else reaches the event meanwhile (see above), so no
+        // query or wait of an earlier record can set it again.
+        self.finished.store(false, Ordering::Relaxed);
         // SAFETY: both handles are live while borrowed, and of the same device, whose primary
         // context `on_device` makes current.
         ffi::on_device(self.device, || unsafe {
@@ -507,8 +519,21 @@ impl Event {
     ///
     /// A CUDA error, including errors of the captured work.
     pub fn query(&self) -> Result<bool> {
+        if self.seen_finished() {
+            return Ok(true);
+        }
         // SAFETY: the handle is live.
-        unsafe { ffi::event_query(self.raw) }
+        let finished = unsafe { ffi::event_query(self.raw)? };
+        if finished {
+            self.finished.store(true, Ordering::Release);
+        }
+        Ok(finished)
+    }
+
+    /// Whether the captured work was seen finished already (by a query or a wait), without
+    /// asking the device.
+    pub(crate) fn seen_finished(&self) -> bool {
+        self.finished.load(Ordering::Acquire)
     }
 
     /// Blocks until the captured work has finished.
@@ -517,8 +542,13 @@ impl Event {
     ///
     /// A CUDA error, including errors of the captured work.
     pub fn synchronize(&self) -> Result<()> {
+        if self.seen_finished() {
+            return Ok(());
+        }
         // SAFETY: the handle is live.
-        unsafe { ffi::event_synchronize(self.raw) }
+        unsafe { ffi::event_synchronize(self.raw)? };
+        self.finished.store(true, Ordering::Release);
+        Ok(())
     }
 
     /// Milliseconds between `start` and this event, both recorded and finished.
@@ -534,7 +564,9 @@ impl Event {
         unsafe { ffi::event_elapsed_ms(start.raw, self.raw) }
     }
 
-    /// The raw `cudaEvent_t`.
+    /// The raw `cudaEvent_t`, for waiting on it or querying it. Record it through
+    /// [`record`](Self::record) only: the event remembers when its recorded work was seen
+    /// finished, and a record made behind its back would leave that stale.
     pub fn as_raw(&self) -> cudaEvent_t {
         self.raw
     }

@@ -3,8 +3,18 @@
 use std::time::{Duration, Instant};
 
 use cuda_pinned::{
-    CudaHost, DeviceBuffer, PinnedVec, Registered, Stager, StagingConfig, Stream, VirtualHost,
+    CudaHost, DefaultPinned, DeviceBuffer, PinnedVec, Registered, Stager, StagingConfig, Stream,
+    VirtualHost,
 };
+
+/// A stager without upload slots: small uploads take the driver's path (or the ring).
+fn without_upload_slots() -> Stager {
+    let config = StagingConfig {
+        upload_slots: 0,
+        ..StagingConfig::default()
+    };
+    Stager::with_config_in(config, DefaultPinned).unwrap()
+}
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
@@ -67,6 +77,8 @@ fn typed_elements_and_odd_configurations() {
         min_piece_bytes: 1000,
         driver_uploads: Vec::new(),
         driver_downloads: Vec::new(),
+        upload_slot_bytes: 0,
+        upload_slots: 0,
         // Chunks of 4104 bytes: downloads start their streaming stores unaligned.
         streaming_stores: true,
     };
@@ -100,9 +112,9 @@ fn typed_elements_and_odd_configurations() {
 fn the_source_may_change_as_soon_as_the_upload_returns() {
     let stager = Stager::new().unwrap();
     let stream = Stream::new().unwrap();
-    // The driver's path (1000 bytes, 256 KiB) and the ring (32 KiB: one chunk on this
-    // thread; 64 MiB: spread over the workers).
-    for len in [1000, 32 << 10, 256 << 10, 64 << 20] {
+    // Upload slots (1000 bytes, 32 KiB), the driver's path (256 KiB) and the ring (96 KiB:
+    // one chunk on this thread; 64 MiB: spread over the workers).
+    for len in [1000, 32 << 10, 96 << 10, 256 << 10, 64 << 20] {
         let original = pattern(len, 9);
         let mut source = original.clone();
         let mut device = DeviceBuffer::<u8>::zeroed(len).unwrap();
@@ -183,7 +195,7 @@ fn filled_when_the_download_returns(stager: &Stager, stream: &Stream, into: &mut
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_page_locked_source_is_read_before_the_upload_returns() {
-    let stager = Stager::new().unwrap();
+    let stager = without_upload_slots();
     let stream = Stream::new().unwrap();
     for len in [4 << 10, 256 << 10] {
         assert!(takes_the_drivers_path(&stager, len));
@@ -248,7 +260,7 @@ impl Drop for RawRegistration {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_source_starting_in_ordinary_memory_is_read_before_the_upload_returns() {
-    let stager = Stager::new().unwrap();
+    let stager = without_upload_slots();
     let stream = Stream::new().unwrap();
     if reads_pageable_memory() {
         eprintln!("this device reads ordinary memory itself: the driver's path is never taken");
@@ -467,4 +479,49 @@ fn both_directions_at_once_share_the_stager() {
         .copy_from_device(&Stream::new().unwrap(), &up_device, &mut check)
         .unwrap();
     assert!(check == up_data);
+}
+
+/// Small uploads through the upload slots, more at once than there are slots, from ordinary
+/// and page-locked memory rewritten as each call returns, all behind 200 ms of other work:
+/// the slots still busy leave uploads to the other paths, and everything arrives as it was
+/// when its call returned. Then again once all have been waited for (the slots known free).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn small_uploads_arrive_as_they_were_whatever_slot_or_path_they_take() {
+    let stager = Stager::new().unwrap();
+    let stream = Stream::new().unwrap();
+    let slot = stager.config().upload_slot_bytes;
+    let count = 3 * stager.config().upload_slots + 1;
+    for len in [1, 4 << 10, 12 << 10, slot, slot + 1] {
+        for pinned in [false, true] {
+            for round in 0..2 {
+                let mut source =
+                    PinnedVec::<u8, _>::with_capacity_in(len, CudaHost::new()).unwrap();
+                let mut ordinary = vec![0u8; len];
+                source.resize(len, 0);
+                let mut devices: Vec<_> = (0..count)
+                    .map(|_| DeviceBuffer::<u8>::zeroed(len).unwrap())
+                    .collect();
+                stream
+                    .launch_host_fn(|| std::thread::sleep(Duration::from_millis(200)))
+                    .unwrap();
+                let mut uploads = Vec::new();
+                for (i, device) in devices.iter_mut().enumerate() {
+                    let host: &mut [u8] = if pinned { &mut source } else { &mut ordinary };
+                    host.copy_from_slice(&pattern(len, i as u8));
+                    uploads.push(stager.copy_to_device(&stream, host, device).unwrap());
+                    host.fill(0xFF);
+                }
+                for upload in uploads {
+                    upload.wait().unwrap();
+                }
+                for (i, device) in devices.iter().enumerate() {
+                    assert!(
+                        device.to_vec().unwrap() == pattern(len, i as u8),
+                        "{len} bytes, upload {i}, page-locked {pinned}, round {round}"
+                    );
+                }
+            }
+        }
+    }
 }
