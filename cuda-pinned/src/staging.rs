@@ -115,7 +115,10 @@ pub struct StagingConfig {
     /// Downloads copy pieces of 4 KiB and more out of the ring with non-temporal stores
     /// (past the CPU's caches) where the CPU has them (x86-64 with AVX2): the destination's
     /// cache lines are not read first, which saves memory bandwidth on large downloads, but
-    /// the data is not in the caches afterwards either.
+    /// the data is not in the caches afterwards either. Uploads of 32 KiB and more copy into
+    /// their upload slot with them too: in a probe on an H100 host a 64 KiB upload through a
+    /// slot so filled ran 1.29–1.32× the driver's call, 1.11–1.19× with plain stores (under
+    /// 32 KiB streaming stores were slower: 0.64–0.88× at 4 to 16 KiB).
     pub streaming_stores: bool,
 }
 
@@ -570,6 +573,10 @@ fn cut(bytes: usize, config: &StagingConfig, spread: bool) -> Vec<(usize, usize)
 /// How long an idle worker watches for the next job before it sleeps: waking a sleeping
 /// thread takes tens of microseconds on a virtual machine, a piece of a copy about as long.
 const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
+
+/// Uploads of at least this size fill their upload slot with non-temporal stores (see
+/// [`StagingConfig::streaming_stores`]).
+const STREAMING_SLOT_BYTES: usize = 32 << 10;
 
 /// What the engine needs from a device: CUDA, or a fake in the tests.
 pub(crate) trait Dma: Send + Sync + 'static {
@@ -1035,7 +1042,13 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
         // SAFETY: `host` is readable for `bytes` (the caller's contract); the slot is this
         // thread's alone (taken from the free list), its last copy has finished, it holds
         // `upload_slot_bytes` ≥ `bytes`, and it is disjoint from `host`, which is not ours.
-        unsafe { std::ptr::copy_nonoverlapping(host, memory, bytes) };
+        unsafe {
+            if self.shared.config.streaming_stores && bytes >= STREAMING_SLOT_BYTES {
+                copy_bytes_streaming(host, memory, bytes);
+            } else {
+                std::ptr::copy_nonoverlapping(host, memory, bytes);
+            }
+        }
         // SAFETY: the slot stays allocated and untouched until the event `end` records has
         // finished (or, after an error, until the stream has been waited for); the device
         // range is valid per the caller's contract.
