@@ -276,7 +276,7 @@ impl<A: PinnedAllocator> Stager<A> {
             self.prepare(stream, range, src.len())?;
             // SAFETY: `src` is readable for `bytes` during the call; the device range is
             // live, borrowed uniquely, and records the copy in `end_on` before its memory can
-            // be freed.
+            // be freed (or, where no event could be recorded, the stream is waited for).
             let in_slot = unsafe {
                 self.engine.upload_in_slot(
                     src.as_ptr().cast(),
@@ -284,10 +284,12 @@ impl<A: PinnedAllocator> Stager<A> {
                     bytes,
                     stream,
                     || {
-                        // A capture another thread began meanwhile is reported, if not
-                        // prevented: the slot is then lost.
+                        let ended = self.end_on(stream, range)?;
+                        // A capture another thread began meanwhile (it may hold the copy or
+                        // the record that frees the slot) is reported, if not prevented: the
+                        // slot is then lost.
                         stream.refuse_capture()?;
-                        self.end_on(stream, range)
+                        Ok(ended)
                     },
                 )
             };
@@ -407,12 +409,17 @@ impl<A: PinnedAllocator> Stager<A> {
         ended
     }
 
-    /// An event nobody else holds (a handle or a device buffer), or a new one.
+    /// An event nobody else holds (a handle, a device buffer or an upload slot), or a new
+    /// one.
     fn end_event(&self) -> Result<Arc<Event>> {
         const KEPT: usize = 64;
         let mut events = lock(&self.events);
         // Only this list can hand out a clone, under its lock: a count of one stays one.
         if let Some(event) = events.iter().find(|event| Arc::strong_count(event) == 1) {
+            // The count is read without ordering; what the last other holder did with the
+            // event (a query that marked it finished) must come before it is recorded again,
+            // as `Arc::get_mut` orders it.
+            std::sync::atomic::fence(Ordering::Acquire);
             return Ok(event.clone());
         }
         let event = Arc::new(Event::untimed_on(self.device())?);
@@ -698,6 +705,30 @@ struct UploadSlots<D: Dma> {
     lost: bool,
 }
 
+/// An upload slot out of the free list: given back with the event that frees it, or else
+/// lost when dropped (an error or a panic left its copy unaccounted for).
+struct TakenUploadSlot<'a, D: Dma> {
+    slots: &'a Mutex<UploadSlots<D>>,
+    slot: Option<UploadSlot<D>>,
+}
+
+impl<D: Dma> TakenUploadSlot<'_, D> {
+    fn give_back(mut self, ended: Option<Arc<D::Event>>) {
+        if let Some(mut slot) = self.slot.take() {
+            slot.ended = ended;
+            lock(self.slots).free.push_back(slot);
+        }
+    }
+}
+
+impl<D: Dma> Drop for TakenUploadSlot<'_, D> {
+    fn drop(&mut self) {
+        if self.slot.take().is_some() {
+            lock(self.slots).lost = true;
+        }
+    }
+}
+
 /// The free chunks, and how many exist: a chunk whose DMA could not be accounted for after a
 /// device error is never reused (and the ring's memory is then leaked, not freed).
 struct Ring<D: Dma> {
@@ -765,6 +796,16 @@ struct Address(*mut u8);
 unsafe impl Send for Address {}
 // SAFETY: as above.
 unsafe impl Sync for Address {}
+
+/// An empty list with room for `len` entries, or [`Error::OutOfMemory`].
+fn list_with_room<T>(len: usize) -> Result<VecDeque<T>> {
+    let mut list = VecDeque::new();
+    list.try_reserve_exact(len)
+        .map_err(|_| Error::OutOfMemory {
+            requested: len.saturating_mul(size_of::<T>()),
+        })?;
+    Ok(list)
+}
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // Nothing panics while these locks are held; a poisoned lock holds consistent data.
@@ -879,26 +920,27 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
             .checked_mul(config.upload_slots)
             .and_then(|slots| slots.checked_add(ring_bytes))
             .ok_or(Error::CapacityOverflow)?;
-        let upload_slots = if config.upload_slot_bytes == 0 {
-            VecDeque::new()
-        } else {
-            (0..config.upload_slots)
-                .map(|i| UploadSlot {
-                    offset: ring_bytes + i * config.upload_slot_bytes,
-                    ended: None,
-                })
-                .collect()
-        };
-        let free = (0..config.slots)
-            .map(|i| {
-                Ok(Slot {
-                    offset: i * config.chunk_bytes,
-                    event: dma.event()?,
-                    settled: true,
-                })
-            })
-            .collect::<Result<VecDeque<_>>>()?;
+        // The memory first: a configuration with more slots than the machine can hold fails
+        // here, before the slots' lists are made.
         let mut memory = PinnedVec::with_capacity_in(bytes, allocator)?;
+        let upload_count = if config.upload_slot_bytes == 0 {
+            0
+        } else {
+            config.upload_slots
+        };
+        let mut upload_slots = list_with_room(upload_count)?;
+        upload_slots.extend((0..upload_count).map(|i| UploadSlot {
+            offset: ring_bytes + i * config.upload_slot_bytes,
+            ended: None,
+        }));
+        let mut free = list_with_room(config.slots)?;
+        for i in 0..config.slots {
+            free.push_back(Slot {
+                offset: i * config.chunk_bytes,
+                event: dma.event()?,
+                settled: true,
+            });
+        }
         let device = dma.device();
         let shared = Arc::new(Shared {
             dma,
@@ -1036,9 +1078,13 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
         if bytes == 0 || bytes > self.shared.config.upload_slot_bytes {
             return None;
         }
-        let mut slot = self.take_upload_slot()?;
+        let taken = TakenUploadSlot {
+            slots: &self.upload_slots,
+            slot: Some(self.take_upload_slot()?),
+        };
+        let offset = taken.slot.as_ref().expect("taken").offset;
         let dma = &self.shared.dma;
-        let memory = self.shared.base.0.wrapping_add(slot.offset);
+        let memory = self.shared.base.0.wrapping_add(offset);
         // SAFETY: `host` is readable for `bytes` (the caller's contract); the slot is this
         // thread's alone (taken from the free list), its last copy has finished, it holds
         // `upload_slot_bytes` ≥ `bytes`, and it is disjoint from `host`, which is not ours.
@@ -1054,25 +1100,17 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
         // range is valid per the caller's contract.
         let ended = unsafe { dma.queue(stream, memory, device, bytes, Direction::HostToDevice) }
             .and_then(|()| end());
-        let mut slots = lock(&self.upload_slots);
         match ended {
             Ok(event) => {
-                slot.ended = Some(event.clone());
-                slots.free.push_back(slot);
+                taken.give_back(Some(event.clone()));
                 Some(Ok(event))
             }
             Err(error) => {
                 // A copy may be queued that no event covers. One that a capture took in may
-                // run at any launch of its graph: the slot is lost without waiting for the
-                // stream, which would break the capture.
-                drop(slots);
-                let settled = !matches!(error, Error::Capturing) && dma.wait_stream(stream).is_ok();
-                let mut slots = lock(&self.upload_slots);
-                if settled {
-                    slot.ended = None;
-                    slots.free.push_back(slot);
-                } else {
-                    slots.lost = true;
+                // run at any launch of its graph: the slot is lost (dropped while taken)
+                // without waiting for the stream, which would break the capture.
+                if !matches!(error, Error::Capturing) && dma.wait_stream(stream).is_ok() {
+                    taken.give_back(None);
                 }
                 Some(Err(error))
             }

@@ -73,6 +73,9 @@ struct Device {
     /// Host addresses copies were queued from or into (the chunks used).
     chunks: Mutex<std::collections::HashSet<usize>>,
     faults: Faults,
+    /// The queue is held back (as behind other work) until released.
+    held: Mutex<bool>,
+    released: Condvar,
     executor: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -88,6 +91,8 @@ impl Fake {
             overwritten: AtomicBool::new(false),
             chunks: Mutex::default(),
             faults: Faults::default(),
+            held: Mutex::new(false),
+            released: Condvar::new(),
             executor: Mutex::new(None),
         });
         let executor = device.clone();
@@ -107,6 +112,16 @@ impl Fake {
         }
     }
 
+    /// Holds the queue back: nothing queued from now runs until `release`.
+    fn hold(&self) {
+        *lock(&self.0.held) = true;
+    }
+
+    fn release(&self) {
+        *lock(&self.0.held) = false;
+        self.0.released.notify_all();
+    }
+
     fn device_bytes(&self) -> Vec<u8> {
         lock(&self.0.memory).clone()
     }
@@ -124,6 +139,11 @@ impl Device {
                     ops = wait(&self.posted, ops);
                 }
             };
+            let mut held = lock(&self.held);
+            while *held {
+                held = wait(&self.released, held);
+            }
+            drop(held);
             match op {
                 Op::Stop => return,
                 Op::Signal(event, ticket) => {
@@ -223,19 +243,19 @@ impl Dma for Fake {
         while state.1 < target {
             state = wait(&event.done, state);
         }
-        event.seen.store(true, Ordering::Relaxed);
+        event.seen.store(true, Ordering::Release);
         Ok(())
     }
 
     fn seen_finished(&self, event: &Arc<FakeEvent>) -> bool {
-        event.seen.load(Ordering::Relaxed)
+        event.seen.load(Ordering::Acquire)
     }
 
     fn finished(&self, event: &Arc<FakeEvent>) -> Result<bool> {
         self.0.faults.queries.fetch_add(1, Ordering::Relaxed);
         let state = lock(&event.state);
         let finished = state.1 >= state.0;
-        event.seen.store(finished, Ordering::Relaxed);
+        event.seen.store(finished, Ordering::Release);
         Ok(finished)
     }
 
@@ -821,11 +841,13 @@ fn uploads_that_fit_no_slot_are_left_to_the_other_paths() {
     let engine = Engine::new(fake.clone(), with_upload_slots(256, 1), Counted::default()).unwrap();
     assert!(upload_in_slot(&engine, &fake, 0, &[], None).is_none());
     assert!(upload_in_slot(&engine, &fake, 0, &[1; 257], None).is_none());
-    // The one slot's copy is still queued (the fake runs it late): no slot is ready.
+    // The one slot's copy is held back: no slot is ready.
+    fake.hold();
     let ended = upload_in_slot(&engine, &fake, 0, &[1; 256], None)
         .unwrap()
         .unwrap();
     assert!(upload_in_slot(&engine, &fake, 0, &[2; 256], None).is_none());
+    fake.release();
     fake.wait(&ended).unwrap();
     assert!(upload_in_slot(&engine, &fake, 0, &[3; 256], None).is_some());
     drop(engine);
@@ -876,4 +898,146 @@ fn a_slot_whose_copy_is_unknown_waits_for_the_stream_or_is_lost() {
         assert!(!fake.0.overwritten.load(Ordering::Relaxed));
         fake.stop();
     }
+}
+
+/// Three threads upload through three slots with events recycled as the stager recycles them
+/// (one is reused once nobody else holds it), dropping some ended events at once, keeping,
+/// waiting for, or handing others to a thread that queries them (as a device buffer or a
+/// pool would): no slot is written before its copy has run, and every upload arrives.
+#[test]
+#[allow(
+    clippy::redundant_allocation,
+    reason = "the engine shares `Arc<D::Event>`, and the fake's event is an `Arc` itself"
+)]
+fn slots_and_recycled_events_hold_under_several_threads() {
+    const THREADS: usize = 3;
+    const SLOT: usize = 128;
+    const BLOCKS: usize = 8;
+    let iterations = if cfg!(miri) { 30 } else { 400 };
+    let fake = Fake::new(THREADS * BLOCKS * SLOT);
+    let allocator = Counted::default();
+    let config = StagingConfig {
+        threads: 2,
+        slots: 2,
+        ..with_upload_slots(SLOT, 3)
+    };
+    let engine = Engine::new(fake.clone(), config, allocator.clone()).unwrap();
+    let recycled: Mutex<Vec<Arc<Arc<FakeEvent>>>> = Mutex::new(Vec::new());
+    let end_event = || {
+        let mut events = lock(&recycled);
+        if let Some(event) = events.iter().find(|event| Arc::strong_count(event) == 1) {
+            std::sync::atomic::fence(Ordering::Acquire);
+            return event.clone();
+        }
+        let event = Arc::new(fake.event().unwrap());
+        if events.len() < 16 {
+            events.push(event.clone());
+        }
+        event
+    };
+    let queried: Mutex<Vec<Arc<Arc<FakeEvent>>>> = Mutex::new(Vec::new());
+    let stop = AtomicBool::new(false);
+    let expected: Vec<Mutex<Vec<u8>>> = (0..THREADS)
+        .map(|_| Mutex::new(vec![0; BLOCKS * SLOT]))
+        .collect();
+    let in_slots = AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                let events: Vec<_> = lock(&queried).drain(..).collect();
+                for event in &events {
+                    let _ = fake.finished(event);
+                }
+                std::thread::yield_now();
+            }
+        });
+        let uploaders: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let (engine, fake, end_event) = (&engine, &fake, &end_event);
+                let (queried, expected, in_slots) = (&queried, &expected[t], &in_slots);
+                scope.spawn(move || {
+                    let mut kept = VecDeque::new();
+                    let mut source = vec![0u8; SLOT];
+                    for i in 0..iterations {
+                        let len = 1 + (i * 53 + t * 7) % SLOT;
+                        let block = i % BLOCKS;
+                        let offset = (t * BLOCKS + block) * SLOT;
+                        source[..len].copy_from_slice(&pattern(len, (i + t * 31) as u8));
+                        lock(expected)[block * SLOT..block * SLOT + len]
+                            .copy_from_slice(&source[..len]);
+                        let end = || {
+                            let event = end_event();
+                            fake.record(&event, &())?;
+                            Ok(event)
+                        };
+                        // SAFETY: `source` is readable during the call; the fake's device
+                        // memory covers the range.
+                        let ended = unsafe {
+                            engine.upload_in_slot(source.as_ptr(), offset as u64, len, &(), end)
+                        };
+                        match ended {
+                            Some(ended) => {
+                                in_slots.fetch_add(1, Ordering::Relaxed);
+                                let ended = ended.unwrap();
+                                match i % 4 {
+                                    0 => drop(ended),
+                                    1 => kept.push_back(ended),
+                                    2 => lock(queried).push(ended),
+                                    _ => fake.wait(&ended).unwrap(),
+                                }
+                            }
+                            // SAFETY: as above.
+                            None => unsafe {
+                                engine
+                                    .run(
+                                        Direction::HostToDevice,
+                                        source.as_mut_ptr(),
+                                        offset as u64,
+                                        len,
+                                        &(),
+                                    )
+                                    .unwrap();
+                            },
+                        }
+                        source.fill(0xEE);
+                        if kept.len() > 4 {
+                            let _ = fake.finished(&kept.pop_front().unwrap());
+                        }
+                    }
+                })
+            })
+            .collect();
+        for uploader in uploaders {
+            uploader.join().unwrap();
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    drop(engine);
+    assert!(!fake.0.overwritten.load(Ordering::Relaxed));
+    assert!(in_slots.load(Ordering::Relaxed) > 0);
+    let device = fake.device_bytes();
+    for (t, expected) in expected.iter().enumerate() {
+        let blocks = &device[t * BLOCKS * SLOT..(t + 1) * BLOCKS * SLOT];
+        assert!(blocks == &lock(expected)[..], "thread {t}'s uploads");
+    }
+    assert_eq!(allocator.0.load(Ordering::Relaxed), 0);
+    fake.stop();
+}
+
+/// A configuration with more upload slots than memory can hold is refused with an error, not
+/// an abort.
+#[test]
+#[cfg_attr(miri, ignore = "asks the allocator for more than Miri can represent")]
+fn too_many_upload_slots_are_an_error() {
+    let fake = Fake::new(16);
+    let config = with_upload_slots(1, 1 << 42);
+    let error = Engine::new(fake.clone(), config, Counted::default()).err();
+    assert!(
+        matches!(
+            error,
+            Some(Error::OutOfMemory { .. } | Error::MemlockLimit { .. })
+        ),
+        "{error:?}"
+    );
+    fake.stop();
 }
