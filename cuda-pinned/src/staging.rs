@@ -105,9 +105,9 @@ pub struct StagingConfig {
     /// was seen finished (its copy waited for or queried) or one query finds it finished;
     /// when no slot is, the upload takes the driver's path or the ring. A ring chunk needs an
     /// event of its own besides the one that ends the copy, and the driver's path a pointer
-    /// lookup: on an H100 host, timed against the driver's untracked call, uploads of 4 KiB
-    /// through slots ran 0.985× where those paths ran 0.947×, 16 KiB alike (0.960× and
-    /// 0.964×), 64 KiB 1.169× against 1.044×. 0: no slots.
+    /// lookup. On H100 hosts, timed against the driver's untracked call in three runs, uploads
+    /// of 64 KiB through slots ran 1.17–1.25× where the ring ran 1.04–1.07×; at 4 and 16 KiB
+    /// slots and the driver's path ran alike (0.96–1.03×). 0: no slots.
     pub upload_slot_bytes: usize,
     /// Slots for small uploads (page-locked memory: `upload_slots × upload_slot_bytes`, after
     /// the ring's): as many uploads may be in flight before the next takes another path.
@@ -117,8 +117,9 @@ pub struct StagingConfig {
     /// cache lines are not read first, which saves memory bandwidth on large downloads, but
     /// the data is not in the caches afterwards either. Uploads of 32 KiB and more copy into
     /// their upload slot with them too: in a probe on an H100 host a 64 KiB upload through a
-    /// slot so filled ran 1.29–1.32× the driver's call, 1.11–1.19× with plain stores (under
-    /// 32 KiB streaming stores were slower: 0.64–0.88× at 4 to 16 KiB).
+    /// slot so filled ran 1.29–1.32× the driver's path (`cudaMemcpyAsync`, then the stream
+    /// waited for), 1.11–1.19× with plain stores (under 32 KiB streaming stores were slower:
+    /// 0.64–0.88× at 4 to 16 KiB).
     pub streaming_stores: bool,
 }
 
