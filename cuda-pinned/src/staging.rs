@@ -71,14 +71,14 @@ pub struct StagingConfig {
     /// (checked by the GPU tests too). The call may wait for work queued earlier on the
     /// stream.
     ///
-    /// Upload slots come first ([`upload_slot_bytes`](Self::upload_slot_bytes)): up to
-    /// 16 KiB this path takes the uploads for which no slot is free. The defaults are where
-    /// the ring was not reliably faster on an H100 host: up to 16 KiB (a chunk's event calls
-    /// cost more than they save) and from 128 KiB to 4 MiB (the driver
-    /// overlaps its one-thread copy with the DMA, which one chunk cannot, and the ring's gain
-    /// there hangs on how fast sleeping workers wake: 1.2–1.5× on some virtual machines,
-    /// 0.65–0.9× on others). Around 64 KiB the driver's path is slow and one chunk 1.6×
-    /// faster. Empty: every upload goes through the ring.
+    /// Upload slots come first ([`upload_slot_bytes`](Self::upload_slot_bytes)): up to 16
+    /// KiB this path takes the uploads for which no slot is free. The defaults are where the
+    /// ring was not reliably faster on an H100 host: up to 16 KiB (a chunk's event calls
+    /// cost more than they save) and from 128 KiB to 4 MiB (the driver overlaps its
+    /// one-thread copy with the DMA, which one chunk cannot, and the ring's gain there hangs
+    /// on how fast sleeping workers wake: 1.2–1.5× on some virtual machines, 0.65–0.9× on
+    /// others). Around 64 KiB the driver's path is slow, and one chunk of the ring or an
+    /// upload slot faster. Empty: every upload goes through the ring.
     pub driver_uploads: Vec<RangeInclusive<usize>>,
     /// Downloads of these sizes (in bytes) into ordinary memory take the driver's own path:
     /// one copy call into the destination (`cuMemcpyDtoHAsync`, or `cudaMemcpyAsync`). On a
