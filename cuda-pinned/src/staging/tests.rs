@@ -749,17 +749,56 @@ fn upload_in_slot(
     data: &[u8],
     end_fails: Option<Error>,
 ) -> Option<Result<Arc<Arc<FakeEvent>>>> {
-    let end = || {
-        if let Some(error) = end_fails {
-            return Err(error);
-        }
-        let event = Arc::new(fake.event()?);
-        fake.record(&event, &())?;
-        Ok(event)
+    let end = || match end_fails {
+        Some(error) => Err(error),
+        None => recorded(fake),
     };
     // SAFETY: `data` is readable for its length during the call; the fake's device memory
     // covers the range (checked by its slicing).
     unsafe { engine.upload_in_slot(data.as_ptr(), offset as u64, data.len(), &(), end) }
+}
+
+/// A new event recorded on the fake's queue.
+#[allow(
+    clippy::redundant_allocation,
+    reason = "the engine shares `Arc<D::Event>`, and the fake's event is an `Arc` itself"
+)]
+fn recorded(fake: &Fake) -> Result<Arc<Arc<FakeEvent>>> {
+    let event = Arc::new(fake.event()?);
+    fake.record(&event, &())?;
+    Ok(event)
+}
+
+/// Uploads `data` at `offset` as the stager does: through a slot, ended by the event `end`
+/// records, or else through the ring. The slot's event, when a slot was taken.
+#[allow(
+    clippy::redundant_allocation,
+    reason = "the engine shares `Arc<D::Event>`, and the fake's event is an `Arc` itself"
+)]
+fn through_a_slot_or_the_ring(
+    engine: &Engine<Fake, Counted>,
+    offset: usize,
+    data: &[u8],
+    end: impl FnOnce() -> Result<Arc<Arc<FakeEvent>>>,
+) -> Option<Arc<Arc<FakeEvent>>> {
+    let (host, len) = (data.as_ptr(), data.len());
+    // SAFETY: `data` is readable for its length during the call; the fake's device memory
+    // covers the range (checked by its slicing).
+    if let Some(ended) = unsafe { engine.upload_in_slot(host, offset as u64, len, &(), end) } {
+        return Some(ended.unwrap());
+    }
+    // SAFETY: as above; an upload only reads its host side.
+    unsafe {
+        engine.run(
+            Direction::HostToDevice,
+            host.cast_mut(),
+            offset as u64,
+            len,
+            &(),
+        )
+    }
+    .unwrap();
+    None
 }
 
 fn with_upload_slots(slot_bytes: usize, slots: usize) -> StagingConfig {
@@ -791,23 +830,11 @@ fn upload_slots_are_reused_only_after_their_copy() {
             let offset = i * slot;
             source[..len].copy_from_slice(&pattern(len, i as u8));
             expected[offset..offset + len].copy_from_slice(&source[..len]);
-            match upload_in_slot(&engine, &fake, offset, &source[..len], None) {
-                Some(ended) => {
-                    events.push(ended.unwrap());
-                    in_slots += 1;
-                }
-                // SAFETY: `source` is readable for `len` and not written during the call.
-                None => unsafe {
-                    engine
-                        .run(
-                            Direction::HostToDevice,
-                            source.as_mut_ptr(),
-                            offset as u64,
-                            len,
-                            &(),
-                        )
-                        .unwrap();
-                },
+            if let Some(ended) =
+                through_a_slot_or_the_ring(&engine, offset, &source[..len], || recorded(&fake))
+            {
+                events.push(ended);
+                in_slots += 1;
             }
             source.fill(0xEE);
             if i % 3 == 0
@@ -846,8 +873,10 @@ fn uploads_that_fit_no_slot_are_left_to_the_other_paths() {
     let ended = upload_in_slot(&engine, &fake, 0, &[1; 256], None)
         .unwrap()
         .unwrap();
-    assert!(upload_in_slot(&engine, &fake, 0, &[2; 256], None).is_none());
+    let while_held = upload_in_slot(&engine, &fake, 0, &[2; 256], None);
+    // Released before asserting: a failure must not leave the engine's drop waiting.
     fake.release();
+    assert!(while_held.is_none());
     fake.wait(&ended).unwrap();
     assert!(upload_in_slot(&engine, &fake, 0, &[3; 256], None).is_some());
     drop(engine);
@@ -957,7 +986,7 @@ fn slots_and_recycled_events_hold_under_several_threads() {
                 let (queried, expected, in_slots) = (&queried, &expected[t], &in_slots);
                 scope.spawn(move || {
                     let mut kept = VecDeque::new();
-                    let mut source = vec![0u8; SLOT];
+                    let mut source = [0u8; SLOT];
                     for i in 0..iterations {
                         let len = 1 + (i * 53 + t * 7) % SLOT;
                         let block = i % BLOCKS;
@@ -970,34 +999,16 @@ fn slots_and_recycled_events_hold_under_several_threads() {
                             fake.record(&event, &())?;
                             Ok(event)
                         };
-                        // SAFETY: `source` is readable during the call; the fake's device
-                        // memory covers the range.
-                        let ended = unsafe {
-                            engine.upload_in_slot(source.as_ptr(), offset as u64, len, &(), end)
-                        };
-                        match ended {
-                            Some(ended) => {
-                                in_slots.fetch_add(1, Ordering::Relaxed);
-                                let ended = ended.unwrap();
-                                match i % 4 {
-                                    0 => drop(ended),
-                                    1 => kept.push_back(ended),
-                                    2 => lock(queried).push(ended),
-                                    _ => fake.wait(&ended).unwrap(),
-                                }
+                        if let Some(ended) =
+                            through_a_slot_or_the_ring(engine, offset, &source[..len], end)
+                        {
+                            in_slots.fetch_add(1, Ordering::Relaxed);
+                            match i % 4 {
+                                0 => drop(ended),
+                                1 => kept.push_back(ended),
+                                2 => lock(queried).push(ended),
+                                _ => fake.wait(&ended).unwrap(),
                             }
-                            // SAFETY: as above.
-                            None => unsafe {
-                                engine
-                                    .run(
-                                        Direction::HostToDevice,
-                                        source.as_mut_ptr(),
-                                        offset as u64,
-                                        len,
-                                        &(),
-                                    )
-                                    .unwrap();
-                            },
                         }
                         source.fill(0xEE);
                         if kept.len() > 4 {
