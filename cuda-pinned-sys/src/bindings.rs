@@ -194,6 +194,20 @@ impl cudaStreamCaptureStatus {
 #[repr(transparent)]
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct cudaStreamCaptureStatus(pub ::core::ffi::c_uint);
+impl cudaStreamCaptureMode {
+    pub const cudaStreamCaptureModeGlobal: cudaStreamCaptureMode = cudaStreamCaptureMode(
+        0,
+    );
+    pub const cudaStreamCaptureModeThreadLocal: cudaStreamCaptureMode = cudaStreamCaptureMode(
+        1,
+    );
+    pub const cudaStreamCaptureModeRelaxed: cudaStreamCaptureMode = cudaStreamCaptureMode(
+        2,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct cudaStreamCaptureMode(pub ::core::ffi::c_uint);
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct cudaPointerAttributes {
@@ -1003,6 +1017,9 @@ cudart_api! {
     ) -> cudaError_t;
     pub fn cudaStreamSynchronize(stream: cudaStream_t) -> cudaError_t;
     pub fn cudaStreamQuery(stream: cudaStream_t) -> cudaError_t;
+    pub fn cudaThreadExchangeStreamCaptureMode(
+        mode: *mut cudaStreamCaptureMode,
+    ) -> cudaError_t;
     pub fn cudaStreamIsCapturing(
         stream: cudaStream_t,
         pCaptureStatus: *mut cudaStreamCaptureStatus,

@@ -183,7 +183,10 @@ fn ordinal(stream: &CudaStream) -> i32 {
 // stream before the call returns (cudarc's own `[T]` impl relies on the driver doing that for
 // pageable memory, which it does not do for pinned memory). For copies that overlap compute,
 // use `CudarcCopies`. A stream that is capturing a graph would copy at each launch instead,
-// after the borrow: cudarc's calls give no way to refuse it but a panic.
+// after the borrow: cudarc's calls give no way to refuse it but a panic. cudarc's wait is
+// its own: made in the thread's capture mode, it is refused while another thread captures a
+// graph in global mode, and cudarc then records the error in its context and returns while
+// the copy runs. This crate's own waits are made in relaxed mode and are not refused.
 
 /// Panics if `stream` is capturing a graph (see above). A stream whose state cannot be read
 /// is left to cudarc, whose copy call meets the same error.
@@ -233,6 +236,10 @@ synced_host_slice! {
     /// `stream.memcpy_htod(&vec, ..)` and `memcpy_dtoh(.., &mut vec)` return after the copy;
     /// on a stream capturing a graph they panic (for `memcpy_dtoh`, after cudarc has made the
     /// stream wait for earlier writes of the device memory, which the capture takes in).
+    /// cudarc waits for the stream in the thread's own capture mode: while another thread
+    /// captures a graph in global mode, CUDA refuses that wait and cudarc returns before the
+    /// copy has finished (the error kept in its context). Use `CudarcCopies` where graphs are
+    /// captured in global mode.
     impl[T, A: PinnedAllocator] for PinnedVec<T, A>
 }
 synced_host_slice! {

@@ -25,6 +25,11 @@ use crate::stream::{Event, Stream};
 /// device, and the memory is freed only after they end. Host and device lengths must match;
 /// a view is how a short batch goes into a larger buffer, or a few elements come back:
 ///
+/// Blocking copies (`copy_from_host`, `copy_to_host`, `from_slice`, `to_vec`, and the views'
+/// own) return once the copy has finished. Should CUDA fail even to wait for it (an error
+/// that leaves the device's context unusable), they abort the process: the device could
+/// otherwise still reach the borrowed host memory after the call.
+///
 /// ```no_run
 /// # use cuda_pinned::{DeviceBuffer, PinnedVec, Stream};
 /// let stream = Stream::new()?;
@@ -238,6 +243,20 @@ impl<T> DeviceBuffer<T> {
         Device::from_raw(self.device)
     }
 
+    /// Makes work queued on `stream` from now on wait (on the device) for the copies of this
+    /// buffer that this crate queued on other streams and that may still run. This crate's
+    /// own copies and memsets order themselves so; work on the buffer's raw address
+    /// ([`as_raw`](Self::as_raw): a kernel, [`Stream::copy_batch_raw`]) needs this call
+    /// first.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::DeviceMismatch`] for a stream of another device, or the CUDA error.
+    pub fn order_after_copies(&self, stream: &Stream) -> Result<()> {
+        crate::stream::check_same_device("the stream", self.device, stream.device().raw())?;
+        self.pending.order_before(stream)
+    }
+
     /// A view of the elements in `range`, to copy from.
     ///
     /// # Panics
@@ -362,17 +381,37 @@ impl<'a> DeviceRange<'a> {
             Direction::HostToDevice => (device, host.cast_const().cast()),
             _ => (host.cast(), device.cast_const()),
         };
-        // SAFETY: both sides are `bytes` long (lengths checked; the device range lies in a
-        // live allocation) and the caller keeps the host side for this whole call, which
-        // waits for the copy before returning.
-        let queued = ffi::on_device(self.device, || unsafe {
-            ffi::memcpy_async(dst, src, bytes, direction, stream.as_raw())
+        let queued = ffi::on_device(self.device, || {
+            // Waiting for a copy that a capture took in would have joined the new stream to
+            // that capture: this copy would then run at the graph's launch, after the borrow.
+            stream.refuse_capture()?;
+            // SAFETY: both sides are `bytes` long (lengths checked; the device range lies in
+            // a live allocation) and the caller keeps the host side for this whole call,
+            // which waits for the copy before returning (or never returns).
+            unsafe { ffi::memcpy_async(dst, src, bytes, direction, stream.as_raw()) }
         });
         // A copy split at chunk boundaries may fail after its first pieces were queued: the
         // host side is borrowed only for this call, so they are waited for either way.
-        let finished = stream.synchronize();
-        queued.and(finished)
+        if let Err(error) = stream.synchronize() {
+            stop_unwaited(&error);
+        }
+        queued
     }
+}
+
+/// Stops the process: a copy of borrowed host memory was queued and could not be waited for,
+/// so the device may still read or write that memory once the borrow ends, and no error
+/// value could keep its owner from freeing or reusing it. The wait is made in relaxed
+/// capture mode on a stream of the call's own, so neither graph capture nor another stream's
+/// work can refuse it: what fails it is an error that leaves the device's context unusable,
+/// after which CUDA says the process must be restarted.
+#[cold]
+fn stop_unwaited(error: &Error) -> ! {
+    eprintln!(
+        "cuda-pinned: a copy of borrowed host memory could not be waited for ({error}); the \
+         device might still access that memory after the call, so the process stops"
+    );
+    std::process::abort()
 }
 
 /// A read-only view of a range of a [`DeviceBuffer`]: a copy source.

@@ -253,6 +253,10 @@ pub enum Error {
     /// too. A capture that another thread begins on the same stream in between is not
     /// prevented: CUDA offers no way to queue work only if a stream is not capturing. Do not
     /// begin a capture on a stream that other threads are using.
+    ///
+    /// Captures on other streams do not get in the way, whichever thread makes them and in
+    /// whatever mode: this crate waits, queries and allocates in relaxed capture mode, which
+    /// a global-mode capture does not refuse (nor is it invalidated by these calls).
     Capturing,
 }
 

@@ -5,7 +5,7 @@
 //! the runtime's per-thread last error so a failure here does not resurface in a user's
 //! next, unrelated CUDA call.
 
-use std::ffi::{c_int, c_void};
+use std::ffi::{c_int, c_uint, c_void};
 use std::ptr::{self, NonNull};
 use std::sync::OnceLock;
 
@@ -151,7 +151,14 @@ pub(crate) fn set_device(device: i32) -> Result<()> {
 /// Every call of this crate that touches a stream, event or buffer of a named device goes
 /// through here, so none leaves the caller's current device changed, even when `work`
 /// unwinds.
+///
+/// The work runs in relaxed capture mode (see [`relaxed`]).
 pub(crate) fn on_device<R>(device: i32, work: impl FnOnce() -> Result<R>) -> Result<R> {
+    relaxed(|| with_context_of(device, work))
+}
+
+/// [`on_device`] without the capture mode.
+fn with_context_of<R>(device: i32, work: impl FnOnce() -> Result<R>) -> Result<R> {
     if has_context_calls() {
         let current = current_context()?;
         let target = primary_context(device)?;
@@ -189,6 +196,49 @@ impl Drop for Restore {
             Self::Device(device) => set_device(device),
         };
     }
+}
+
+/// Runs `work` with the calling thread in relaxed capture mode, then gives it back its own.
+///
+/// While a thread captures a CUDA graph in global mode (the default, cudarc's too), CUDA
+/// refuses every other thread's "potentially unsafe" calls: waiting for or querying any
+/// stream or event, allocating or freeing memory. They fail with
+/// `cudaErrorStreamCaptureUnsupported`, and each refusal invalidates that capture. So a copy
+/// queued before the capture began could not be waited for: a tracked buffer would be
+/// leaked, a blocking copy could not return. This crate never waits on or queues work into
+/// a capturing stream (copies refuse one), so its calls are made in relaxed mode, which CUDA
+/// refuses nothing, as PyTorch's allocators do; an exchange pair costs about 30 ns through
+/// the driver on an H100 host. If the mode cannot be exchanged, `work` runs in the thread's
+/// own.
+pub(crate) fn relaxed<R>(work: impl FnOnce() -> R) -> R {
+    const RELAXED: c_uint = 2;
+    let _restore = exchange_capture_mode(RELAXED).map(CaptureMode);
+    work()
+}
+
+/// The capture mode [`relaxed`] gives back to the thread, also when its work unwinds.
+struct CaptureMode(c_uint);
+
+impl Drop for CaptureMode {
+    fn drop(&mut self) {
+        exchange_capture_mode(self.0);
+    }
+}
+
+/// Sets the calling thread's capture mode (`cudaStreamCaptureMode`, whose values the
+/// driver's enum shares) and returns the one it had; `None` if CUDA refused.
+fn exchange_capture_mode(mode: c_uint) -> Option<c_uint> {
+    type ExchangeFn = unsafe extern "C" fn(*mut cu::CUstreamCaptureMode) -> CUresult;
+    if let Some(exchange) = driver_fn!(cuThreadExchangeStreamCaptureMode: ExchangeFn) {
+        let mut mode = cu::CUstreamCaptureMode(mode);
+        // SAFETY: `mode` is a valid, writable mode; the call only swaps thread-local state.
+        let status = unsafe { exchange(&mut mode) };
+        return (status == CUresult::CUDA_SUCCESS).then_some(mode.0);
+    }
+    let mut mode = sys::cudaStreamCaptureMode(mode);
+    (|| cuda!(cudaThreadExchangeStreamCaptureMode(&mut mode)))()
+        .ok()
+        .map(|()| mode.0)
 }
 
 /// Whether the driver's context calls can be reached (asked once: `on_device` runs on every
@@ -430,10 +480,12 @@ pub(crate) fn host_granularity(node: u32) -> Result<usize> {
 /// Reserves `bytes` of address space (no memory behind it), aligned to `align`.
 pub(crate) fn address_reserve(bytes: usize, align: usize) -> Result<NonNull<u8>> {
     let mut address = 0;
-    driver!(cuMemAddressReserve(&mut address, bytes, align, 0, 0)).map_err(|e| match e {
-        Error::Driver(d) if d.is_out_of_memory() => Error::OutOfMemory { requested: bytes },
-        other => other,
-    })?;
+    relaxed(|| driver!(cuMemAddressReserve(&mut address, bytes, align, 0, 0))).map_err(
+        |e| match e {
+            Error::Driver(d) if d.is_out_of_memory() => Error::OutOfMemory { requested: bytes },
+            other => other,
+        },
+    )?;
     NonNull::new(ptr::with_exposed_provenance_mut(address as usize))
         .ok_or(Error::Unsupported("the driver reserved address 0"))
 }
@@ -443,7 +495,7 @@ pub(crate) fn address_reserve(bytes: usize, align: usize) -> Result<NonNull<u8>>
 /// - `ptr..ptr + bytes` is exactly a range from [`address_reserve`], with nothing mapped in it
 ///   and nothing using it afterwards.
 pub(crate) unsafe fn address_free(ptr: NonNull<u8>, bytes: usize) -> Result<()> {
-    driver!(cuMemAddressFree(ptr.as_ptr() as u64, bytes))
+    relaxed(|| driver!(cuMemAddressFree(ptr.as_ptr() as u64, bytes)))
 }
 
 /// Creates `bytes` of page-locked memory on `node` and maps it at `at`; on failure nothing is
@@ -458,12 +510,14 @@ pub(crate) unsafe fn address_free(ptr: NonNull<u8>, bytes: usize) -> Result<()> 
 pub(crate) unsafe fn map_host_memory(at: NonNull<u8>, bytes: usize, node: u32) -> Result<()> {
     let prop = host_numa_prop(node);
     let mut handle = 0;
-    driver!(cuMemCreate(&mut handle, bytes, &prop, 0))?;
-    let mapped = driver!(cuMemMap(at.as_ptr() as u64, bytes, 0, handle, 0));
-    // The mapping holds the memory now (or the map failed): the handle is not needed either
-    // way. A failed release only leaks the handle's bookkeeping.
-    let _ = driver!(cuMemRelease(handle));
-    mapped
+    relaxed(|| {
+        driver!(cuMemCreate(&mut handle, bytes, &prop, 0))?;
+        let mapped = driver!(cuMemMap(at.as_ptr() as u64, bytes, 0, handle, 0));
+        // The mapping holds the memory now (or the map failed): the handle is not needed
+        // either way. A failed release only leaks the handle's bookkeeping.
+        let _ = driver!(cuMemRelease(handle));
+        mapped
+    })
 }
 
 /// Opens memory mapped by [`map_host_memory`] on `node` to the host and to `devices`.
@@ -490,12 +544,14 @@ pub(crate) unsafe fn open_host_memory(
             .iter()
             .map(|&device| access(cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, device)),
     );
-    driver!(cuMemSetAccess(
-        at.as_ptr() as u64,
-        bytes,
-        descriptors.as_ptr(),
-        descriptors.len()
-    ))
+    relaxed(|| {
+        driver!(cuMemSetAccess(
+            at.as_ptr() as u64,
+            bytes,
+            descriptors.as_ptr(),
+            descriptors.len()
+        ))
+    })
 }
 
 /// # Safety
@@ -503,7 +559,7 @@ pub(crate) unsafe fn open_host_memory(
 /// - `ptr..ptr + bytes` is memory mapped by [`map_host_memory`] (one call or several
 ///   adjacent ones), used by no device work and nothing on the host afterwards.
 pub(crate) unsafe fn unmap(ptr: NonNull<u8>, bytes: usize) -> Result<()> {
-    driver!(cuMemUnmap(ptr.as_ptr() as u64, bytes))
+    relaxed(|| driver!(cuMemUnmap(ptr.as_ptr() as u64, bytes)))
 }
 
 // ---- device memory -------------------------------------------------------------------------
@@ -780,7 +836,7 @@ pub(crate) unsafe fn stream_wait_event(
 /// # Safety
 ///
 /// - `stream` is live; `function(data)` is sound to call once from a CUDA driver thread at
-///   any later time, and must not call CUDA itself.
+///   any later time and does not unwind. (CUDA calls made from it fail or deadlock.)
 pub(crate) unsafe fn launch_host_func(
     stream: sys::cudaStream_t,
     function: unsafe extern "C" fn(*mut c_void),
@@ -830,32 +886,36 @@ pub(crate) unsafe fn event_record(
 ///
 /// - `event` is live.
 pub(crate) unsafe fn event_query(event: sys::cudaEvent_t) -> Result<bool> {
-    if let Some(function) = driver_fn!(cuEventQuery: EventFn) {
+    relaxed(|| {
+        if let Some(function) = driver_fn!(cuEventQuery: EventFn) {
+            // SAFETY: the caller guarantees the event is live.
+            return match unsafe { function(event.cast()) } {
+                CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+                status => driver_status("cuEventQuery", status).map(|()| true),
+            };
+        }
+        let function = cudart()?.cudaEventQuery()?;
         // SAFETY: the caller guarantees the event is live.
-        return match unsafe { function(event.cast()) } {
-            CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            status => driver_status("cuEventQuery", status).map(|()| true),
-        };
-    }
-    let function = cudart()?.cudaEventQuery()?;
-    // SAFETY: the caller guarantees the event is live.
-    query("cudaEventQuery", unsafe { function(event) })
+        query("cudaEventQuery", unsafe { function(event) })
+    })
 }
 
 /// # Safety
 ///
 /// - `event` is live.
 pub(crate) unsafe fn event_synchronize(event: sys::cudaEvent_t) -> Result<()> {
-    if let Some(function) = driver_fn!(cuEventSynchronize: EventFn) {
-        // SAFETY: the caller guarantees the event is live.
-        return driver_status("cuEventSynchronize", unsafe { function(event.cast()) });
-    }
-    cuda!(cudaEventSynchronize(event))
+    relaxed(|| {
+        if let Some(function) = driver_fn!(cuEventSynchronize: EventFn) {
+            // SAFETY: the caller guarantees the event is live.
+            return driver_status("cuEventSynchronize", unsafe { function(event.cast()) });
+        }
+        cuda!(cudaEventSynchronize(event))
+    })
 }
 
 /// # Safety
 ///
-/// - both events are live and were created with timing enabled.
+/// - both events are live. (Events created without timing make CUDA return an error.)
 pub(crate) unsafe fn event_elapsed_ms(
     start: sys::cudaEvent_t,
     end: sys::cudaEvent_t,

@@ -196,6 +196,8 @@
 //!   [`PinnedVec`], [`PinnedBox`], [`RegisteredVec`] and [`Registration`] implement cudarc's
 //!   `HostSlice` so that the call returns only after the copy (cudarc synchronises the
 //!   stream). Pass the buffer itself: `&pinned_vec[..]` is a plain `[T]` to cudarc, and races.
+//!   cudarc's wait is refused while another thread captures a graph in global mode (it then
+//!   returns early, the error kept in its context); there, use `CudarcCopies`.
 //! - `CudarcCopies` (on `Arc<CudaStream>`) queues tracked copies between our buffers and
 //!   cudarc's `CudaSlice` / views that return at once: the buffer moves into a [`Transfer`],
 //!   as with [`Stream::copy_to_device`], and the device side joins cudarc's event tracking.

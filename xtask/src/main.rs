@@ -51,6 +51,7 @@ const FUNCTIONS: &[&str] = &[
     "cudaStreamQuery",
     "cudaStreamSynchronize",
     "cudaStreamWaitEvent",
+    "cudaThreadExchangeStreamCaptureMode",
 ];
 
 /// `#define`d constants bound: the flag words and the header's version.
@@ -81,6 +82,7 @@ const DRIVER_FUNCTIONS: &[&str] = &[
     "cuMemcpyHtoDAsync_v2",
     "cuPointerGetAttributes",
     "cuStreamIsCapturing",
+    "cuThreadExchangeStreamCaptureMode",
 ];
 
 /// Driver enums bound besides those the functions use (a device attribute is asked through

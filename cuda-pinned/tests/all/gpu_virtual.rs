@@ -180,7 +180,7 @@ fn other_threads_copy_while_a_large_block_is_created() {
         std::thread::sleep(Duration::from_millis(1));
     }
     let allocator = VirtualHost::new().chunk_bytes(2 * MIB);
-    for _ in 0..3 {
+    for _ in 0..5 {
         creating.store(true, Ordering::SeqCst);
         let block = PinnedVec::<u8, _>::with_capacity_in(1 << 30, allocator).unwrap();
         creating.store(false, Ordering::SeqCst);

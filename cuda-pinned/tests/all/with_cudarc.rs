@@ -241,7 +241,12 @@ const ALONE: &str = "CUDA_PINNED_TEST_ALONE";
 #[test]
 #[ignore = "needs a CUDA device"]
 fn copies_and_tracked_work_on_a_stream_capturing_a_graph_are_refused() {
-    let test = "with_cudarc::copies_and_tracked_work_on_a_capturing_stream_alone";
+    run_alone("with_cudarc::copies_and_tracked_work_on_a_capturing_stream_alone");
+}
+
+/// Runs `test` of this binary in a child process of its own, where no other test's CUDA
+/// calls meet its capture.
+fn run_alone(test: &str) {
     let child = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["--include-ignored", "--exact", test])
         .env(ALONE, "1")
@@ -277,14 +282,12 @@ fn copies_and_tracked_work_on_a_capturing_stream_alone() {
             "{what}: {result:?}"
         );
     };
-    // Thread-local capture forbids this thread to free page-locked memory meanwhile, which a
-    // refused tracked copy does with its buffer: that copy is tried in relaxed mode only.
-    for (mode, relaxed) in [
-        (CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED, true),
-        (
-            CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-            false,
-        ),
+    // A refused tracked copy frees its page-locked buffer meanwhile, which a capture in
+    // thread-local or global mode would forbid this thread but for the crate's relaxed mode.
+    for mode in [
+        CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+        CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
     ] {
         stream.begin_capture(mode).unwrap();
         assert!(ours.is_capturing().unwrap());
@@ -298,7 +301,7 @@ fn copies_and_tracked_work_on_a_capturing_stream_alone() {
             refused(download, "staged download");
             assert!(back.iter().all(|&b| b == 7), "the destination was written");
         }
-        if relaxed {
+        {
             let pinned = PinnedVec::from_slice(&pattern(4096, 1)).unwrap();
             let transfer = ours.copy_to_device(pinned, device.slice_mut(..4096));
             refused(transfer.map(drop), "tracked copy");
@@ -356,4 +359,105 @@ fn copies_and_tracked_work_on_a_capturing_stream_alone() {
     stager.copy_from_device(&ours, &device, &mut back).unwrap();
     assert!(!ran.load(Ordering::SeqCst), "the refused host function ran");
     assert!(back == data);
+}
+
+/// While a thread captures a graph in global mode (cudarc's default and CUDA's), CUDA refuses
+/// every other thread's waits, queries and allocations, and each refusal invalidates the
+/// capture; the capturing thread's own calls too. This crate makes those calls in relaxed
+/// mode: blocking and tracked copies, staged copies, allocations and frees all run meanwhile,
+/// a blocking copy into page-locked memory returns with it filled, and the capture ends
+/// intact. (Before, a blocking copy's wait was refused and it returned while the DMA still
+/// wrote the borrowed memory.)
+#[test]
+#[ignore = "needs a CUDA device"]
+fn copies_wait_and_allocate_while_a_graph_is_captured_in_global_mode() {
+    run_alone("with_cudarc::copies_wait_and_allocate_during_a_global_capture_alone");
+}
+
+/// The test above, when run in its own process.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn copies_wait_and_allocate_during_a_global_capture_alone() {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    use std::sync::mpsc;
+    if std::env::var_os(ALONE).is_none() {
+        return;
+    }
+    let stager = cuda_pinned::Stager::new().unwrap();
+    let ours = Stream::new().unwrap();
+    // Begins a capture in global mode; ends it, telling whether it held. (It takes in no
+    // work: cudarc's own calls would wait on events recorded before it, which ends it.)
+    let begin = || {
+        let stream = cudarc_stream();
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+            .unwrap();
+        stream
+    };
+    let end = |stream: Arc<CudaStream>| {
+        stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .map(|graph| graph.is_some())
+    };
+    for same_thread in [false, true] {
+        let (ending, ended) = mpsc::channel::<()>();
+        let (capture, capturer) = if same_thread {
+            (Some(begin()), None)
+        } else {
+            let (began, begun) = mpsc::channel();
+            let capturer = std::thread::spawn(move || {
+                let capture = begin();
+                began.send(()).unwrap();
+                // Ended whatever happens to the test, so no capture outlives it.
+                let _ = ended.recv();
+                end(capture)
+            });
+            begun.recv().unwrap();
+            (None, Some(capturer))
+        };
+        const LEN: usize = 256 << 20;
+        let data = pattern(LEN, 9);
+        // Page-locked and device memory allocated, a blocking upload from ordinary memory.
+        let mut host = PinnedVec::<u8>::zeroed(LEN).unwrap();
+        let device = cuda_pinned::DeviceBuffer::from_slice(&data).unwrap();
+        // A blocking download into page-locked memory returns with it filled.
+        device.copy_to_host(&mut host).unwrap();
+        assert!(host[..] == data[..], "the blocking download returned early");
+        // A tracked upload, waited for, and a download into ordinary memory.
+        let mut second = cuda_pinned::DeviceBuffer::<u8>::zeroed(LEN).unwrap();
+        let host = ours
+            .copy_to_device(host, &mut second)
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert!(second.to_vec().unwrap() == data);
+        // Staged copies: an upload slot's size and the ring's.
+        for len in [4 << 10, 64 << 20] {
+            let seed = len as u8 ^ 0x5a;
+            let part = pattern(len, seed);
+            stager
+                .copy_to_device(&ours, &part, second.slice_mut(..len))
+                .unwrap()
+                .wait()
+                .unwrap();
+            let mut back = vec![0u8; len];
+            stager
+                .copy_from_device(&ours, second.slice(..len), &mut back)
+                .unwrap();
+            assert!(back == part, "staged round trip of {len} bytes");
+        }
+        drop((host, second, device));
+        let held = match (capture, capturer) {
+            (Some(capture), _) => end(capture),
+            (None, Some(capturer)) => {
+                ending.send(()).unwrap();
+                capturer.join().unwrap()
+            }
+            (None, None) => unreachable!(),
+        };
+        assert!(
+            held.is_ok(),
+            "the capture (same thread: {same_thread}) was invalidated: {held:?}"
+        );
+    }
 }
