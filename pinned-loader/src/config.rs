@@ -40,6 +40,10 @@ pub struct LoaderConfig {
 }
 
 impl LoaderConfig {
+    /// The most workers a loader starts: more are a [`LoaderError::Config`] (each is a
+    /// thread, and several batches in pinned memory).
+    pub const MAX_WORKERS: usize = 1024;
+
     /// Batches of `batch_size` samples; no workers (the consumer fills each batch), prefetch
     /// 2, no shuffle, the last short batch kept, in order, at most half the machine's memory
     /// pinned.
@@ -60,7 +64,7 @@ impl LoaderConfig {
         }
     }
 
-    /// Threads that fill batches.
+    /// Threads that fill batches, at most [`MAX_WORKERS`](Self::MAX_WORKERS).
     pub fn workers(mut self, workers: usize) -> Self {
         self.workers = workers;
         self
@@ -153,6 +157,13 @@ impl LoaderConfig {
         }
         if self.prefetch == 0 {
             return Err(LoaderError::Config("prefetch 0".into()));
+        }
+        if self.workers > Self::MAX_WORKERS {
+            return Err(LoaderError::Config(format!(
+                "{} workers: at most {}",
+                self.workers,
+                Self::MAX_WORKERS
+            )));
         }
         if self.prefetch_next_epoch && !self.persistent_workers {
             return Err(LoaderError::Config(

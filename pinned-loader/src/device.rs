@@ -345,13 +345,21 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
                 bytes_moved += bytes;
             }
         }
+        // Copies the consumer made of an earlier batch in this slot on streams of its own
+        // (tracked by the buffers) come before these writes, as they do before a collated
+        // batch's uploads.
+        let ordered = device
+            .buffers
+            .iter()
+            .try_for_each(|buffer| buffer.order_after_copies(self.stream));
         // SAFETY: each source is a sample in the dataset's page-locked storage, which is
         // never written and outlives the copies (the device loader owns the dataset and
         // waits for its stream before dropping it); each destination lies inside a buffer of
         // this slot (position < batch size; the storage's sample sizes are the buffers',
         // checked above), which nothing else uses until the batch is delivered, and the
-        // consumer's earlier uses were waited for in `take_slot`.
-        let queued = unsafe { self.stream.copy_batch_raw(&copies) };
+        // consumer's earlier uses were waited for: those on the streams it named in
+        // `take_slot`, its tracked copies just above.
+        let queued = ordered.and_then(|()| unsafe { self.stream.copy_batch_raw(&copies) });
         match queued {
             Ok(()) => self.finish(device, start, indices.len(), index, bytes_moved),
             Err(error) => {

@@ -81,7 +81,8 @@ impl<T: Pod + Send + Sync> Fields for Field<T> {
     type Device<'a> = DeviceSlice<'a, T>;
 
     fn sample_bytes(&self) -> Vec<usize> {
-        vec![self.per_sample * size_of::<T>()]
+        // Saturated: a sample this large fails the loader's size checks.
+        vec![self.per_sample.saturating_mul(size_of::<T>())]
     }
 
     fn sample<'a>(&self, regions: &mut dyn Iterator<Item = &'a mut [u8]>) -> &'a mut [T] {

@@ -368,8 +368,18 @@ impl<D: Dataset> Loader<D> {
             .map(|b| b.checked_mul(config.batch_size))
             .collect::<Option<_>>()
             .ok_or(cuda_pinned::Error::CapacityOverflow)?;
-        let slot_bytes: u64 = region_bytes.iter().map(|&b| b as u64).sum();
-        let slots = config.workers.max(1) * config.prefetch + 2;
+        let slot_bytes = region_bytes
+            .iter()
+            .fold(0u64, |sum, &b| sum.saturating_add(b as u64));
+        let slots = (config.workers.max(1))
+            .checked_mul(config.prefetch)
+            .and_then(|n| n.checked_add(2))
+            .ok_or_else(|| {
+                LoaderError::Config(format!(
+                    "{} workers with {} batches each in the making",
+                    config.workers, config.prefetch
+                ))
+            })?;
         let requested = slot_bytes.saturating_mul(slots as u64);
         let total = physical_memory();
         let budget = (total as f64 * config.max_pinned_fraction) as u64;
@@ -573,7 +583,7 @@ impl<D: Dataset> Epoch<'_, D> {
     /// Queues batches until each worker has `prefetch` in the making; once all of this
     /// epoch's are, the next epoch's if the loader was told to prefetch it.
     fn dispatch(&mut self) {
-        let limit = self.workers() * self.loader.config.prefetch;
+        let limit = self.workers().saturating_mul(self.loader.config.prefetch);
         let mut queued = 0;
         while self.dispatched < self.batches.len() && self.dispatched - self.delivered < limit {
             let task = self.task(self.dispatched);

@@ -377,6 +377,34 @@ fn prefetching_the_next_epoch_without_persistent_workers_is_a_clear_error() {
 }
 
 #[test]
+fn worker_counts_and_sizes_that_overflow_are_clear_errors() {
+    let too_many = LoaderConfig::MAX_WORKERS + 1;
+    for cfg in [
+        config(4, too_many),
+        config(4, usize::MAX / 2 + 1),
+        config(4, 8).prefetch(usize::MAX),
+    ] {
+        let error = Loader::new(Indexed::new(10), cfg).err().unwrap();
+        assert!(matches!(error, LoaderError::Config(_)), "{error}");
+    }
+    struct Vast;
+    impl Dataset for Vast {
+        type Fields = (Field<u64>, Field<u64>);
+        fn len(&self) -> usize {
+            10
+        }
+        fn fields(&self) -> Self::Fields {
+            (Field::new(usize::MAX / 4), Field::new(usize::MAX / 4))
+        }
+        fn write(&self, _: usize, _: (&mut [u64], &mut [u64])) -> Result<(), BoxError> {
+            Ok(())
+        }
+    }
+    // Refused as an error, whether for its size or for the memory budget.
+    assert!(Loader::new(Vast, config(1, 0)).is_err());
+}
+
+#[test]
 fn a_working_set_past_the_budget_is_a_clear_error() {
     struct Huge;
     impl Dataset for Huge {

@@ -229,3 +229,39 @@ fn one_loader_per_device_sharing_a_pool_delivers_every_sample_once() {
     }
     assert_eq!(pool.stats().active_requests.current, 0);
 }
+
+/// A copy of a batch's field that the consumer queued on a stream of its own (tracked by the
+/// field's device buffer) reads that batch, not a later one written into the same slot after
+/// the batch was dropped, whichever way batches are assembled.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_dropped_batch_is_not_overwritten_under_a_copy_still_reading_it() {
+    for assembly in [Assembly::HostCollate, Assembly::DeviceGather] {
+        let dataset = PinnedSamples::from_dataset(&Images { len: 16 * 40 }).unwrap();
+        let loader = Loader::new(dataset, LoaderConfig::new(16).workers(2)).unwrap();
+        let mut device = DeviceLoader::new(loader, assembly).unwrap();
+        let consumer = Stream::new().unwrap();
+        let other = Stream::new().unwrap();
+        let mut epoch = device.epoch(0);
+        let mut first = epoch.next().unwrap().unwrap();
+        // `other` is held back, then downloads the labels once the batch is ready.
+        other
+            .launch_host_fn(|| std::thread::sleep(Duration::from_millis(300)))
+            .unwrap();
+        other.wait_event(first.ready_event()).unwrap();
+        let (_, labels) = first.ready_on(&consumer).unwrap();
+        let download = other
+            .copy_from_device(labels, PinnedVec::<i64>::zeroed(16).unwrap())
+            .unwrap();
+        drop(first);
+        // The next batches take slots (the freed one first) while `other` is held.
+        let rest: Vec<_> = epoch.by_ref().take(6).map(Result::unwrap).collect();
+        let labels = download.wait().unwrap();
+        assert_eq!(
+            &labels[..],
+            &(0..16).collect::<Vec<i64>>()[..],
+            "{assembly:?}: the download read another batch"
+        );
+        drop(rest);
+    }
+}
