@@ -11,9 +11,13 @@ use cuda_pinned::PendingUses;
 /// answer is a promise that memory safety rests on. Implementors promise that:
 /// - [`is_complete`](Self::is_complete) returns `true` only once no device work covered by
 ///   this completion can still read or write the block;
-/// - [`wait`](Self::wait) returns `true` only once that is so, having blocked until then.
+/// - [`wait`](Self::wait) returns `true` only once that is so, having blocked until then;
+/// - where the pool makes one from a freed buffer's [`PendingUses`] (`From<PendingUses>`, for
+///   `PinnedVec`s and allocator-api2 collections), the completion covers every use they
+///   record: dropping them, or any of their events, breaks the first promise.
 ///
-/// A panic in either method leaks the blocks concerned (never reuses them).
+/// A panic in either method leaks the blocks concerned (never reuses them); the pool goes on
+/// with the others, then lets the panic continue.
 ///
 /// ```compile_fail
 /// struct Always;

@@ -5,6 +5,7 @@ use std::alloc::Layout;
 use std::collections::HashMap;
 use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
+use std::panic::AssertUnwindSafe;
 use std::ptr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -798,19 +799,35 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         };
         let mut done = Vec::new();
         let mut still_waiting = Vec::new();
+        // A completion that panics loses its block (leaked: never reused) and the others
+        // are seen to before the panic goes on.
+        let mut panicked = None;
         for (allocation, mut completion) in waiting {
-            if completion.is_complete() {
-                done.push(allocation);
-            } else {
-                still_waiting.push((allocation, completion));
+            match std::panic::catch_unwind(AssertUnwindSafe(|| completion.is_complete())) {
+                Ok(true) => done.push(allocation),
+                Ok(false) => still_waiting.push((allocation, completion)),
+                Err(payload) => {
+                    self.pending_requests.fetch_sub(1, Ordering::Relaxed);
+                    self.pending_bytes
+                        .fetch_sub(class_size(allocation.tag()), Ordering::Relaxed);
+                    std::mem::forget((allocation, completion));
+                    panicked.get_or_insert(payload);
+                }
             }
         }
         if !still_waiting.is_empty() {
             self.pending.lock().extend(still_waiting);
         }
-        if done.is_empty() {
-            return;
+        if !done.is_empty() {
+            self.take_in_finished(done);
         }
+        if let Some(payload) = panicked {
+            std::panic::resume_unwind(payload);
+        }
+    }
+
+    /// Caches (or releases, when too big to cache) blocks whose device work has finished.
+    fn take_in_finished(&self, done: Vec<Allocation>) {
         self.pending_requests
             .fetch_sub(done.len() as u64, Ordering::Relaxed);
         let done_bytes = done.iter().map(|a| class_size(a.tag())).sum();
@@ -1033,8 +1050,12 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         self.release(victims);
     }
 
-    /// Gives blocks back to the backend; takes no pool lock during the backend calls.
+    /// Gives blocks back to the backend; takes no pool lock during the backend calls. A
+    /// backend that panics on one block keeps that block's bytes counted (whether it was
+    /// freed is unknown, and the cap errs on the safe side); the other blocks are released
+    /// before the panic goes on.
     fn release(&self, victims: Vec<Allocation>) {
+        let mut panicked = None;
         for handed in victims {
             let Some((block, _)) = self.blocks.lock().remove(&(handed.ptr().as_ptr() as usize))
             else {
@@ -1042,9 +1063,15 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             };
             let bytes = block.bytes() as u64;
             let start = Instant::now();
-            // SAFETY: the block came from the backend, is idle (in no list, not in use, its
-            // device work finished) and is forgotten by the pool from here on.
-            unsafe { self.backend.deallocate(block) };
+            let released = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                // SAFETY: the block came from the backend, is idle (in no list, not in use,
+                // its device work finished) and is forgotten by the pool from here on.
+                unsafe { self.backend.deallocate(block) }
+            }));
+            if let Err(payload) = released {
+                panicked.get_or_insert(payload);
+                continue;
+            }
             let elapsed = start.elapsed();
             self.reserved
                 .fetch_sub(class_size(handed.tag()), Ordering::Relaxed);
@@ -1052,6 +1079,9 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             central.host_free_time.record(elapsed);
             lower(&mut central.allocations, 1);
             lower(&mut central.allocated_bytes, bytes);
+        }
+        if let Some(payload) = panicked {
+            std::panic::resume_unwind(payload);
         }
     }
 

@@ -217,3 +217,99 @@ fn an_unwinding_backend_leaves_the_peaks_exact() {
         go_on.send(()).unwrap();
     });
 }
+
+/// A completion that answers "finished", or panics when asked.
+struct FinishedOrPanics {
+    panics: bool,
+}
+
+// SAFETY: "finished" is only said of blocks no device ever used.
+unsafe impl pinned_pool::Completion for FinishedOrPanics {
+    fn is_complete(&mut self) -> bool {
+        assert!(!self.panics, "completion panicked (on purpose)");
+        true
+    }
+
+    fn wait(&mut self) -> bool {
+        !self.panics
+    }
+}
+
+/// A completion that panics leaks its own block (never reused) and nothing else: the blocks
+/// pending with it that finished reach the cache, and the counts stay exact.
+#[test]
+fn a_panicking_completion_leaks_its_block_only() {
+    let heap = Heap::new();
+    let pool = pinned_pool::Pool::<Heap, FinishedOrPanics>::with_completion(
+        heap.clone(),
+        PoolConfig::new(),
+    );
+    let blocks: Vec<_> = (0..4).map(|_| pool.allocate_raw(4096).unwrap()).collect();
+    for (i, block) in blocks.into_iter().enumerate() {
+        // SAFETY: from this pool; no device work used it.
+        unsafe { pool.free_raw_after(block, FinishedOrPanics { panics: i == 2 }) };
+    }
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| pool.process_events()));
+    assert!(caught.is_err(), "the completion's panic was swallowed");
+    let stats = pool.stats();
+    assert_eq!(stats.cached_bytes, 3 * 4096, "{stats:?}");
+    assert_eq!(stats.pending_requests, 0, "{stats:?}");
+    // The three come back as hits; the leaked block is never handed out again.
+    let again: Vec<_> = (0..4).map(|_| pool.allocate_raw(4096).unwrap()).collect();
+    assert_eq!(heap.live(), 5, "the leaked block was reused or freed");
+    for block in again {
+        // SAFETY: from this pool, unused.
+        unsafe { pool.free_raw(block) };
+    }
+    drop(pool);
+    assert_eq!(heap.live(), 1, "only the leaked block stays");
+}
+
+/// A backend whose `deallocate` panics once.
+#[derive(Clone, Default)]
+struct FreePanicsOnce(Heap, std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+// SAFETY: forwards to `Heap` (or panics before freeing).
+unsafe impl cuda_pinned::PinnedAllocator for FreePanicsOnce {
+    fn allocate(&self, layout: std::alloc::Layout) -> cuda_pinned::Result<cuda_pinned::Allocation> {
+        self.0.allocate(layout)
+    }
+
+    unsafe fn deallocate(&self, allocation: cuda_pinned::Allocation) {
+        if !self.1.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            panic!("backend failed to free (on purpose)");
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.0.deallocate(allocation) }
+    }
+}
+
+/// A free that panics while the pool empties its cache loses that block (still counted
+/// against the cap, since whether it was freed is unknown) and frees every other one.
+#[test]
+fn a_panicking_free_loses_its_block_only() {
+    let backend = FreePanicsOnce::default();
+    let pool = pinned_pool::Pool::with_backend(
+        backend.clone(),
+        PoolConfig::new().max_pinned_bytes(5 * 4096),
+    );
+    let blocks: Vec<_> = (0..5).map(|_| pool.allocate_raw(4096).unwrap()).collect();
+    for block in blocks {
+        // SAFETY: from this pool, unused.
+        unsafe { pool.free_raw(block) };
+    }
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| pool.empty_cache()));
+    assert!(caught.is_err(), "the backend's panic was swallowed");
+    assert_eq!(backend.0.live(), 1, "the other blocks were not freed");
+    assert_eq!(pool.stats().cached_bytes, 0);
+    // Four blocks' room under the cap is back; the lost one's is not.
+    let again: Vec<_> = (0..4).map(|_| pool.allocate_raw(4096).unwrap()).collect();
+    assert!(
+        pool.allocate_raw(4096).is_err(),
+        "the lost block left the cap"
+    );
+    for block in again {
+        // SAFETY: from this pool, unused.
+        unsafe { pool.free_raw(block) };
+    }
+}
