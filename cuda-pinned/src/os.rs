@@ -104,6 +104,15 @@ pub(crate) unsafe fn unmap(ptr: NonNull<u8>, bytes: usize) {
 /// - `ptr..ptr + bytes` is a page-aligned mapping of ours.
 pub(crate) unsafe fn prefer_node(ptr: NonNull<u8>, bytes: usize, node: u32) -> Result<()> {
     const MPOL_PREFERRED: libc::c_long = 1;
+    // Linux numbers nodes below 1024 (`NODES_SHIFT` is at most 10): a larger number is
+    // refused as `mbind` would refuse it, without a mask of its size first.
+    const NODE_LIMIT: u32 = 1 << 10;
+    if node >= NODE_LIMIT {
+        return Err(Error::Os {
+            call: "mbind",
+            source: std::io::Error::from_raw_os_error(libc::EINVAL),
+        });
+    }
     let node = node as usize;
     // One word past the node: the kernel reads `maxnode - 1` bits.
     let mut mask = vec![0 as libc::c_ulong; node / libc::c_ulong::BITS as usize + 2];
@@ -434,6 +443,12 @@ mod tests {
             }
             let error = prefer_node(ptr, bytes, 4000).unwrap_err();
             assert!(matches!(error, Error::Os { call: "mbind", .. }), "{error}");
+            // Refused before a mask of half a gigabyte is made for it.
+            let error = prefer_node(ptr, bytes, u32::MAX).unwrap_err();
+            assert!(
+                matches!(&error, Error::Os { call: "mbind", source } if source.raw_os_error() == Some(libc::EINVAL)),
+                "{error}"
+            );
             prefault(ptr, bytes, 1);
             unmap(ptr, bytes);
         }

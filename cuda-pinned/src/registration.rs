@@ -16,7 +16,10 @@ fn register(ptr: *mut u8, bytes: usize, flags: RegisterFlags) -> Result<Option<N
         return Ok(None);
     };
     // SAFETY: the callers hold the memory (a unique borrow or an owned `Vec`) for as long as
-    // the registration lives, and unregister it before giving the memory up.
+    // the registration lives, and unregister it before giving the memory up; or, for a
+    // `Registration` forgotten with `mem::forget`, never: the driver then keeps the pages
+    // locked and its mapping of them to itself, so its copies reach those old pages, never
+    // memory the process reuses at that address.
     unsafe { ffi::host_register(ptr, bytes, flags.bits())? };
     Ok(Some(ptr))
 }
@@ -31,6 +34,11 @@ fn register(ptr: *mut u8, bytes: usize, flags: RegisterFlags) -> Result<Option<N
 /// Registration works on whole pages: two registrations of memory sharing a page fail with
 /// `cudaErrorHostMemoryAlreadyRegistered`. Registering costs about as much as allocating
 /// pinned memory; it pays off for large buffers that stay registered a while.
+///
+/// Drop it rather than forget it: a registration forgotten (`mem::forget`) stays in place
+/// after the borrow ends, its pages locked until the process exits, and CUDA goes on taking
+/// the address range for those pages whatever the owner maps there later, so copies of
+/// memory later placed there would read or write the old pages instead.
 pub struct Registration<'a, T> {
     slice: &'a mut [T],
     registered: Option<NonNull<u8>>,

@@ -310,8 +310,12 @@ impl Stream {
     /// Queues `function` to run on a driver thread once the work before it has finished;
     /// work queued after it waits for it to return.
     ///
-    /// The function must not call CUDA (the runtime may refuse or deadlock). A panic inside
-    /// it is caught and discarded, since it cannot unwind into the driver.
+    /// The function must not call CUDA: CUDA may refuse such calls or deadlock in them. That
+    /// includes dropping values of this crate that wait for the device first (a `Transfer`,
+    /// a `DeviceBuffer` with copies pending, a buffer with recorded uses): a wait that fails
+    /// there leaks the memory rather than free it early, but one may never return. A panic
+    /// inside the function is caught and its payload leaked, since neither may unwind into
+    /// the driver.
     ///
     /// # Errors
     ///
@@ -321,15 +325,19 @@ impl Stream {
         unsafe extern "C" fn trampoline<F: FnOnce() + Send + 'static>(data: *mut c_void) {
             // SAFETY: `data` is the `Box<F>` leaked below; the driver calls this exactly once.
             let function = unsafe { Box::from_raw(data.cast::<F>()) };
-            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(function));
+            // A payload whose own drop panicked would unwind here: it is leaked instead.
+            if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(function)) {
+                std::mem::forget(payload);
+            }
         }
         let data = Box::into_raw(Box::new(function));
         let queued = ffi::on_device(self.handle.device, || {
             // A graph would call the function at each launch: the box would be taken twice.
             self.refuse_capture()?;
             // SAFETY: the stream is live and runs its work now; the trampoline takes
-            // ownership of `data` exactly once; `F: Send + 'static`, so running it later on
-            // another thread is sound.
+            // ownership of `data` exactly once, and lets no panic unwind into the driver;
+            // `F: Send + 'static`, so running it later on another thread is sound. A function
+            // that calls CUDA regardless gets errors or a deadlock, which touch no memory.
             unsafe { ffi::launch_host_func(self.as_raw(), trampoline::<F>, data.cast()) }
         });
         if queued.is_err() {
@@ -557,10 +565,12 @@ impl Event {
     ///
     /// [`Error::DeviceMismatch`] when the events belong to different devices (CUDA times
     /// only events of one device), or a CUDA error (`cudaErrorNotReady` if either has not
-    /// finished).
+    /// finished, `cudaErrorInvalidResourceHandle` for an event without timing, as those that
+    /// `Transfer::event` lends are).
     pub fn elapsed_ms_since(&self, start: &Event) -> Result<f32> {
         check_same_device("the start event", self.device, start.device)?;
-        // SAFETY: both handles are live and were created with timing enabled (`new`, `on`).
+        // SAFETY: both handles are live. An event created without timing (the crate's own,
+        // lent by `Transfer::event`) makes CUDA return an error, not read anything.
         unsafe { ffi::event_elapsed_ms(start.raw, self.raw) }
     }
 
