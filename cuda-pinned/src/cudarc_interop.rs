@@ -1,5 +1,13 @@
-//! Working with cudarc (the `cudarc` feature): its streams adopted as ours, tracked copies
-//! between our buffers and its device memory, and `HostSlice` for our buffers.
+//! Working with cudarc (the `cudarc` feature): its streams adopted as ours, and tracked copies
+//! between our buffers and its device memory.
+//!
+//! Our buffers do not implement cudarc's `HostSlice`, through which `stream.memcpy_htod(&buf,
+//! ..)` would take them by reference. cudarc ends such a copy by waiting for the stream in
+//! the thread's own capture mode: while another thread captures a graph in global mode CUDA
+//! refuses that wait, and cudarc records the error in its context and returns, the borrow
+//! over while the DMA still reads or writes the buffer, which could then be freed or given to
+//! a new owner. `CudarcCopies` moves the buffer into a `Transfer` instead, and waits for it
+//! in relaxed mode.
 //!
 //! Both crates use the device's primary context, so a stream, an event or device memory of
 //! one is valid in the other.
@@ -7,20 +15,16 @@
 use std::sync::Arc;
 
 use bytemuck::{AnyBitPattern, NoUninit};
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, HostSlice, SyncOnDrop};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 
-use crate::alloc::PinnedAllocator;
-use crate::boxed::PinnedBox;
 use crate::error::{Error, Result};
 use crate::ffi;
-use crate::registration::{RegisteredVec, Registration};
 use crate::stream::{Owner, Stream};
 use crate::transfer::{HostBuffer, Transfer};
-use crate::vec::PinnedVec;
 
 impl Stream {
     /// Adopts a cudarc stream: copies can be queued on it, and buffers can record their use on
-    /// it ([`PinnedVec::record_stream`]) so that work queued through cudarc (kernels, its own
+    /// it ([`PinnedVec::record_stream`](crate::PinnedVec::record_stream)) so that work queued through cudarc (kernels, its own
     /// copies) holds them back from reuse and free. The returned handle keeps the cudarc
     /// stream alive.
     ///
@@ -175,107 +179,4 @@ fn prepare(
 /// The ordinal of the stream's device.
 fn ordinal(stream: &CudaStream) -> i32 {
     stream.context().ordinal() as i32
-}
-
-// `stream.memcpy_htod(&pinned, &mut slice)` and `stream.memcpy_dtoh(&slice, &mut pinned)`:
-// cudarc takes the buffer by reference, so the borrow ends when the call returns, while the
-// DMA from page-locked memory is still running. These impls have cudarc synchronise the
-// stream before the call returns (cudarc's own `[T]` impl relies on the driver doing that for
-// pageable memory, which it does not do for pinned memory). For copies that overlap compute,
-// use `CudarcCopies`. A stream that is capturing a graph would copy at each launch instead,
-// after the borrow: cudarc's calls give no way to refuse it but a panic. cudarc's wait is
-// its own: made in the thread's capture mode, it is refused while another thread captures a
-// graph in global mode, and cudarc then records the error in its context and returns while
-// the copy runs. This crate's own waits are made in relaxed mode and are not refused.
-
-/// Panics if `stream` is capturing a graph (see above). A stream whose state cannot be read
-/// is left to cudarc, whose copy call meets the same error.
-fn assert_not_capturing(stream: &CudaStream) {
-    use cudarc::driver::sys::CUstreamCaptureStatus;
-    let capturing = stream
-        .capture_status()
-        .is_ok_and(|status| status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE);
-    assert!(
-        !capturing,
-        "a page-locked buffer lent to cudarc's memcpy on a stream capturing a CUDA graph: the \
-         graph would copy at each launch, after the borrow ends; copy before capturing, or \
-         capture copies of memory the graph owns"
-    );
-}
-
-/// `HostSlice` for a buffer that dereferences to `[T]`: the slice, and a stream
-/// synchronisation when cudarc is done queueing.
-macro_rules! synced_host_slice {
-    ($(#[$doc:meta])* impl[$($generics:tt)*] for $buffer:ty) => {
-        $(#[$doc])*
-        impl<$($generics)*> HostSlice<T> for $buffer {
-            fn len(&self) -> usize {
-                <[T]>::len(self)
-            }
-
-            unsafe fn stream_synced_slice<'s>(
-                &'s self,
-                stream: &'s CudaStream,
-            ) -> (&'s [T], SyncOnDrop<'s>) {
-                assert_not_capturing(stream);
-                (self, SyncOnDrop::sync_stream(stream))
-            }
-
-            unsafe fn stream_synced_mut_slice<'s>(
-                &'s mut self,
-                stream: &'s CudaStream,
-            ) -> (&'s mut [T], SyncOnDrop<'s>) {
-                assert_not_capturing(stream);
-                (self, SyncOnDrop::sync_stream(stream))
-            }
-        }
-    };
-}
-
-synced_host_slice! {
-    /// `stream.memcpy_htod(&vec, ..)` and `memcpy_dtoh(.., &mut vec)` return after the copy;
-    /// on a stream capturing a graph they panic (for `memcpy_dtoh`, after cudarc has made the
-    /// stream wait for earlier writes of the device memory, which the capture takes in).
-    /// cudarc waits for the stream in the thread's own capture mode: while another thread
-    /// captures a graph in global mode, CUDA refuses that wait and cudarc returns before the
-    /// copy has finished (the error kept in its context). Use `CudarcCopies` where graphs are
-    /// captured in global mode.
-    impl[T, A: PinnedAllocator] for PinnedVec<T, A>
-}
-synced_host_slice! {
-    /// As for [`PinnedVec`]: registered memory is page-locked too.
-    impl[T] for RegisteredVec<T>
-}
-synced_host_slice! {
-    /// As for [`PinnedVec`]: registered memory is page-locked too.
-    impl['a, T] for Registration<'a, T>
-}
-
-/// As for [`PinnedVec`], for the box's one element.
-impl<T, A: PinnedAllocator> HostSlice<T> for PinnedBox<T, A> {
-    fn len(&self) -> usize {
-        1
-    }
-
-    unsafe fn stream_synced_slice<'s>(
-        &'s self,
-        stream: &'s CudaStream,
-    ) -> (&'s [T], SyncOnDrop<'s>) {
-        assert_not_capturing(stream);
-        (
-            std::slice::from_ref(&**self),
-            SyncOnDrop::sync_stream(stream),
-        )
-    }
-
-    unsafe fn stream_synced_mut_slice<'s>(
-        &'s mut self,
-        stream: &'s CudaStream,
-    ) -> (&'s mut [T], SyncOnDrop<'s>) {
-        assert_not_capturing(stream);
-        (
-            std::slice::from_mut(&mut **self),
-            SyncOnDrop::sync_stream(stream),
-        )
-    }
 }

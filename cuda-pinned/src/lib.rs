@@ -191,16 +191,14 @@
 //! `stream.memcpy_htod(src, &mut device)` takes the host side by reference and, for `&[T]`,
 //! returns as soon as the copy is queued, assuming pageable memory (which the driver copies
 //! before returning). From page-locked memory the DMA is still reading when the borrow ends,
-//! and a host write made right after the call reaches the device. With the feature:
-//! - `stream.memcpy_htod(&pinned_vec, ..)` and `memcpy_dtoh(.., &mut pinned_vec)` are safe:
-//!   [`PinnedVec`], [`PinnedBox`], [`RegisteredVec`] and [`Registration`] implement cudarc's
-//!   `HostSlice` so that the call returns only after the copy (cudarc synchronises the
-//!   stream). Pass the buffer itself: `&pinned_vec[..]` is a plain `[T]` to cudarc, and races.
-//!   cudarc's wait is refused while another thread captures a graph in global mode (it then
-//!   returns early, the error kept in its context); there, use `CudarcCopies`.
+//! and a host write made right after the call reaches the device. Our buffers are therefore
+//! not cudarc `HostSlice`s: cudarc could end such a copy only with a wait of its own, which
+//! CUDA refuses while another thread captures a graph in global mode, and cudarc then
+//! returns with the DMA running. With the feature:
 //! - `CudarcCopies` (on `Arc<CudaStream>`) queues tracked copies between our buffers and
 //!   cudarc's `CudaSlice` / views that return at once: the buffer moves into a [`Transfer`],
 //!   as with [`Stream::copy_to_device`], and the device side joins cudarc's event tracking.
+//!   `.wait()` on it makes a blocking copy.
 //! - `Stream::from_cudarc` adopts a cudarc stream, so [`PinnedVec::record_stream`] can hold a
 //!   buffer back from reuse and free until cudarc's kernels on that stream are done;
 //!   [`Stream::from_raw`] adopts any raw stream handle (PyTorch's `ExternalStream`).

@@ -160,8 +160,8 @@ impl Registered {
     /// Copies queued through this crate split at the chunk boundaries (one buffer, one
     /// [`Transfer`](crate::Transfer)). A copy queued by other code must stay within one
     /// chunk, since CUDA refuses a copy that spans two registrations: a raw pointer handed
-    /// to another library, and cudarc's `memcpy_htod` / `memcpy_dtoh` given the buffer
-    /// (use `CudarcCopies`, which splits, instead). `0` turns chunking off (the default).
+    /// to another library, say (with cudarc, use `CudarcCopies`, which splits). `0` turns
+    /// chunking off (the default).
     pub fn register_in_chunks(self, bytes: usize) -> Self {
         Self {
             chunk_bytes: (bytes > 0).then(|| os::round_up(bytes, os::HUGE_PAGE).unwrap_or(bytes)),

@@ -41,10 +41,10 @@ fn main() -> Result<(), Box<dyn Error>> {
 
     let (front, back) = expected.split_at(LEN / 2);
     assert!(result[..LEN / 2] == *back && result[LEN / 2..] == *front);
-    // cudarc's own call works on a pinned vector too: it returns once the copy is done, so
-    // the buffer is safe to change right after.
-    let mut check = PinnedVec::zeroed_in(LEN, &pool)?;
-    stream.memcpy_dtoh(&shuffled, &mut check)?;
+    // A blocking copy is a tracked one waited for at once.
+    let check = stream
+        .copy_from_device(&shuffled, PinnedVec::zeroed_in(LEN, &pool)?)?
+        .wait()?;
     assert!(check == result);
     let stats = pool.stats();
     println!(
