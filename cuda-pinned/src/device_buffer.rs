@@ -381,10 +381,12 @@ impl<'a> DeviceRange<'a> {
             Direction::HostToDevice => (device, host.cast_const().cast()),
             _ => (host.cast(), device.cast_const()),
         };
+        let mut copying = false;
         let queued = ffi::on_device(self.device, || {
             // Waiting for a copy that a capture took in would have joined the new stream to
             // that capture: this copy would then run at the graph's launch, after the borrow.
             stream.refuse_capture()?;
+            copying = true;
             // SAFETY: both sides are `bytes` long (lengths checked; the device range lies in
             // a live allocation) and the caller keeps the host side for this whole call,
             // which waits for the copy before returning (or never returns).
@@ -392,7 +394,7 @@ impl<'a> DeviceRange<'a> {
         });
         // A copy split at chunk boundaries may fail after its first pieces were queued: the
         // host side is borrowed only for this call, so they are waited for either way.
-        if let Err(error) = stream.synchronize() {
+        if copying && let Err(error) = stream.synchronize() {
             stop_unwaited(&error);
         }
         queued
@@ -407,7 +409,10 @@ impl<'a> DeviceRange<'a> {
 /// after which CUDA says the process must be restarted.
 #[cold]
 fn stop_unwaited(error: &Error) -> ! {
-    eprintln!(
+    use std::io::Write;
+    // Not `eprintln!`, which panics when stderr fails: unwinding would give the memory up.
+    let _ = writeln!(
+        std::io::stderr(),
         "cuda-pinned: a copy of borrowed host memory could not be waited for ({error}); the \
          device might still access that memory after the call, so the process stops"
     );

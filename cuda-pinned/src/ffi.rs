@@ -921,7 +921,7 @@ pub(crate) unsafe fn event_elapsed_ms(
     end: sys::cudaEvent_t,
 ) -> Result<f32> {
     let mut ms = 0.0f32;
-    cuda!(cudaEventElapsedTime(&mut ms, start, end))?;
+    relaxed(|| cuda!(cudaEventElapsedTime(&mut ms, start, end)))?;
     Ok(ms)
 }
 

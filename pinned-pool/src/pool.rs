@@ -804,14 +804,19 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         let mut panicked = None;
         for (allocation, mut completion) in waiting {
             match std::panic::catch_unwind(AssertUnwindSafe(|| completion.is_complete())) {
-                Ok(true) => done.push(allocation),
+                Ok(true) => {
+                    // Finished either way; a completion whose drop panics is leaked.
+                    let dropped = std::panic::catch_unwind(AssertUnwindSafe(|| drop(completion)));
+                    keep_first(&mut panicked, dropped.err());
+                    done.push(allocation);
+                }
                 Ok(false) => still_waiting.push((allocation, completion)),
                 Err(payload) => {
                     self.pending_requests.fetch_sub(1, Ordering::Relaxed);
                     self.pending_bytes
                         .fetch_sub(class_size(allocation.tag()), Ordering::Relaxed);
                     std::mem::forget((allocation, completion));
-                    panicked.get_or_insert(payload);
+                    keep_first(&mut panicked, Some(payload));
                 }
             }
         }
@@ -1069,7 +1074,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
                 unsafe { self.backend.deallocate(block) }
             }));
             if let Err(payload) = released {
-                panicked.get_or_insert(payload);
+                keep_first(&mut panicked, Some(payload));
                 continue;
             }
             let elapsed = start.elapsed();
@@ -1226,6 +1231,19 @@ fn retryable(error: &Error) -> bool {
         Error::Cuda(e) => e.is_out_of_memory(),
         Error::Driver(e) => e.is_out_of_memory(),
         _ => false,
+    }
+}
+
+/// Keeps the first panic's payload, to go on with once the pool is consistent again; later
+/// ones are leaked, since dropping a payload may panic too.
+fn keep_first(
+    kept: &mut Option<Box<dyn std::any::Any + Send>>,
+    payload: Option<Box<dyn std::any::Any + Send>>,
+) {
+    match (kept.is_some(), payload) {
+        (false, payload) => *kept = payload,
+        (true, Some(payload)) => std::mem::forget(payload),
+        (true, None) => {}
     }
 }
 
