@@ -24,9 +24,9 @@ use crate::transfer::{HostBuffer, Transfer};
 
 impl Stream {
     /// Adopts a cudarc stream: copies can be queued on it, and buffers can record their use on
-    /// it ([`PinnedVec::record_stream`](crate::PinnedVec::record_stream)) so that work queued through cudarc (kernels, its own
-    /// copies) holds them back from reuse and free. The returned handle keeps the cudarc
-    /// stream alive.
+    /// it ([`PinnedVec::record_stream`](crate::PinnedVec::record_stream)) so that work queued
+    /// through cudarc (kernels, its own copies) holds them back from reuse and free. The
+    /// returned handle keeps the cudarc stream alive.
     ///
     /// ```no_run
     /// use cuda_pinned::{PinnedVec, Stream};

@@ -445,10 +445,14 @@ mod tests {
             assert!(matches!(error, Error::Os { call: "mbind", .. }), "{error}");
             // Refused before a mask of half a gigabyte is made for it.
             let error = prefer_node(ptr, bytes, u32::MAX).unwrap_err();
-            assert!(
-                matches!(&error, Error::Os { call: "mbind", source } if source.raw_os_error() == Some(libc::EINVAL)),
-                "{error}"
-            );
+            let Error::Os {
+                call: "mbind",
+                source,
+            } = &error
+            else {
+                panic!("{error}")
+            };
+            assert_eq!(source.raw_os_error(), Some(libc::EINVAL), "{error}");
             prefault(ptr, bytes, 1);
             unmap(ptr, bytes);
         }
