@@ -208,12 +208,23 @@ impl Drop for Restore {
 /// leaked, a blocking copy could not return. This crate never waits on or queues work into
 /// a capturing stream (copies refuse one), so its calls are made in relaxed mode, which CUDA
 /// refuses nothing, as PyTorch's allocators do; an exchange pair costs about 30 ns through
-/// the driver on an H100 host. If the mode cannot be exchanged, `work` runs in the thread's
-/// own.
+/// the driver on an H100 host, and calls nested in one (a record inside a copy's
+/// `on_device`) make none. If the mode cannot be exchanged, `work` runs in the thread's own.
 pub(crate) fn relaxed<R>(work: impl FnOnce() -> R) -> R {
     const RELAXED: c_uint = 2;
-    let _restore = exchange_capture_mode(RELAXED).map(CaptureMode);
+    if RELAXED_HERE.get() {
+        return work();
+    }
+    let _restore = exchange_capture_mode(RELAXED).map(|previous| {
+        RELAXED_HERE.set(true);
+        CaptureMode(previous)
+    });
     work()
+}
+
+thread_local! {
+    /// Whether [`relaxed`] holds this thread in relaxed mode now.
+    static RELAXED_HERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// The capture mode [`relaxed`] gives back to the thread, also when its work unwinds.
@@ -222,6 +233,7 @@ struct CaptureMode(c_uint);
 impl Drop for CaptureMode {
     fn drop(&mut self) {
         exchange_capture_mode(self.0);
+        RELAXED_HERE.set(false);
     }
 }
 
