@@ -39,6 +39,12 @@ impl Stream {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     ///
+    /// Work this crate queues for an adopted stream runs on a companion stream of its own,
+    /// forked from it and joined back: a capture that other code begins on the stream during
+    /// the call cannot take it into a graph (the call, or waiting for its copy, fails
+    /// instead). Never begin or end a capture on a stream while another thread queues work on
+    /// it, through any library: CUDA's driver itself crashes in that race.
+    ///
     /// # Errors
     ///
     /// [`Error::Unsupported`] for cudarc's `default_stream()` and `per_thread_stream()`, which

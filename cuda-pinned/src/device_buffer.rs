@@ -634,27 +634,25 @@ impl<'a, T> DeviceSliceMut<'a, T> {
             return Ok(());
         }
         self.range.check_stream(stream)?;
-        // Before anything is queued or waited on: a graph would write when launched, after
-        // the buffer may be freed.
-        ffi::on_device(self.range.device, || stream.refuse_capture())?;
-        self.range.pending.order_before(stream)?;
-        ffi::on_device(self.range.device, || {
+        let range = self.range;
+        stream.enqueue(|stream| {
+            range.pending.order_before(stream)?;
             // SAFETY: the view is `bytes` bytes of a live device allocation of the stream's
             // device, borrowed uniquely; the buffer keeps the memory until the event recorded
             // below has completed.
-            unsafe { ffi::memset_async(self.range.address, value, bytes, stream.as_raw()) }
-        })?;
-        match stream.record_event_untimed() {
-            Ok(event) => {
-                self.range.pending.track(stream, Arc::new(event));
-                Ok(())
+            unsafe { ffi::memset_async(range.address, value, bytes, stream.as_raw())? };
+            match stream.record_event_untimed() {
+                Ok(event) => {
+                    range.pending.track(stream, Arc::new(event));
+                    Ok(())
+                }
+                Err(error) => {
+                    // The memset is queued but cannot be tracked: it is waited for instead.
+                    stream.synchronize()?;
+                    Err(error)
+                }
             }
-            Err(error) => {
-                // The memset is queued but cannot be tracked: it is waited for instead.
-                stream.synchronize()?;
-                Err(error)
-            }
-        }
+        })
     }
 
     /// Copies `src` (any host memory) into the view and waits for it.

@@ -847,8 +847,9 @@ pub(crate) unsafe fn stream_wait_event(
 
 /// # Safety
 ///
-/// - `stream` is live; `function(data)` is sound to call once from a CUDA driver thread at
-///   any later time and does not unwind. (CUDA calls made from it fail or deadlock.)
+/// - `stream` is live; `function(data)` is sound to call from a CUDA driver thread any number
+///   of times (a graph that captured it calls it at each launch), at any later time, and
+///   does not unwind. (CUDA calls made from it fail or deadlock.)
 pub(crate) unsafe fn launch_host_func(
     stream: sys::cudaStream_t,
     function: unsafe extern "C" fn(*mut c_void),

@@ -227,6 +227,7 @@ mod cudarc_interop;
 mod device;
 mod device_buffer;
 mod error;
+mod fence;
 mod ffi;
 mod host_alloc;
 mod locked;
@@ -237,6 +238,8 @@ mod registration;
 mod staging;
 mod stream;
 mod streaming;
+#[cfg(test)]
+mod test_hooks;
 mod transfer;
 mod vec;
 mod virtual_host;

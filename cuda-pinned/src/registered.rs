@@ -269,11 +269,13 @@ unsafe fn fault_and_register(
         let (offset, k) = (unit * UNIT, unit * UNIT / chunk);
         // Writing pages does not unwind; should it ever, the unit is left to registration,
         // which faults missing pages itself, rather than leave registered chunks behind.
-        let _ = std::panic::catch_unwind(|| {
+        let touched = std::panic::catch_unwind(|| {
             // SAFETY: unit `unit` lies inside the fresh mapping, and it is ours alone:
             // every unit is claimed once.
             unsafe { os::touch_pages(base.at(offset), UNIT.min(bytes - offset)) }
         });
+        // A payload may panic when dropped: leaked.
+        std::mem::forget(touched);
         if faulted[k].fetch_add(1, Ordering::Release) + 1 == units_in(k) {
             let _guard = progress.lock().unwrap_or_else(PoisonError::into_inner);
             wake.notify_all();
@@ -358,6 +360,9 @@ unsafe impl PinnedAllocator for Registered {
         let (bytes, huge) = self
             .mapped_size(layout.size())
             .ok_or(Error::CapacityOverflow)?;
+        // CUDA is asked for first: without it, mapping and faulting the memory would cost
+        // seconds and gigabytes before the registration could fail.
+        ffi::current_device()?;
         let ptr = os::map(bytes, huge)?;
         if let Some(node) = self.target_node() {
             // SAFETY: our fresh mapping, not touched yet.

@@ -123,6 +123,12 @@ pub struct StagingConfig {
     pub streaming_stores: bool,
 }
 
+impl StagingConfig {
+    /// The most threads a stager starts: more are refused (each is a thread of its own, and
+    /// a copy is cut into about two pieces for each).
+    pub const MAX_THREADS: usize = 1024;
+}
+
 impl Default for StagingConfig {
     fn default() -> Self {
         let threads = std::thread::available_parallelism()
@@ -201,6 +207,7 @@ impl<A: PinnedAllocator> Stager<A> {
     /// # Errors
     ///
     /// [`Error::Unsupported`] for a configuration with zero chunk bytes, threads or slots,
+    /// more than [`StagingConfig::MAX_THREADS`] threads,
     /// or a driver size range that ends before it starts or past 4 MiB;
     /// [`Error::Unavailable`] without CUDA; the allocator's error for the ring; the CUDA
     /// error of checking the driver's paths.
@@ -273,8 +280,9 @@ impl<A: PinnedAllocator> Stager<A> {
     ) -> Result<StagedCopy> {
         let range = dst.into().range;
         let bytes = size_of_val(src);
-        ffi::on_device(self.engine.device, || {
-            self.prepare(stream, range, src.len())?;
+        self.check(stream, range, src.len())?;
+        stream.enqueue(|stream| {
+            range.pending.order_before(stream)?;
             // SAFETY: `src` is readable for `bytes` during the call; the device range is
             // live, borrowed uniquely, and records the copy in `end_on` before its memory can
             // be freed (or, where no event could be recorded, the stream is waited for).
@@ -378,10 +386,8 @@ impl<A: PinnedAllocator> Stager<A> {
         self.driver_paths.downloads
     }
 
-    /// Checks the devices, the lengths and that `stream` runs its work now (not at a graph's
-    /// launch), and orders it after copies of `range` on other streams. Runs with the
-    /// stager's device current.
-    fn prepare(&self, stream: &Stream, range: DeviceRange<'_>, host: usize) -> Result<()> {
+    /// Checks the devices and the lengths.
+    fn check(&self, stream: &Stream, range: DeviceRange<'_>, host: usize) -> Result<()> {
         check_same_device("the stream", self.engine.device, stream.device().raw())?;
         check_same_device("the device buffer", self.engine.device, range.device)?;
         if range.len != host {
@@ -390,9 +396,7 @@ impl<A: PinnedAllocator> Stager<A> {
                 device: range.len,
             });
         }
-        // Before anything is queued or waited on: a capture would include it.
-        stream.refuse_capture()?;
-        range.pending.order_before(stream)
+        Ok(())
     }
 
     /// Records the end of the work queued on `stream` so far for `range`, which frees its
@@ -444,8 +448,9 @@ impl<A: PinnedAllocator> Stager<A> {
     ) -> Result<()> {
         let range = src.into().range;
         let bytes = size_of_val(dst);
-        ffi::on_device(self.engine.device, || {
-            self.prepare(stream, range, dst.len())?;
+        self.check(stream, range, dst.len())?;
+        stream.enqueue(|stream| {
+            range.pending.order_before(stream)?;
             if self.takes_driver_path(
                 dst,
                 self.driver_paths.downloads,
@@ -905,6 +910,11 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
                  and one slot",
             ));
         }
+        if config.threads > StagingConfig::MAX_THREADS {
+            return Err(Error::Unsupported(
+                "a staging configuration may have at most `StagingConfig::MAX_THREADS` threads",
+            ));
+        }
         let mut ranges = config.driver_uploads.iter().chain(&config.driver_downloads);
         if ranges.any(|range| range.start() > range.end() || *range.end() > MAX_DRIVER_BYTES) {
             return Err(Error::Unsupported(
@@ -1300,7 +1310,10 @@ impl<D: Dma, A: PinnedAllocator> Drop for Engine<D, A> {
         lock(&self.shared.queue).shutdown = true;
         self.shared.job_posted.notify_all();
         for worker in self.workers.drain(..) {
-            let _ = worker.join();
+            if let Err(payload) = worker.join() {
+                // A panic's payload may panic when dropped: leaked.
+                std::mem::forget(payload);
+            }
         }
         // No thread uses the ring now; its memory goes once every chunk's and every upload
         // slot's last DMA is over.

@@ -118,6 +118,10 @@ impl Stream {
     /// so work this crate did not queue still holds them back from reuse and free. The
     /// stream is never destroyed through the returned handle.
     ///
+    /// Work this crate queues for an adopted stream runs on a companion stream of its own,
+    /// forked from it and joined back, so that a capture the other code begins on it during
+    /// the call cannot take that work into a graph (see `Stream::from_cudarc`).
+    ///
     /// # Errors
     ///
     /// The CUDA error when the runtime cannot tell the stream's device (an invalid handle);
@@ -307,6 +311,20 @@ impl Stream {
         })
     }
 
+    /// Runs `work`, which queues this crate's work for this stream, on the stream itself or,
+    /// for a stream adopted from other code, on a companion stream fenced against a capture
+    /// that code may begin meanwhile (see `fence`). Refuses a stream capturing a graph
+    /// ([`Error::Capturing`]) before anything is queued. Runs with the stream's device current.
+    pub(crate) fn enqueue<R>(&self, work: impl FnOnce(&Stream) -> Result<R>) -> Result<R> {
+        ffi::on_device(self.handle.device, || {
+            self.refuse_capture()?;
+            match self.handle.owner {
+                Owner::Crate => work(self),
+                _ => crate::fence::run(self, work),
+            }
+        })
+    }
+
     /// Queues `function` to run on a driver thread once the work before it has finished;
     /// work queued after it waits for it to return.
     ///
@@ -317,34 +335,69 @@ impl Stream {
     /// inside the function is caught and its payload leaked, since neither may unwind into
     /// the driver.
     ///
+    /// The function runs at most once, however often the driver calls it (a graph that
+    /// took it in, launched again and again), and never after this call returned an error.
+    ///
     /// # Errors
     ///
     /// [`Error::Capturing`] on a stream capturing a graph, or a CUDA error; then `function`
     /// is dropped without running.
     pub fn launch_host_fn<F: FnOnce() + Send + 'static>(&self, function: F) -> Result<()> {
-        unsafe extern "C" fn trampoline<F: FnOnce() + Send + 'static>(data: *mut c_void) {
-            // SAFETY: `data` is the `Box<F>` leaked below; the driver calls this exactly once.
-            let function = unsafe { Box::from_raw(data.cast::<F>()) };
+        let id = host_fn::park(Box::new(function));
+        let queued = self.enqueue(|stream| {
+            // SAFETY: the stream is live; the trampoline is handed a number, not a pointer,
+            // runs the function parked under it at most once, lets no panic unwind into the
+            // driver, and does nothing on a later call; the function is `Send + 'static`, so
+            // running it later on another thread is sound. A function that calls CUDA
+            // regardless gets errors or a deadlock, which touch no memory.
+            unsafe { ffi::launch_host_func(stream.as_raw(), host_fn::trampoline, id) }
+        });
+        if queued.is_err() {
+            // Not queued, or queued into a capture: it never runs now.
+            drop(host_fn::unpark(id));
+        }
+        queued
+    }
+}
+
+/// Host functions waiting for the driver to call them, each under a number of its own. The
+/// driver is handed the number, never a pointer: a call it makes more than once (each launch
+/// of a graph that captured the function calls it) or never leaves nothing freed under it.
+mod host_fn {
+    use std::collections::HashMap;
+    use std::ffi::c_void;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Mutex, PoisonError};
+
+    type Parked = Box<dyn FnOnce() + Send>;
+
+    static PARKED: Mutex<Option<HashMap<usize, Parked>>> = Mutex::new(None);
+    static NEXT: AtomicUsize = AtomicUsize::new(1);
+
+    /// Parks `function`; the number to hand the driver (as its data pointer).
+    pub(super) fn park(function: Parked) -> *mut c_void {
+        let id = NEXT.fetch_add(1, Ordering::Relaxed);
+        lock().get_or_insert_with(HashMap::new).insert(id, function);
+        std::ptr::without_provenance_mut(id)
+    }
+
+    /// Takes the function parked under `id` back, if it has not run.
+    pub(super) fn unpark(id: *mut c_void) -> Option<Parked> {
+        lock().as_mut()?.remove(&id.addr())
+    }
+
+    fn lock() -> std::sync::MutexGuard<'static, Option<HashMap<usize, Parked>>> {
+        PARKED.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// What the driver calls: runs the function parked under `data`'s number, if still there.
+    pub(super) unsafe extern "C" fn trampoline(data: *mut c_void) {
+        if let Some(function) = unpark(data) {
             // A payload whose own drop panicked would unwind here: it is leaked instead.
             if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(function)) {
                 std::mem::forget(payload);
             }
         }
-        let data = Box::into_raw(Box::new(function));
-        let queued = ffi::on_device(self.handle.device, || {
-            // A graph would call the function at each launch: the box would be taken twice.
-            self.refuse_capture()?;
-            // SAFETY: the stream is live and runs its work now; the trampoline takes
-            // ownership of `data` exactly once, and lets no panic unwind into the driver;
-            // `F: Send + 'static`, so running it later on another thread is sound. A function
-            // that calls CUDA regardless gets errors or a deadlock, which touch no memory.
-            unsafe { ffi::launch_host_func(self.as_raw(), trampoline::<F>, data.cast()) }
-        });
-        if queued.is_err() {
-            // SAFETY: the driver did not take the function; we still own the box.
-            drop(unsafe { Box::from_raw(data) });
-        }
-        queued
     }
 }
 

@@ -309,40 +309,59 @@ impl Stream {
         if let Some(range) = tracked {
             range.check_stream(self)?;
         }
-        // Before anything is queued or waited on: a graph would copy when launched, the
-        // buffer gone.
-        ffi::on_device(self.device().raw(), || self.refuse_capture())?;
-        if let Some(range) = tracked {
-            range.pending.order_before(self)?;
-        }
         let (dst, src) = match direction {
             Direction::HostToDevice => (device as *mut _, host_ptr.cast_const().cast()),
             _ => (host_ptr.cast(), device as *const _),
         };
-        let queued = ffi::on_device(self.device().raw(), || {
-            if bytes > 0 {
+        // What was queued, for the error paths: the copy's event once it is recorded; whether
+        // the buffer must be leaked (the copy was queued and nothing can tell when it ends).
+        let mut ended = None;
+        let mut leak = false;
+        let queued = self.enqueue(|stream| {
+            if let Some(range) = tracked {
+                range.pending.order_before(stream)?;
+            }
+            let copied = if bytes > 0 {
                 // SAFETY: the host side is `bytes` long and owned by `host`, which the
                 // returned `Transfer` keeps (or leaks) until the copy has finished; the
                 // device side is valid per this function's contract.
-                unsafe { ffi::memcpy_async(dst, src, bytes, direction, self.as_raw())? };
-            }
-            Ok(Arc::new(self.record_event_untimed()?))
-        });
-        match queued {
-            Ok(event) => {
-                if let Some(range) = tracked {
-                    range.pending.track(self, event.clone());
+                unsafe { ffi::memcpy_async(dst, src, bytes, direction, stream.as_raw()) }
+            } else {
+                Ok(())
+            };
+            let event = copied.and_then(|()| stream.record_event_untimed());
+            match event {
+                Ok(event) => {
+                    let event = Arc::new(event);
+                    if let Some(range) = tracked {
+                        range.pending.track(stream, event.clone());
+                    }
+                    ended = Some(event.clone());
+                    Ok(event)
                 }
-                Ok(Transfer {
-                    buffer: ManuallyDrop::new(host),
-                    event,
-                })
+                Err(error) => {
+                    // The copy (or its first pieces) may be queued without an event: the
+                    // buffer is dropped only once the stream has finished, and leaked when
+                    // even that cannot be known (the device is in an error state).
+                    leak = stream.synchronize().is_err();
+                    Err(error)
+                }
             }
-            Err(error) => {
-                // The copy may have been queued before recording its event failed: the
-                // buffer is dropped only once the stream has finished, and leaked when even
-                // that cannot be known (the device is in an error state).
-                if self.synchronize().is_err() {
+        });
+        match (queued, ended) {
+            (Ok(event), _) => Ok(Transfer {
+                buffer: ManuallyDrop::new(host),
+                event,
+            }),
+            (Err(error), Some(event)) => {
+                // Queued with its event, then taken by a capture or not joined back to the
+                // stream: the buffer goes when the event says so (never, for an event a
+                // capture took: waiting for it fails).
+                host.release_after(PendingUses::from_event(event));
+                Err(error)
+            }
+            (Err(error), None) => {
+                if leak {
                     std::mem::forget(host);
                 }
                 Err(error)

@@ -176,18 +176,35 @@ impl LoaderConfig {
                 "rank {rank} of a world of {world}"
             )));
         }
+        if world > len.max(1) {
+            return Err(LoaderError::Config(format!(
+                "a world of {world} ranks for {len} samples: every rank needs one"
+            )));
+        }
         if !(self.max_pinned_fraction > 0.0 && self.max_pinned_fraction <= 1.0) {
             return Err(LoaderError::Config(format!(
                 "max_pinned_fraction {} is not in (0, 1]",
                 self.max_pinned_fraction
             )));
         }
-        Ok(Sampler {
+        let sampler = Sampler {
             len,
             batch_size: self.batch_size,
             shuffle: self.shuffle,
             drop_last: self.drop_last,
             shard: self.shard,
-        })
+        };
+        // An epoch's order holds every index, and a rank's share another list of them: a
+        // dataset too large for that is refused now, not by an abort at the first epoch.
+        let indices = len.saturating_add(sampler.per_rank());
+        let bytes = indices.saturating_mul(size_of::<usize>()) as u64;
+        let memory = crate::loader::physical_memory();
+        if memory > 0 && bytes > memory {
+            return Err(LoaderError::Config(format!(
+                "{len} samples: an epoch's order of them would take {bytes} bytes, more than \
+                 the machine's {memory}"
+            )));
+        }
+        Ok(sampler)
     }
 }

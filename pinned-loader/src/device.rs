@@ -245,11 +245,9 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
         };
         for event in &slot.released {
             if let Err(error) = self.stream.wait_event(event) {
-                // Not in use yet: back with its events, for the next try.
-                self.slots
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .push(slot);
+                // Nobody can tell when the consumer is done with it (its event was taken by
+                // a capture, or the device is in an error state): out of use for good.
+                std::mem::forget(slot);
                 return Err(error.into());
             }
         }

@@ -28,6 +28,12 @@ pub enum LoaderError {
         /// The panic's message.
         message: String,
     },
+    /// A worker thread stopped while filling this batch (a panic the loader could not catch),
+    /// or no worker is left to fill it.
+    WorkerStopped {
+        /// The batch's number in its epoch.
+        batch: usize,
+    },
     /// A setting that cannot work (a batch size of 0, a shard outside the world).
     Config(String),
     /// The pinned working set would pass the budget: pinned pages cannot be swapped, so a
@@ -62,6 +68,9 @@ impl fmt::Display for LoaderError {
                 f,
                 "batch {batch}, sample {sample}: the dataset panicked: {message}"
             ),
+            Self::WorkerStopped { batch } => {
+                write!(f, "batch {batch}: the loader's worker threads stopped")
+            }
             Self::Config(what) => write!(f, "loader configuration: {what}"),
             Self::PinnedBudget {
                 requested,

@@ -95,6 +95,9 @@ struct State {
     tasks: VecDeque<Task>,
     finished: Vec<Finished>,
     shutdown: bool,
+    /// Worker threads running: when none is left, a consumer waiting for a batch gets an
+    /// error instead of waiting for ever.
+    live_workers: usize,
 }
 
 struct Task {
@@ -178,11 +181,8 @@ impl<D: Dataset> Shared<D> {
     /// among the causes) turned into the batch's error, so that no batch is ever missing.
     fn fill_caught(&self, task: &Task) -> Result<(Slot, usize), Stop> {
         catch_unwind(AssertUnwindSafe(|| self.fill(task))).unwrap_or_else(|panic| {
-            Err(Stop::Failed(LoaderError::Panicked {
-                batch: task.batch,
-                sample: task.indices.get(task.range.start).copied().unwrap_or(0),
-                message: panic_message(panic.as_ref()),
-            }))
+            let first = task.indices.get(task.range.start).copied().unwrap_or(0);
+            Err(Stop::Failed(panicked(task.batch, first, panic)))
         })
     }
 
@@ -190,7 +190,12 @@ impl<D: Dataset> Shared<D> {
     fn fill(&self, task: &Task) -> Result<(Slot, usize), Stop> {
         let start = Instant::now();
         let mut slot = self.take_slot().map_err(Stop::Failed)?;
-        let result = self.fill_slot(&mut slot, task);
+        // A panic in the dataset's `Fields` goes here; the slot goes back either way.
+        let result = catch_unwind(AssertUnwindSafe(|| self.fill_slot(&mut slot, task)))
+            .unwrap_or_else(|panic| {
+                let first = task.indices.get(task.range.start).copied().unwrap_or(0);
+                Err(Stop::Failed(panicked(task.batch, first, panic)))
+            });
         match result {
             Ok(len) => {
                 self.counters
@@ -240,13 +245,7 @@ impl<D: Dataset> Shared<D> {
             match catch_unwind(AssertUnwindSafe(|| self.dataset.write(index, sample))) {
                 Ok(Ok(())) => {}
                 Ok(Err(source)) => return Err(failure(source)),
-                Err(panic) => {
-                    return Err(Stop::Failed(LoaderError::Panicked {
-                        batch: task.batch,
-                        sample: index,
-                        message: panic_message(panic.as_ref()),
-                    }));
-                }
+                Err(panic) => return Err(Stop::Failed(panicked(task.batch, index, panic))),
             }
         }
         Ok(indices.len())
@@ -254,6 +253,10 @@ impl<D: Dataset> Shared<D> {
 
     /// A worker: takes tasks until told to stop.
     fn work(&self) {
+        let mut exit = Exit {
+            shared: self,
+            task: None,
+        };
         loop {
             let task = {
                 let mut state = self.state();
@@ -270,10 +273,14 @@ impl<D: Dataset> Shared<D> {
                         .unwrap_or_else(PoisonError::into_inner);
                 }
             };
+            exit.task = Some((task.generation, task.batch));
             let result = match self.fill_caught(&task) {
                 Ok(done) => Ok(done),
                 Err(Stop::Failed(error)) => Err(error),
-                Err(Stop::Cancelled) => continue,
+                Err(Stop::Cancelled) => {
+                    exit.task = None;
+                    continue;
+                }
             };
             let mut state = self.state();
             if task.generation >= state.generation {
@@ -286,6 +293,7 @@ impl<D: Dataset> Shared<D> {
             } else if let Ok((slot, _)) = result {
                 self.slots.give(slot);
             }
+            exit.task = None;
         }
     }
 
@@ -293,13 +301,17 @@ impl<D: Dataset> Shared<D> {
         (0..count)
             .filter_map(|i| {
                 let shared = self.clone();
-                std::thread::Builder::new()
+                self.state().live_workers += 1;
+                let spawned = std::thread::Builder::new()
                     .name(format!("pinned-loader-{i}"))
                     .spawn(move || {
                         use_device(shared.device);
                         shared.work();
-                    })
-                    .ok()
+                    });
+                if spawned.is_err() {
+                    self.state().live_workers -= 1;
+                }
+                spawned.ok()
             })
             .collect()
     }
@@ -308,9 +320,37 @@ impl<D: Dataset> Shared<D> {
         self.state().shutdown = true;
         self.work.notify_all();
         for worker in workers {
-            let _ = worker.join();
+            if let Err(payload) = worker.join() {
+                // A panic's payload may panic when dropped: leaked.
+                std::mem::forget(payload);
+            }
         }
         self.state().shutdown = false;
+    }
+}
+
+/// A worker's way out, also when it unwinds (a panic past every catch): it counts the worker
+/// gone, turns the batch it was filling into an error, and wakes the consumer, which would
+/// otherwise wait for that batch for ever.
+struct Exit<'a, D: Dataset> {
+    shared: &'a Shared<D>,
+    /// The generation and number of the batch being filled.
+    task: Option<(u64, usize)>,
+}
+
+impl<D: Dataset> Drop for Exit<'_, D> {
+    fn drop(&mut self) {
+        let mut state = self.shared.state();
+        state.live_workers -= 1;
+        if let Some((generation, batch)) = self.task {
+            state.finished.push(Finished {
+                generation,
+                batch,
+                result: Err(LoaderError::WorkerStopped { batch }),
+            });
+        }
+        drop(state);
+        self.shared.done.notify_all();
     }
 }
 
@@ -322,17 +362,24 @@ fn use_device(device: Option<cuda_pinned::Device>) {
     }
 }
 
-/// The text of a panic's payload.
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    panic
+/// The error for a panic caught while filling `batch` at `sample`. The payload is leaked, not
+/// dropped: a payload's own `Drop` may panic too, and the worker must go on.
+fn panicked(batch: usize, sample: usize, panic: Box<dyn std::any::Any + Send>) -> LoaderError {
+    let message = panic
         .downcast_ref::<&str>()
         .map(|s| (*s).to_owned())
         .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a non-string panic payload".into())
+        .unwrap_or_else(|| "a non-string panic payload".into());
+    std::mem::forget(panic);
+    LoaderError::Panicked {
+        batch,
+        sample,
+        message,
+    }
 }
 
 /// The machine's memory in bytes.
-fn physical_memory() -> u64 {
+pub(crate) fn physical_memory() -> u64 {
     // SAFETY: sysconf has no preconditions.
     let (pages, page) = unsafe {
         (
@@ -430,6 +477,7 @@ impl<D: Dataset> Loader<D> {
                 tasks: VecDeque::new(),
                 finished: Vec::new(),
                 shutdown: false,
+                live_workers: 0,
             }),
             generation: AtomicU64::new(0),
             work: Condvar::new(),
@@ -666,6 +714,14 @@ impl<D: Dataset> Epoch<'_, D> {
                 }
                 if !block {
                     return None;
+                }
+                if state.live_workers == 0 {
+                    // Nobody is left to fill it.
+                    break Finished {
+                        generation: self.generation,
+                        batch: next,
+                        result: Err(LoaderError::WorkerStopped { batch: next }),
+                    };
                 }
                 state = shared
                     .done

@@ -28,18 +28,24 @@ impl Sampler {
         }
         let (rank, world) = self.shard;
         if world > 1 && !order.is_empty() {
-            // As `DistributedSampler`: every rank gets the same count, padded by wrapping
-            // around (or cut, with `drop_last`).
-            let per_rank = if self.drop_last {
-                order.len() / world
-            } else {
-                order.len().div_ceil(world)
-            };
-            let total = per_rank * world;
-            let padded: Vec<usize> = order.iter().copied().cycle().take(total).collect();
-            order = padded.into_iter().skip(rank).step_by(world).collect();
+            // As `DistributedSampler`: every rank gets the same count, the order padded by
+            // wrapping around (or cut, with `drop_last`), and rank r takes every world-th
+            // index from the r-th.
+            order = (0..self.per_rank())
+                .map(|k| order[(rank + k * world) % order.len()])
+                .collect();
         }
         order
+    }
+
+    /// Indices each rank gets an epoch.
+    pub(crate) fn per_rank(&self) -> usize {
+        let world = self.shard.1;
+        if self.drop_last {
+            self.len / world
+        } else {
+            self.len.div_ceil(world)
+        }
     }
 
     /// The batches of `count` indices: ranges into them.

@@ -891,13 +891,30 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     ///
     /// # Errors
     ///
-    /// [`Error::CapacityOverflow`] above the largest class; [`Error::Os`] when the thread
-    /// cannot be started.
+    /// [`Error::Unsupported`] for blocks of 0 bytes; [`Error::CapacityOverflow`] above the
+    /// largest class, or for more blocks than memory can be counted in;
+    /// [`Error::LimitExceeded`] when the blocks together pass
+    /// [`PoolConfig::max_pinned_bytes`], or the machine's memory where no cap is set;
+    /// [`Error::Os`] when the thread cannot be started.
     pub fn reserve(&self, block_bytes: usize, blocks: usize) -> Result<()>
     where
         B: Clone + Send + 'static,
     {
+        if block_bytes == 0 {
+            return Err(Error::Unsupported("a reserve of blocks of 0 bytes"));
+        }
         let (class, _) = class_of(block_bytes).ok_or(Error::CapacityOverflow)?;
+        let total = class_size(class)
+            .checked_mul(blocks)
+            .ok_or(Error::CapacityOverflow)?;
+        let limit = self.config.max_pinned_bytes.unwrap_or_else(physical_memory);
+        if total > limit {
+            return Err(Error::LimitExceeded {
+                requested: total,
+                pinned: self.reserved.load(Ordering::Relaxed),
+                limit,
+            });
+        }
         let ahead = match self.ahead.get() {
             Some(ahead) => ahead,
             None => {
@@ -1224,6 +1241,22 @@ impl Drop for Withdraw<'_> {
 /// One holder's idle blocks, by class.
 type IdleLists<'a> = &'a mut [Vec<Cached>];
 
+/// The machine's memory in bytes (`usize::MAX` where it cannot be told): more than this can
+/// never be pinned ahead.
+fn physical_memory() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    match (usize::try_from(pages), usize::try_from(page)) {
+        (Ok(pages), Ok(page)) if pages > 0 && page > 0 => pages.saturating_mul(page),
+        _ => usize::MAX,
+    }
+}
+
 /// Failures worth one more try after the idle cache is released: memory and limit errors.
 fn retryable(error: &Error) -> bool {
     match error {
@@ -1249,27 +1282,46 @@ fn keep_first(
 
 impl<B: PinnedAllocator, C: Completion> Drop for Pool<B, C> {
     /// Waits for the device work of pending blocks, then releases every block. A block whose
-    /// work cannot be waited for (the device is in an error state) is leaked, not freed.
+    /// work cannot be waited for (the device is in an error state) is leaked, not freed. A
+    /// completion or a free that panics loses its own block only: the pool goes on with the
+    /// others, then lets the first panic continue (unless the thread is unwinding already).
     fn drop(&mut self) {
+        let mut panicked = None;
+        let catch = |panicked: &mut _, work: &mut dyn FnMut()| {
+            if let Err(payload) = std::panic::catch_unwind(AssertUnwindSafe(work)) {
+                keep_first(panicked, Some(payload));
+            }
+        };
         if let Some(mut ahead) = self.ahead.take() {
             for ready in ahead.drain() {
-                self.release_ahead(ready);
-            }
-        }
-        let pending = std::mem::take(self.pending.get_mut());
-        for (allocation, mut completion) in pending {
-            if completion.wait() {
-                self.pending_bytes
-                    .fetch_sub(class_size(allocation.tag()), Ordering::Relaxed);
-                self.pending_requests.fetch_sub(1, Ordering::Relaxed);
-                self.release(vec![allocation]);
-            } else {
-                self.blocks
-                    .lock()
-                    .remove(&(allocation.ptr().as_ptr() as usize));
+                let mut ready = Some(ready);
+                catch(&mut panicked, &mut || {
+                    self.release_ahead(ready.take().expect("taken once"));
+                });
             }
         }
         let mut idle = Vec::new();
+        let pending = std::mem::take(self.pending.get_mut());
+        for (allocation, mut completion) in pending {
+            match std::panic::catch_unwind(AssertUnwindSafe(|| completion.wait())) {
+                Ok(true) => {
+                    self.pending_bytes
+                        .fetch_sub(class_size(allocation.tag()), Ordering::Relaxed);
+                    self.pending_requests.fetch_sub(1, Ordering::Relaxed);
+                    idle.push(allocation);
+                    continue;
+                }
+                Ok(false) => {}
+                Err(payload) => {
+                    // Dropping a completion that panicked may panic again: leaked with it.
+                    std::mem::forget(completion);
+                    keep_first(&mut panicked, Some(payload));
+                }
+            }
+            self.blocks
+                .lock()
+                .remove(&(allocation.ptr().as_ptr() as usize));
+        }
         let mut drain = |lists: &mut [Vec<Cached>]| {
             for (class, list) in lists.iter_mut().enumerate() {
                 idle.extend(list.drain(..).map(|cached| cached.into_allocation(class)));
@@ -1280,7 +1332,17 @@ impl<B: PinnedAllocator, C: Completion> Drop for Pool<B, C> {
             drain(&mut local.data_mut().magazine);
         }
         drain(&mut self.shared.data_mut().magazine);
-        self.release(idle);
+        let mut idle = Some(idle);
+        catch(&mut panicked, &mut || {
+            self.release(idle.take().expect("taken once"));
+        });
+        if let Some(payload) = panicked {
+            if std::thread::panicking() {
+                std::mem::forget(payload);
+            } else {
+                std::panic::resume_unwind(payload);
+            }
+        }
     }
 }
 

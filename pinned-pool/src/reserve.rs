@@ -202,9 +202,12 @@ impl Reserve {
     fn stop(&mut self) {
         self.central.lock().ahead.stop = true;
         self.wake.notify_all();
-        if let Some(thread) = self.thread.take() {
-            // A panic in the backend ended the thread early; what it pinned is still listed.
-            let _ = thread.join();
+        if let Some(thread) = self.thread.take()
+            && let Err(payload) = thread.join()
+        {
+            // A panic ended the thread early; what it pinned is still listed. The payload is
+            // leaked: its own drop may panic.
+            std::mem::forget(payload);
         }
     }
 }
@@ -252,7 +255,12 @@ impl Pinner {
                 // the count is given back.
                 let block = layout.and_then(|layout| {
                     std::panic::catch_unwind(AssertUnwindSafe(|| backend.allocate(layout)))
-                        .unwrap_or(Err(Error::Unsupported("the backend panicked")))
+                        .unwrap_or_else(|payload| {
+                            // Leaked, not dropped: a payload's own drop may panic, and the
+                            // thread must go on (and give the count back, below).
+                            std::mem::forget(payload);
+                            Err(Error::Unsupported("the backend panicked"))
+                        })
                 });
                 if block.is_err() {
                     self.pinned.fetch_sub(size, Ordering::Relaxed);
@@ -280,9 +288,8 @@ impl Pinner {
                         // SAFETY: pinned above from the backend and never handed out.
                         unsafe { backend.deallocate(block) }
                     }));
-                    if released.is_ok() {
-                        self.pinned.fetch_sub(size, Ordering::Relaxed);
-                    } else {
+                    if let Err(payload) = released {
+                        std::mem::forget(payload);
                         // Whether the block was freed is unknown: its bytes stay counted
                         // (the cap errs on the safe side), and the thread goes on.
                         let ahead = &mut self.central.lock().ahead;
@@ -290,6 +297,8 @@ impl Pinner {
                             "the backend panicked releasing a block pinned ahead",
                         ));
                         ahead.failures += 1;
+                    } else {
+                        self.pinned.fetch_sub(size, Ordering::Relaxed);
                     }
                 }
                 Err(error) => {

@@ -627,7 +627,14 @@ fn a_piece_taken_in_by_a_capture_loses_its_chunk_without_waiting() {
 
 #[test]
 fn configurations_without_room_are_refused() {
-    for (chunk, threads, slots) in [(0, 1, 1), (1, 0, 1), (1, 1, 0)] {
+    let too_many = StagingConfig::MAX_THREADS + 1;
+    for (chunk, threads, slots) in [
+        (0, 1, 1),
+        (1, 0, 1),
+        (1, 1, 0),
+        (1, too_many, 1),
+        (1, usize::MAX, 1),
+    ] {
         let fake = Fake::new(0);
         let result = Engine::new(
             fake.clone(),

@@ -29,6 +29,52 @@ fn cuda_kinds_without_cuda_say_so() {
     assert!(matches!(v.device_ptr(), Err(Error::Unsupported(_))));
 }
 
+const REGISTER_CHILD: &str = "CUDA_PINNED_REGISTER_CHILD";
+
+/// Runs in a child process (see below): asks for a 2 GiB registration, then reports the
+/// process's peak resident memory.
+#[test]
+fn register_child_side() {
+    if std::env::var_os(REGISTER_CHILD).is_none() {
+        return;
+    }
+    let layout = Layout::from_size_align(2 << 30, 4096).unwrap();
+    let result = Registered::new().allocate(layout);
+    assert!(
+        matches!(result, Err(Error::Unavailable(_) | Error::Cuda(_))),
+        "{result:?}"
+    );
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let peak = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    println!("peak {peak}");
+}
+
+/// Without CUDA a registration fails before the memory is mapped and faulted in.
+#[test]
+#[cfg_attr(miri, ignore = "starts a child process, which Miri cannot")]
+fn registering_without_cuda_touches_no_memory_first() {
+    if cuda_pinned::is_available() {
+        return; // covered by the GPU tests
+    }
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "errors::register_child_side", "--nocapture"])
+        .env(REGISTER_CHILD, "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success() && stdout.contains("1 passed"),
+        "{stdout}"
+    );
+    let kib: usize = stdout
+        .split("VmHWM:")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no peak in {stdout}"));
+    assert!(kib < 256 << 10, "{kib} KiB resident at the peak");
+}
+
 #[test]
 fn alignment_above_a_page_is_refused() {
     let layout = Layout::from_size_align(64, 1 << 16).unwrap();

@@ -579,3 +579,103 @@ fn storage_of_other_sizes_is_refused_for_gathering_and_fails_batches_not_the_loa
         );
     }
 }
+
+/// A panic payload whose own `Drop` panics with another `Bomb` as long as the count lasts.
+struct Bomb(Arc<AtomicUsize>);
+
+impl Drop for Bomb {
+    fn drop(&mut self) {
+        if self.0.fetch_sub(1, Ordering::SeqCst) > 0 {
+            std::panic::panic_any(Bomb(self.0.clone()));
+        }
+    }
+}
+
+/// Panics at sample 0 with a [`Bomb`] as the payload.
+struct Bombing {
+    len: usize,
+    drops_that_panic: Arc<AtomicUsize>,
+}
+
+impl Dataset for Bombing {
+    type Fields = (Field<u32>, Field<i64>);
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn fields(&self) -> Self::Fields {
+        (Field::new(3), Field::new(1))
+    }
+    fn write(&self, i: usize, (a, b): (&mut [u32], &mut [i64])) -> Result<(), BoxError> {
+        if i == 0 {
+            std::panic::panic_any(Bomb(self.drops_that_panic.clone()));
+        }
+        a.fill(i as u32);
+        b[0] = i as i64;
+        Ok(())
+    }
+}
+
+/// Runs `f` on a thread of its own; `None` if it has not returned within a minute (a hang).
+fn within_a_minute<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> Option<R> {
+    let (sender, receiver) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = sender.send(f());
+    });
+    receiver.recv_timeout(Duration::from_secs(60)).ok()
+}
+
+/// A dataset panicking with a payload that panics again on every drop neither kills a worker
+/// nor hangs the epoch: the batch is an error and the others follow.
+#[test]
+fn a_payload_that_panics_when_dropped_is_an_error_not_a_hang() {
+    for workers in [0, 1, 3] {
+        let results = within_a_minute(move || {
+            let dataset = Bombing {
+                len: 64,
+                drops_that_panic: Arc::new(AtomicUsize::new(usize::MAX)),
+            };
+            let mut loader = Loader::new(dataset, config(8, workers)).unwrap();
+            let epoch: Vec<_> = loader.epoch(0).map(|b| b.map(|b| b.len())).collect();
+            epoch
+                .into_iter()
+                .map(|b| b.map_err(|e| e.to_string()))
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_else(|| panic!("the epoch hung ({workers} workers)"));
+        assert_eq!(results.len(), 8);
+        assert!(results[0].as_ref().is_err_and(|e| e.contains("panicked")));
+        assert!(results[1..].iter().all(|r| r == &Ok(8)), "{results:?}");
+    }
+}
+
+/// The batch whose dataset panicked gives its slot back even when the payload's drop panics
+/// once: holding the other batches needs no slot pinned late.
+#[test]
+fn a_payload_that_panics_once_when_dropped_loses_no_slot() {
+    let dataset = Bombing {
+        len: 32,
+        drops_that_panic: Arc::new(AtomicUsize::new(1)),
+    };
+    // Three slots: one in the worker's hands and two the consumer holds.
+    let mut loader = Loader::new(dataset, config(8, 1).prefetch(1)).unwrap();
+    let held: Vec<_> = loader.epoch(0).collect();
+    assert!(held[0].is_err());
+    assert_eq!(held.iter().filter(|b| b.is_ok()).count(), 3);
+    drop(held);
+    assert_eq!(loader.stats().late_slots, 0);
+}
+
+/// A world larger than the dataset is refused when the loader is made, not by an abort when
+/// the first epoch allocates its order.
+#[test]
+fn a_world_larger_than_the_dataset_is_a_configuration_error() {
+    for (len, world) in [(10, 11), (10, 1 << 40), (0, 2)] {
+        let result = Loader::new(Indexed::new(len), config(4, 1).shard(0, world));
+        assert!(
+            matches!(result, Err(LoaderError::Config(_))),
+            "{len} samples, world {world}"
+        );
+    }
+    let mut loader = Loader::new(Indexed::new(10), config(4, 1).shard(9, 10)).unwrap();
+    assert_eq!(run_epoch(&mut loader, 0).concat().len(), 1);
+}

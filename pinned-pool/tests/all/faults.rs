@@ -315,3 +315,41 @@ fn a_panicking_free_loses_its_block_only() {
         unsafe { pool.free_raw(block) };
     }
 }
+
+/// A completion whose wait panics, for the pool's drop.
+struct WaitPanics {
+    panics: bool,
+}
+
+// SAFETY: "finished" is only said of blocks no device ever used.
+unsafe impl pinned_pool::Completion for WaitPanics {
+    fn is_complete(&mut self) -> bool {
+        false
+    }
+
+    fn wait(&mut self) -> bool {
+        assert!(!self.panics, "wait panicked (on purpose)");
+        true
+    }
+}
+
+/// A pool dropped with a completion whose wait panics gives every other block back, then
+/// lets the panic continue.
+#[test]
+#[cfg_attr(miri, ignore = "leaks a block on purpose, which Miri reports")]
+fn dropping_the_pool_past_a_panicking_wait_frees_the_other_blocks() {
+    let heap = Heap::new();
+    let pool =
+        pinned_pool::Pool::<Heap, WaitPanics>::with_completion(heap.clone(), PoolConfig::new());
+    let blocks: Vec<_> = (0..6).map(|_| pool.allocate_raw(4096).unwrap()).collect();
+    for (i, block) in blocks.into_iter().enumerate() {
+        // SAFETY: from this pool; no device work used it.
+        unsafe { pool.free_raw_after(block, WaitPanics { panics: i == 1 }) };
+    }
+    let idle = pool.allocate_raw(8192).unwrap();
+    // SAFETY: from this pool, unused.
+    unsafe { pool.free_raw(idle) };
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(pool)));
+    assert!(caught.is_err(), "the completion's panic was swallowed");
+    assert_eq!(heap.live(), 1, "only the panicking block may stay");
+}

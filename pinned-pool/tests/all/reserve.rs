@@ -194,13 +194,20 @@ fn errors_are_kept_counted_and_retried_on_the_next_call() {
 #[test]
 fn blocks_pinned_ahead_count_against_the_pinned_cap() {
     let heap = Heap::new();
-    let pool = Pool::with_backend(heap.clone(), PoolConfig::new().max_pinned_bytes(2 * MIB));
-    pool.reserve(MIB, 4).unwrap();
+    let pool = Pool::with_backend(heap.clone(), PoolConfig::new().max_pinned_bytes(3 * MIB));
+    // More than the cap at all is refused at once.
+    assert!(matches!(
+        pool.reserve(MIB, 4),
+        Err(Error::LimitExceeded { .. })
+    ));
+    // Within it, the thread meets the cap that an allocation in use takes part of.
+    let held = pool.with_capacity(MIB).unwrap();
+    pool.reserve(MIB, 3).unwrap();
     eventually("the cap met", || pool.stats().reserve_failures == 1);
     assert_eq!(pool.stats().reserve_ready_bytes, 2 * MIB as u64);
     assert!(matches!(
         pool.take_reserve_error(),
-        Some(Error::LimitExceeded { limit, .. }) if limit == 2 * MIB
+        Some(Error::LimitExceeded { limit, .. }) if limit == 3 * MIB
     ));
     // Nothing more fits, even on the allocating thread.
     let a = pool.with_capacity(MIB).unwrap();
@@ -209,7 +216,7 @@ fn blocks_pinned_ahead_count_against_the_pinned_cap() {
         pool.with_capacity(4096),
         Err(Error::LimitExceeded { .. })
     ));
-    drop((a, b));
+    drop((a, b, held));
     drop(pool);
     assert_eq!(heap.live(), 0);
 }
@@ -297,6 +304,74 @@ fn a_panicking_backend_is_an_error_and_gives_its_count_back() {
     // The thread lives on: asking again counts a second failure.
     pool.reserve(MIB, 1).unwrap();
     eventually("a second failure", || pool.stats().reserve_failures >= 2);
+}
+
+/// A panic payload whose own drop panics.
+struct Bomb;
+
+impl Drop for Bomb {
+    fn drop(&mut self) {
+        panic!("the payload's drop panicked (on purpose)");
+    }
+}
+
+/// A backend that panics on the reserve thread with a [`Bomb`].
+#[derive(Clone, Default)]
+struct BombsAhead(Heap);
+
+// SAFETY: forwards to `Heap` (or panics before allocating).
+unsafe impl PinnedAllocator for BombsAhead {
+    fn allocate(&self, layout: Layout) -> Result<Allocation> {
+        if std::thread::current().name() == Some("pinned-pool-reserve") {
+            std::panic::panic_any(Bomb);
+        }
+        self.0.allocate(layout)
+    }
+
+    unsafe fn deallocate(&self, allocation: Allocation) {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.0.deallocate(allocation) }
+    }
+}
+
+/// The thread survives a panic whose payload panics when dropped: the failure is reported
+/// and its count given back.
+#[test]
+#[cfg_attr(miri, ignore = "leaks a panic payload on purpose, which Miri reports")]
+fn a_backend_panic_whose_payload_panics_is_reported_and_gives_its_count_back() {
+    let pool = Pool::with_backend(
+        BombsAhead::default(),
+        PoolConfig::new().max_pinned_bytes(2 * MIB),
+    );
+    pool.reserve(MIB, 1).unwrap();
+    eventually("the failure counted", || pool.stats().reserve_failures >= 1);
+    assert!(pool.take_reserve_error().is_some());
+    let a = pool.with_capacity(MIB).unwrap();
+    let b = pool.with_capacity(MIB).unwrap();
+    drop((a, b));
+}
+
+/// What a reserve would pin is checked when it is asked for.
+#[test]
+fn reserves_of_empty_blocks_or_past_the_cap_are_refused() {
+    let pool = Pool::with_backend(Heap::new(), PoolConfig::new());
+    assert!(matches!(pool.reserve(0, 4), Err(Error::Unsupported(_))));
+    assert!(matches!(
+        pool.reserve(MIB, usize::MAX),
+        Err(Error::CapacityOverflow)
+    ));
+    // Without a cap, the machine's memory is the limit.
+    assert!(matches!(
+        pool.reserve(1 << 30, 1 << 24),
+        Err(Error::LimitExceeded { .. })
+    ));
+    let capped = Pool::with_backend(Heap::new(), PoolConfig::new().max_pinned_bytes(4 * MIB));
+    assert!(matches!(
+        capped.reserve(MIB, 5),
+        Err(Error::LimitExceeded { .. })
+    ));
+    capped.reserve(MIB, 4).unwrap();
+    assert_eq!(capped.stats().reserve_failures, 0);
 }
 
 #[test]
