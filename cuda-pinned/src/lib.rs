@@ -217,55 +217,46 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
-mod alloc;
-mod api2;
-mod block;
-mod boxed;
-mod chunked;
-#[cfg(feature = "cudarc")]
-mod cudarc_interop;
-mod device;
-mod device_buffer;
+mod containers;
+mod context;
+mod copy;
 mod error;
-mod fence;
-mod ffi;
-mod host_alloc;
-mod locked;
+mod gpu;
+mod interop;
+mod memory;
 mod os;
-mod pin;
-mod registered;
-mod registration;
+mod raw;
 mod staging;
-mod stream;
-mod streaming;
 #[cfg(test)]
 mod test_hooks;
-mod transfer;
-mod vec;
-mod virtual_host;
 
-pub use alloc::{Allocation, DefaultPinned, MemoryKind, PendingUses, PinnedAllocator};
-pub use boxed::PinnedBox;
+pub use containers::boxed::PinnedBox;
+pub use containers::pin_memory::PinMemory;
+pub use containers::vec::{IntoIter, PinnedVec};
+pub use copy::batch::RawCopy;
+pub use copy::nontemporal::copy_streaming;
+pub use copy::tracked::{HostBuffer, Transfer};
 /// The raw CUDA runtime bindings this crate is built on (the types of [`Stream::as_raw`] and
 /// [`Event::as_raw`], and the rest of the runtime API).
 pub use cuda_pinned_sys as sys;
 pub use cuda_pinned_sys::LoadError;
-#[cfg(feature = "cudarc")]
-pub use cudarc_interop::CudarcCopies;
-pub use device::{
+pub use error::{CudaError, DriverError, Error, Result};
+pub use gpu::buffer::DeviceBuffer;
+pub use gpu::device::{
     Device, Version, device_count, driver_version, is_available, runtime_path, runtime_version,
 };
-pub use device_buffer::{DeviceBuffer, DeviceSlice, DeviceSliceMut};
-pub use error::{CudaError, DriverError, Error, Result};
-pub use ffi::RUNTIME_CALLS_VAR;
-pub use host_alloc::{CudaHost, HostAllocFlags};
-pub use locked::HostLocked;
-pub use pin::PinMemory;
-pub use registered::{RegisterFlags, Registered};
-pub use registration::{RegisteredVec, Registration};
+pub use gpu::event::Event;
+pub use gpu::stream::Stream;
+pub use gpu::views::{DeviceSlice, DeviceSliceMut};
+#[cfg(feature = "cudarc")]
+pub use interop::cudarc::CudarcCopies;
+pub use memory::allocator::{Allocation, MemoryKind, PendingUses, PinnedAllocator};
+pub use memory::cuda_host::CudaHost;
+pub use memory::default::DefaultPinned;
+pub use memory::flags::{HostAllocFlags, RegisterFlags};
+pub use memory::host_locked::HostLocked;
+pub use memory::registered::Registered;
+pub use memory::registration::{RegisteredVec, Registration};
+pub use memory::virtual_host::VirtualHost;
+pub use raw::RUNTIME_CALLS_VAR;
 pub use staging::{StagedCopy, Stager, StagingConfig};
-pub use stream::{Event, RawCopy, Stream};
-pub use streaming::copy_streaming;
-pub use transfer::{HostBuffer, Transfer};
-pub use vec::{IntoIter, PinnedVec};
-pub use virtual_host::VirtualHost;

@@ -3,7 +3,8 @@
 
 use std::ptr::NonNull;
 
-use crate::error::{Error, Result};
+use crate::error::Error;
+use crate::error::Result;
 
 /// The base page size.
 pub(crate) fn page_size() -> usize {

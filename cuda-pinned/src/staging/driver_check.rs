@@ -13,11 +13,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::device::Device;
-use crate::device_buffer::DeviceBuffer;
 use crate::error::Result;
-use crate::ffi::{self, Direction};
-use crate::stream::Stream;
+use crate::gpu::buffer::DeviceBuffer;
+use crate::gpu::device::Device;
+use crate::raw::copy::Direction;
+
+use crate::gpu::stream::Stream;
 
 use super::lock;
 
@@ -87,7 +88,7 @@ fn check(device: Device) -> Result<DriverPaths> {
             // SAFETY: `source` and `memory` outlive the work on the stream (waited for
             // below, or both leaked); nothing else uses `memory`.
             unsafe {
-                ffi::copy_once(
+                crate::raw::copy::copy_once(
                     (memory.as_raw() + offset as u64) as *mut std::ffi::c_void,
                     source.as_ptr().add(offset).cast(),
                     bytes,
@@ -106,7 +107,7 @@ fn check(device: Device) -> Result<DriverPaths> {
             let held = hold(&stream)?;
             // SAFETY: as above, for `back`.
             unsafe {
-                ffi::copy_once(
+                crate::raw::copy::copy_once(
                     back.as_mut_ptr().add(offset).cast(),
                     (memory.as_raw() + offset as u64) as *const std::ffi::c_void,
                     bytes,

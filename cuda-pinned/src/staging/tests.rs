@@ -11,11 +11,17 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 
-use super::{Address, Dma, Engine, StagingConfig, cut, lock, wait};
-use crate::alloc::{Allocation, PinnedAllocator};
-use crate::error::{Error, Result};
-use crate::ffi::Direction;
-use crate::locked::HostLocked;
+use super::dma::Dma;
+use super::engine::Engine;
+use super::job::cut;
+use super::ring::Address;
+use super::{StagingConfig, lock, wait};
+use crate::error::Error;
+use crate::error::Result;
+use crate::memory::allocator::Allocation;
+use crate::memory::allocator::PinnedAllocator;
+use crate::memory::host_locked::HostLocked;
+use crate::raw::copy::Direction;
 
 #[derive(Default)]
 struct FakeEvent {

@@ -6,9 +6,16 @@ use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::OnceLock;
 
-use crate::alloc::{Allocation, MemoryKind, PinnedAllocator, check_layout};
-use crate::error::{Error, Result};
-use crate::{Device, ffi, os};
+use crate::context::relaxed;
+use crate::error::Error;
+use crate::error::Result;
+use crate::gpu::device::Device;
+use crate::memory::allocator::Allocation;
+use crate::memory::allocator::MemoryKind;
+use crate::memory::allocator::PinnedAllocator;
+use crate::memory::allocator::check_layout;
+use crate::os;
+use crate::raw::vmm;
 
 /// Page-locked host memory from `cuMemCreate` on a host NUMA node, mapped chunk by chunk into
 /// an address range reserved with room to spare.
@@ -112,7 +119,7 @@ fn platform() -> Result<&'static Platform> {
         ));
     }
     // At least a page (4 KiB): the tag's low 12 bits are free for the node.
-    let granularity = ffi::host_granularity(0)?.max(os::page_size());
+    let granularity = vmm::host_granularity(0)?.max(os::page_size());
     Ok(PLATFORM.get_or_init(|| Platform {
         devices,
         granularity,
@@ -230,14 +237,14 @@ impl VirtualHost {
             // offsets and pieces are multiples of the granularity.
             let start = unsafe { at.add(mapped) };
             // SAFETY: as above.
-            let result = unsafe { ffi::map_host_memory(start, piece, node) }.and_then(|()| {
+            let result = unsafe { map_host_memory(start, piece, node) }.and_then(|()| {
                 mapped += piece;
                 // SAFETY: the piece was just mapped.
-                unsafe { ffi::open_host_memory(start, piece, node, &platform.devices) }
+                unsafe { vmm::open_host_memory(start, piece, node, &platform.devices) }
             });
             if let Err(error) = result {
                 // SAFETY: what this call mapped, never handed out.
-                let clean = mapped == 0 || unsafe { ffi::unmap(at, mapped) }.is_ok();
+                let clean = mapped == 0 || unsafe { vmm::unmap(at, mapped) }.is_ok();
                 return Err(MapFailure { error, clean });
             }
         }
@@ -274,12 +281,13 @@ unsafe impl PinnedAllocator for VirtualHost {
         if node as usize > NODE_BITS_MASK {
             return Err(Error::Unsupported("host NUMA nodes above 4095"));
         }
-        let ptr = ffi::address_reserve(room, granularity)?;
+        // Relaxed: CUDA refuses these calls while another thread captures in global mode.
+        let ptr = relaxed(|| vmm::address_reserve(room, granularity))?;
         // SAFETY: a fresh reservation of `room` ≥ `bytes`, granularity-aligned.
-        if let Err(failure) = unsafe { self.map(platform, ptr, bytes, node) } {
+        if let Err(failure) = relaxed(|| unsafe { self.map(platform, ptr, bytes, node) }) {
             if failure.clean {
                 // SAFETY: nothing is mapped in the range any more; it was never handed out.
-                let _ = unsafe { ffi::address_free(ptr, room) };
+                let _ = relaxed(|| unsafe { vmm::address_free(ptr, room) });
             }
             return Err(out_of_memory(failure.error, layout.size()));
         }
@@ -302,11 +310,11 @@ unsafe impl PinnedAllocator for VirtualHost {
     unsafe fn deallocate(&self, allocation: Allocation) {
         // SAFETY: mapped by `allocate` (and growth) over exactly `bytes`; unused, per the
         // caller. The tag holds the reserved room, given back once nothing is mapped in it.
-        unsafe {
-            if ffi::unmap(allocation.ptr(), allocation.bytes()).is_ok() {
-                let _ = ffi::address_free(allocation.ptr(), room_of(allocation.tag()));
+        relaxed(|| unsafe {
+            if vmm::unmap(allocation.ptr(), allocation.bytes()).is_ok() {
+                let _ = vmm::address_free(allocation.ptr(), room_of(allocation.tag()));
             }
-        }
+        });
         // If unmapping failed the memory may still be mapped: leaking it is the safe choice.
     }
 
@@ -341,13 +349,33 @@ unsafe impl PinnedAllocator for VirtualHost {
         }
         // SAFETY: `old..bytes` lies inside the block's reserved room (bytes ≤ room), past
         // everything mapped so far; both ends are multiples of the granularity.
-        let mapped = unsafe { self.map(platform, allocation.ptr().add(old), bytes - old, node) };
+        let mapped =
+            relaxed(|| unsafe { self.map(platform, allocation.ptr().add(old), bytes - old, node) });
         // A growth that failed and could not unmap what it added leaves the block larger
         // than it says: its room is then never given back (`deallocate` unmaps only `bytes`,
         // and the driver refuses to free a range with memory mapped in it).
         mapped.map_err(|failure| out_of_memory(failure.error, layout.size()))?;
         Ok(Some(grown))
     }
+}
+
+/// Creates `bytes` of page-locked memory on `node` and maps it at `at`; on failure nothing is
+/// mapped. The memory handle is released at once: the mapping keeps the memory until it is
+/// unmapped (the driver's rule), so nothing else needs to be remembered. The memory is not
+/// accessible until opened (`raw::vmm::open_host_memory`).
+///
+/// # Safety
+///
+/// - `at..at + bytes` lies inside a range from `raw::vmm::address_reserve` with nothing
+///   mapped there, and `at` and `bytes` are multiples of the host granularity.
+unsafe fn map_host_memory(at: NonNull<u8>, bytes: usize, node: u32) -> Result<()> {
+    let handle = vmm::create(bytes, node)?;
+    // SAFETY: forwarded from the caller; `handle` holds `bytes`.
+    let mapped = unsafe { vmm::map(at, bytes, handle) };
+    // The mapping holds the memory now (or the map failed): the handle is not needed either
+    // way. A failed release only leaks the handle's bookkeeping.
+    let _ = vmm::release(handle);
+    mapped
 }
 
 #[cfg(test)]

@@ -2,8 +2,12 @@
 
 use std::alloc::Layout;
 
-use crate::alloc::{Allocation, MemoryKind, PinnedAllocator, check_layout};
-use crate::error::{Error, Result};
+use crate::error::Error;
+use crate::error::Result;
+use crate::memory::allocator::Allocation;
+use crate::memory::allocator::MemoryKind;
+use crate::memory::allocator::PinnedAllocator;
+use crate::memory::allocator::check_layout;
 use crate::os;
 
 /// Page-locked memory without CUDA: an anonymous mapping locked with `mlock`. It cannot be

@@ -4,13 +4,11 @@
 use std::alloc::Layout;
 use std::fmt;
 use std::ptr::NonNull;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::host_alloc::{CudaHost, HostAllocFlags};
-use crate::locked::HostLocked;
-use crate::registered::Registered;
-use crate::stream::{Event, Stream};
+use crate::gpu::event::Event;
+use crate::memory::flags::HostAllocFlags;
 
 /// Which kind of page-locked memory an allocation is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -62,6 +60,7 @@ pub struct Allocation {
 // SAFETY: an `Allocation` is a description of memory (address, size, kind); it grants no
 // access by itself, and every use of the address goes through unsafe code with its own proof.
 unsafe impl Send for Allocation {}
+
 // SAFETY: as above; `&Allocation` only reads plain fields.
 unsafe impl Sync for Allocation {}
 
@@ -114,7 +113,7 @@ impl Allocation {
         if !self.kind.is_cuda_pinned() {
             return Err(Error::Unsupported("mlock-ed memory has no device address"));
         }
-        crate::ffi::host_device_pointer(self.ptr)
+        crate::context::on_current_device(|| crate::raw::memory::host_device_pointer(self.ptr))
     }
 }
 
@@ -260,96 +259,15 @@ impl PendingUses {
         self.events.push(event);
     }
 
+    /// Adds every event of `other`.
+    pub(crate) fn extend(&mut self, other: PendingUses) {
+        self.events.extend(other.events);
+    }
+
     pub(crate) fn from_event(event: Arc<Event>) -> Self {
         Self {
             events: vec![event],
         }
-    }
-}
-
-/// A buffer's record of the streams it was used on (PyTorch's `record_stream`): at drop, one
-/// event per stream marks the end of those uses. One pointer wide, and empty (no allocation)
-/// until a use is recorded, so a buffer that never meets a stream carries and checks one word.
-#[derive(Debug, Default)]
-pub(crate) struct StreamUses(Option<Box<Uses>>);
-
-#[derive(Debug, Default)]
-struct Uses {
-    streams: Vec<Stream>,
-    events: PendingUses,
-}
-
-impl StreamUses {
-    pub(crate) const fn new() -> Self {
-        Self(None)
-    }
-
-    fn uses(&mut self) -> &mut Uses {
-        self.0.get_or_insert_with(Box::default)
-    }
-
-    pub(crate) fn record_stream(&mut self, stream: &Stream) {
-        let uses = self.uses();
-        if !uses.streams.contains(stream) {
-            uses.streams.push(stream.clone());
-        }
-    }
-
-    /// Adds every event of `pending`.
-    pub(crate) fn extend(&mut self, pending: PendingUses) {
-        if !pending.is_empty() {
-            self.uses().events.events.extend(pending.events);
-        }
-    }
-
-    #[inline]
-    pub(crate) fn is_empty(&self) -> bool {
-        self.0.is_none()
-    }
-
-    /// The uses as events. An error when a stream is capturing a graph
-    /// ([`Error::Capturing`]), or an event could not be recorded and the stream could not be
-    /// waited for either (that wait's error): then nobody can know when the memory is free.
-    pub(crate) fn finish(self) -> Result<PendingUses> {
-        let Some(uses) = self.0 else {
-            return Ok(PendingUses::none());
-        };
-        let Uses {
-            streams,
-            events: mut pending,
-        } = *uses;
-        for stream in streams {
-            match stream.record_event_untimed() {
-                Ok(event) => pending.push(Arc::new(event)),
-                // A graph captured there may use the memory at any launch; waiting for the
-                // stream would only break the capture.
-                Err(Error::Capturing) => return Err(Error::Capturing),
-                Err(_) => stream.synchronize()?,
-            }
-        }
-        Ok(pending)
-    }
-}
-
-/// Releases `allocation` through `allocator`, deferring on `uses` (taken, left empty) if there
-/// are any; leaks it when the uses cannot be known. Borrowing `uses` spares the common case
-/// (no device work) a move of the record.
-///
-/// # Safety
-///
-/// As [`PinnedAllocator::deallocate_after`]; `uses` covers every device use.
-#[inline]
-pub(crate) unsafe fn release<A: PinnedAllocator + ?Sized>(
-    allocator: &A,
-    allocation: Allocation,
-    uses: &mut StreamUses,
-) {
-    if uses.is_empty() {
-        // SAFETY: no device work was recorded; the caller's guarantees cover the rest.
-        unsafe { allocator.deallocate(allocation) };
-    } else if let Ok(pending) = std::mem::take(uses).finish() {
-        // SAFETY: `pending` covers every recorded use.
-        unsafe { allocator.deallocate_after(allocation, pending) };
     }
 }
 
@@ -403,97 +321,6 @@ macro_rules! forward_allocator {
 
 forward_allocator!(&A);
 forward_allocator!(Arc<A>);
-
-/// The allocator containers use unless told otherwise: the fast registration path
-/// ([`Registered`]) where CUDA and a device are present and support it, `cudaHostAlloc`
-/// where registration is not supported, and `mlock`ed memory ([`HostLocked`]) without CUDA,
-/// so code and its tests run on CPU-only machines. The choice is made once per process;
-/// [`MemoryKind`] on each buffer says which it got.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct DefaultPinned;
-
-#[derive(Debug)]
-enum Backend {
-    Registered(Registered),
-    HostAlloc(CudaHost),
-    Locked(HostLocked),
-}
-
-fn backend() -> &'static Backend {
-    static BACKEND: OnceLock<Backend> = OnceLock::new();
-    BACKEND.get_or_init(|| {
-        let device = crate::device::is_available().then(crate::Device::current);
-        match device {
-            Some(Ok(device)) if device.supports_host_registration().unwrap_or(false) => {
-                Backend::Registered(Registered::new())
-            }
-            Some(_) => Backend::HostAlloc(CudaHost::new()),
-            None => Backend::Locked(HostLocked::new()),
-        }
-    })
-}
-
-impl DefaultPinned {
-    /// The bytes a block for `layout` spans (as the backend rounds it).
-    pub(crate) fn layout_bytes(layout: Layout) -> Option<usize> {
-        match backend() {
-            Backend::Registered(a) => a.layout_bytes(layout),
-            Backend::HostAlloc(_) => Some(layout.size()),
-            Backend::Locked(_) => HostLocked::layout_bytes(layout),
-        }
-    }
-
-    /// The kind of memory this process's default allocator hands out.
-    pub fn kind() -> MemoryKind {
-        match backend() {
-            Backend::Registered(_) => MemoryKind::Registered,
-            Backend::HostAlloc(a) => MemoryKind::HostAlloc(a.flags()),
-            Backend::Locked(_) => MemoryKind::Locked,
-        }
-    }
-}
-
-// SAFETY: forwards to one of three allocators, chosen once per process, so every allocation
-// is given back to the allocator that made it.
-unsafe impl PinnedAllocator for DefaultPinned {
-    fn allocate(&self, layout: Layout) -> Result<Allocation> {
-        match backend() {
-            Backend::Registered(a) => a.allocate(layout),
-            Backend::HostAlloc(a) => a.allocate(layout),
-            Backend::Locked(a) => a.allocate(layout),
-        }
-    }
-
-    unsafe fn deallocate(&self, allocation: Allocation) {
-        // SAFETY: the same backend made it (fixed per process); the caller's guarantees hold.
-        unsafe {
-            match backend() {
-                Backend::Registered(a) => a.deallocate(allocation),
-                Backend::HostAlloc(a) => a.deallocate(allocation),
-                Backend::Locked(a) => a.deallocate(allocation),
-            }
-        }
-    }
-
-    fn numa_nodes(&self) -> usize {
-        // Answered without choosing the backend (which starts CUDA) where there is one node:
-        // a pool asks when it is made, perhaps before a fork.
-        if crate::os::online_numa_nodes() <= 1 {
-            return 1;
-        }
-        match backend() {
-            Backend::Registered(a) => a.numa_nodes(),
-            _ => 1,
-        }
-    }
-
-    fn numa_node(&self) -> usize {
-        match backend() {
-            Backend::Registered(a) => a.numa_node(),
-            _ => 0,
-        }
-    }
-}
 
 /// Checks what every kind needs of a layout: a size, and an alignment it can give.
 pub(crate) fn check_layout(layout: Layout) -> Result<()> {

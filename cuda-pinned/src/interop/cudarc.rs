@@ -17,10 +17,12 @@ use std::sync::Arc;
 use bytemuck::{AnyBitPattern, NoUninit};
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 
-use crate::error::{Error, Result};
-use crate::ffi;
-use crate::stream::{Owner, Stream};
-use crate::transfer::{HostBuffer, Transfer};
+use crate::copy::tracked::HostBuffer;
+use crate::copy::tracked::Transfer;
+use crate::error::Error;
+use crate::error::Result;
+use crate::gpu::stream::Owner;
+use crate::gpu::stream::Stream;
 
 impl Stream {
     /// Adopts a cudarc stream: copies can be queued on it, and buffers can record their use on
@@ -118,7 +120,7 @@ impl CudarcCopies for Arc<CudaStream> {
         D: DevicePtrMut<B::Elem>,
     {
         let stream = prepare(self, src.host_parts().1, dst.len(), dst.stream())?;
-        ffi::on_device(ordinal(self), || {
+        crate::context::on_device(ordinal(self), || {
             // Before cudarc's wait below, which a capture would take in.
             stream.refuse_capture()?;
             // cudarc makes the stream wait for earlier uses of `dst`, and records this write
@@ -138,7 +140,7 @@ impl CudarcCopies for Arc<CudaStream> {
         D: DevicePtr<B::Elem>,
     {
         let stream = prepare(self, dst.host_parts().1, src.len(), src.stream())?;
-        ffi::on_device(ordinal(self), || {
+        crate::context::on_device(ordinal(self), || {
             stream.refuse_capture()?;
             let (address, _read) = src.device_ptr(self);
             // SAFETY: as in `copy_to_device`, with the device range read; cudarc orders later

@@ -7,14 +7,20 @@ use std::sync::Arc;
 
 use bytemuck::{AnyBitPattern, NoUninit};
 
-use crate::alloc::{PendingUses, PinnedAllocator};
-use crate::boxed::PinnedBox;
-use crate::device_buffer::{DeviceRange, DeviceSlice, DeviceSliceMut};
-use crate::error::{Error, Result};
-use crate::ffi::{self, Direction};
-use crate::registration::RegisteredVec;
-use crate::stream::{Event, Stream};
-use crate::vec::PinnedVec;
+use crate::containers::boxed::PinnedBox;
+use crate::error::Error;
+use crate::error::Result;
+use crate::gpu::views::DeviceRange;
+use crate::gpu::views::DeviceSlice;
+use crate::gpu::views::DeviceSliceMut;
+use crate::memory::allocator::PendingUses;
+use crate::memory::allocator::PinnedAllocator;
+use crate::raw::copy::Direction;
+
+use crate::containers::vec::PinnedVec;
+use crate::gpu::event::Event;
+use crate::gpu::stream::Stream;
+use crate::memory::registration::RegisteredVec;
 
 /// A host buffer that async copies can take by value: [`PinnedVec`], [`PinnedBox`],
 /// [`RegisteredVec`], and allocator-api2's `Vec` over this crate's allocators (or a pool).
@@ -317,7 +323,7 @@ impl Stream {
         // the buffer must be leaked (the copy was queued and nothing can tell when it ends).
         let mut ended = None;
         let mut leak = false;
-        let queued = self.enqueue(|stream| {
+        let queued = crate::gpu::fence::enqueue(self, |stream| {
             if let Some(range) = tracked {
                 range.pending.order_before(stream)?;
             }
@@ -325,7 +331,7 @@ impl Stream {
                 // SAFETY: the host side is `bytes` long and owned by `host`, which the
                 // returned `Transfer` keeps (or leaks) until the copy has finished; the
                 // device side is valid per this function's contract.
-                unsafe { ffi::memcpy_async(dst, src, bytes, direction, stream.as_raw()) }
+                unsafe { crate::copy::split::queue(dst, src, bytes, direction, stream.as_raw()) }
             } else {
                 Ok(())
             };

@@ -5,8 +5,7 @@ use std::path::Path;
 
 use cuda_pinned_sys::{self as sys, cudaDeviceAttr};
 
-use crate::error::Result;
-use crate::ffi;
+use crate::error::{Error, Result};
 
 /// A CUDA version such as 13.0, as the runtime reports it (`1000 * major + 10 * minor`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -53,7 +52,7 @@ pub fn runtime_path() -> Result<&'static Path> {
 ///
 /// [`Error::Unavailable`](crate::Error::Unavailable) without a runtime.
 pub fn runtime_version() -> Result<Version> {
-    ffi::runtime_version().map(Version::from_raw)
+    crate::raw::device::runtime_version().map(Version::from_raw)
 }
 
 /// The newest CUDA version the installed driver supports; `0.0` when no driver is installed.
@@ -62,7 +61,7 @@ pub fn runtime_version() -> Result<Version> {
 ///
 /// [`Error::Unavailable`](crate::Error::Unavailable) without a runtime.
 pub fn driver_version() -> Result<Version> {
-    ffi::driver_version().map(Version::from_raw)
+    crate::raw::device::driver_version().map(Version::from_raw)
 }
 
 /// The number of CUDA devices; 0 when the runtime loads but finds none.
@@ -72,7 +71,7 @@ pub fn driver_version() -> Result<Version> {
 /// [`Error::Unavailable`](crate::Error::Unavailable) without a runtime;
 /// [`Error::Cuda`](crate::Error::Cuda) when the driver is missing or too old.
 pub fn device_count() -> Result<usize> {
-    ffi::device_count().map(|n| n.max(0) as usize)
+    crate::raw::device::device_count().map(|n| n.max(0) as usize)
 }
 
 /// One CUDA device, by ordinal.
@@ -91,7 +90,7 @@ impl Device {
     pub fn new(ordinal: usize) -> Result<Self> {
         let ordinal = i32::try_from(ordinal).unwrap_or(i32::MAX);
         // Asking for an attribute validates the ordinal through the runtime itself.
-        ffi::device_attribute(cudaDeviceAttr::cudaDevAttrPciBusId, ordinal)?;
+        crate::raw::device::device_attribute(cudaDeviceAttr::cudaDevAttrPciBusId, ordinal)?;
         Ok(Self { ordinal })
     }
 
@@ -112,7 +111,7 @@ impl Device {
     ///
     /// [`Error::Unavailable`](crate::Error::Unavailable) or a CUDA error.
     pub fn current() -> Result<Self> {
-        ffi::current_device().map(|ordinal| Self { ordinal })
+        crate::raw::device::current_device().map(|ordinal| Self { ordinal })
     }
 
     /// Makes this the calling thread's current device.
@@ -121,7 +120,7 @@ impl Device {
     ///
     /// A CUDA error from `cudaSetDevice`.
     pub fn set_current(self) -> Result<()> {
-        ffi::set_device(self.ordinal)
+        crate::raw::device::set_device(self.ordinal)
     }
 
     /// The device's ordinal.
@@ -145,7 +144,7 @@ impl Device {
     ///
     /// A CUDA error from `cudaGetDeviceProperties`.
     pub fn name(self) -> Result<String> {
-        ffi::device_name(self.ordinal)
+        crate::raw::device::device_name(self.ordinal)
     }
 
     /// The PCI address, `domain:bus:device.function` (`"0000:01:00.0"`).
@@ -154,7 +153,7 @@ impl Device {
     ///
     /// A CUDA error from `cudaDeviceGetPCIBusId`.
     pub fn pci_bus_id(self) -> Result<String> {
-        ffi::pci_bus_id(self.ordinal)
+        crate::raw::device::pci_bus_id(self.ordinal)
     }
 
     /// Whether `cudaHostRegister` works with this device (the fast pinning path).
@@ -177,12 +176,12 @@ impl Device {
     pub fn supports_virtual_host_memory(self) -> Result<bool> {
         // The runtime's enum lacks this attribute; the driver's value is the same number.
         let attribute = cuda_pinned_sys::driver::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
-        match ffi::device_attribute(cudaDeviceAttr(attribute.0), self.ordinal) {
+        match crate::raw::device::device_attribute(cudaDeviceAttr(attribute.0), self.ordinal) {
             Ok(value) => Ok(value != 0),
             Err(crate::Error::Cuda(e))
                 if e.raw() == cuda_pinned_sys::cudaError::cudaErrorInvalidValue =>
             {
-                Ok(ffi::host_granularity(0).is_ok())
+                Ok(crate::raw::vmm::host_granularity(0).is_ok())
             }
             Err(e) => Err(e),
         }
@@ -200,7 +199,7 @@ impl Device {
     /// The host NUMA node nearest the device as CUDA reports it; `None` where the driver does
     /// not say (older drivers, or machines with one node).
     pub fn host_numa_node(self) -> Option<u32> {
-        ffi::device_attribute(cudaDeviceAttr::cudaDevAttrHostNumaId, self.ordinal)
+        crate::raw::device::device_attribute(cudaDeviceAttr::cudaDevAttrHostNumaId, self.ordinal)
             .ok()
             .and_then(|node| u32::try_from(node).ok())
     }
@@ -236,8 +235,20 @@ impl Device {
     }
 
     fn flag(self, attribute: cudaDeviceAttr) -> Result<bool> {
-        ffi::device_attribute(attribute, self.ordinal).map(|v| v != 0)
+        crate::raw::device::device_attribute(attribute, self.ordinal).map(|v| v != 0)
     }
+}
+
+/// [`Error::DeviceMismatch`] unless `found` is `expected`.
+pub(crate) fn check_same_device(what: &'static str, expected: i32, found: i32) -> Result<()> {
+    if expected == found {
+        return Ok(());
+    }
+    Err(Error::DeviceMismatch {
+        what,
+        expected: expected as usize,
+        found: found as usize,
+    })
 }
 
 #[cfg(test)]

@@ -9,10 +9,15 @@ use std::ptr::{self, NonNull};
 
 use bytemuck::{AnyBitPattern, NoUninit, Zeroable};
 
-use crate::alloc::{Allocation, DefaultPinned, MemoryKind, PinnedAllocator, StreamUses};
-use crate::block::Block;
-use crate::error::{Error, Result};
-use crate::stream::Stream;
+use crate::containers::block::Block;
+use crate::containers::block::StreamUses;
+use crate::error::Error;
+use crate::error::Result;
+use crate::gpu::stream::Stream;
+use crate::memory::allocator::Allocation;
+use crate::memory::allocator::MemoryKind;
+use crate::memory::allocator::PinnedAllocator;
+use crate::memory::default::DefaultPinned;
 
 /// A contiguous growable array in page-locked memory: `Vec<T>` whose buffer a GPU can copy
 /// from and to at full speed, asynchronously.

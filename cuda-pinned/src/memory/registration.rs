@@ -4,11 +4,11 @@ use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 
-use crate::alloc::{MemoryKind, StreamUses};
+use crate::containers::block::StreamUses;
 use crate::error::Result;
-use crate::ffi;
-use crate::registered::RegisterFlags;
-use crate::stream::Stream;
+use crate::gpu::stream::Stream;
+use crate::memory::allocator::MemoryKind;
+use crate::memory::flags::RegisterFlags;
 
 /// Registers `bytes` at `ptr`; `None` for an empty range (nothing to register).
 fn register(ptr: *mut u8, bytes: usize, flags: RegisterFlags) -> Result<Option<NonNull<u8>>> {
@@ -20,7 +20,9 @@ fn register(ptr: *mut u8, bytes: usize, flags: RegisterFlags) -> Result<Option<N
     // `Registration` forgotten with `mem::forget`, never: the driver then keeps the pages
     // locked and its mapping of them to itself, so its copies reach those old pages, never
     // memory the process reuses at that address.
-    unsafe { ffi::host_register(ptr, bytes, flags.bits())? };
+    crate::context::on_current_device(|| unsafe {
+        crate::raw::memory::host_register(ptr, bytes, flags.bits())
+    })?;
     Ok(Some(ptr))
 }
 
@@ -75,7 +77,9 @@ impl<T> Drop for Registration<'_, T> {
         if let Some(ptr) = self.registered {
             // SAFETY: registered in `with_flags`; only blocking copies used it, and they
             // finished before returning.
-            let _ = unsafe { ffi::host_unregister(ptr) };
+            let _ = crate::context::on_current_device(|| unsafe {
+                crate::raw::memory::host_unregister(ptr)
+            });
         }
     }
 }
@@ -168,7 +172,9 @@ impl<T> RegisteredVec<T> {
         uses.finish()?.wait()?;
         if let Some(ptr) = this.registered {
             // SAFETY: registered by us; every device use has finished.
-            unsafe { ffi::host_unregister(ptr)? };
+            crate::context::on_current_device(|| unsafe {
+                crate::raw::memory::host_unregister(ptr)
+            })?;
         }
         // SAFETY: `this` is never dropped; the Vec is moved out once.
         Ok(unsafe { std::ptr::read(&this.vec) })
@@ -181,7 +187,10 @@ impl<T> Drop for RegisteredVec<T> {
         let finished = uses.finish().is_ok_and(|pending| pending.wait().is_ok());
         let unregistered = match self.registered {
             // SAFETY: registered by us; every device use has finished.
-            Some(ptr) if finished => unsafe { ffi::host_unregister(ptr) }.is_ok(),
+            Some(ptr) if finished => crate::context::on_current_device(|| unsafe {
+                crate::raw::memory::host_unregister(ptr)
+            })
+            .is_ok(),
             Some(_) => false,
             None => true,
         };

@@ -3,51 +3,20 @@
 
 use std::alloc::Layout;
 use std::fmt;
-use std::ops::BitOr;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use cuda_pinned_sys as sys;
-
-use crate::alloc::{Allocation, MemoryKind, PinnedAllocator, check_layout};
-use crate::error::{Error, Result};
-use crate::{Device, chunked, ffi, os};
-
-/// Flags of `cudaHostRegister`. The default is [`PORTABLE`](Self::PORTABLE).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct RegisterFlags(u32);
-
-impl RegisterFlags {
-    /// Pinned for every CUDA context (the default).
-    pub const PORTABLE: Self = Self(sys::cudaHostRegisterPortable);
-    /// Also mapped into the device address space.
-    pub const MAPPED: Self = Self(sys::cudaHostRegisterMapped);
-    /// The device only reads the memory (needed for read-only host mappings).
-    pub const READ_ONLY: Self = Self(sys::cudaHostRegisterReadOnly);
-    /// No flag.
-    pub const NONE: Self = Self(sys::cudaHostRegisterDefault);
-
-    /// The raw flag word.
-    pub fn bits(self) -> u32 {
-        self.0
-    }
-}
-
-impl Default for RegisterFlags {
-    fn default() -> Self {
-        Self::PORTABLE
-    }
-}
-
-impl BitOr for RegisterFlags {
-    type Output = Self;
-    fn bitor(self, other: Self) -> Self {
-        Self(self.0 | other.0)
-    }
-}
-
+use crate::error::Error;
+use crate::error::Result;
+use crate::gpu::device::Device;
+use crate::memory::allocator::Allocation;
+use crate::memory::allocator::MemoryKind;
+use crate::memory::allocator::PinnedAllocator;
+use crate::memory::allocator::check_layout;
+use crate::memory::flags::RegisterFlags;
+use crate::os;
 /// How long the driver's lock is left free between the registrations of two chunks (see
 /// `register_chunked`). About 60 µs was long enough, on an H100 host, for a thread woken from
 /// waiting on the lock to take it.
@@ -221,14 +190,20 @@ impl Registered {
         let register = |offset: usize, len: usize| {
             // SAFETY: the chunk lies in the mapping, which stays until `deallocate` (or the
             // cleanup below) unregisters it.
-            unsafe { ffi::host_register(ptr.add(offset), len, self.flags.bits()) }
+            crate::context::on_current_device(|| unsafe {
+                crate::raw::memory::host_register(ptr.add(offset), len, self.flags.bits())
+            })
         };
         // SAFETY: forwarded from the caller.
         let registered = unsafe { fault_and_register(ptr, bytes, chunk, helpers, register) };
         registered.map_err(|(error, registered)| {
             let clean = (0..registered).fold(true, |clean, k| {
                 // SAFETY: registered above, never handed out.
-                clean & unsafe { ffi::host_unregister(ptr.add(k * chunk)) }.is_ok()
+                clean
+                    & crate::context::on_current_device(|| unsafe {
+                        crate::raw::memory::host_unregister(ptr.add(k * chunk))
+                    })
+                    .is_ok()
             });
             (error, clean)
         })
@@ -362,7 +337,7 @@ unsafe impl PinnedAllocator for Registered {
             .ok_or(Error::CapacityOverflow)?;
         // CUDA is asked for first: without it, mapping and faulting the memory would cost
         // seconds and gigabytes before the registration could fail.
-        ffi::current_device()?;
+        crate::raw::device::current_device()?;
         let ptr = os::map(bytes, huge)?;
         if let Some(node) = self.target_node() {
             // SAFETY: our fresh mapping, not touched yet.
@@ -379,14 +354,16 @@ unsafe impl PinnedAllocator for Registered {
                 // SAFETY: a fresh mapping of `bytes` bytes, not yet shared; `chunk` is rounded
                 // to 2 MiB by `register_in_chunks`.
                 unsafe { self.register_chunked(ptr, bytes, chunk) }
-                    .map(|()| chunked::insert(ptr.as_ptr() as usize, bytes, chunk))
+                    .map(|()| crate::memory::chunks::insert(ptr.as_ptr() as usize, bytes, chunk))
             }
             _ => {
                 // SAFETY: a fresh mapping of `bytes` bytes, not yet shared.
                 unsafe { os::prefault(ptr, bytes, self.prefault_threads) };
                 // SAFETY: the mapping stays until `deallocate` unregisters it first.
-                unsafe { ffi::host_register(ptr, bytes, self.flags.bits()) }
-                    .map_err(|error| (error, true))
+                crate::context::on_current_device(|| unsafe {
+                    crate::raw::memory::host_register(ptr, bytes, self.flags.bits())
+                })
+                .map_err(|error| (error, true))
             }
         };
         if let Err((error, clean)) = registered {
@@ -419,14 +396,20 @@ unsafe impl PinnedAllocator for Registered {
 
     unsafe fn deallocate(&self, allocation: Allocation) {
         let ptr = allocation.ptr();
-        let unregistered = match chunked::remove(ptr.as_ptr() as usize) {
+        let unregistered = match crate::memory::chunks::remove(ptr.as_ptr() as usize) {
             Some((bytes, chunk)) => (0..bytes).step_by(chunk).fold(true, |ok, offset| {
                 // SAFETY: chunk by chunk as registered by `allocate`; no device work uses the
                 // block, per the caller.
-                ok & unsafe { ffi::host_unregister(ptr.add(offset)) }.is_ok()
+                ok & crate::context::on_current_device(|| unsafe {
+                    crate::raw::memory::host_unregister(ptr.add(offset))
+                })
+                .is_ok()
             }),
             // SAFETY: registered in one piece by `allocate`; unused, per the caller.
-            None => unsafe { ffi::host_unregister(ptr) }.is_ok(),
+            None => crate::context::on_current_device(|| unsafe {
+                crate::raw::memory::host_unregister(ptr)
+            })
+            .is_ok(),
         };
         if unregistered {
             // SAFETY: our mapping of exactly `bytes` bytes, now unregistered and unused.

@@ -10,11 +10,14 @@ use std::ptr::NonNull;
 
 use allocator_api2::alloc::{AllocError, Allocator};
 
-use crate::alloc::{Allocation, DefaultPinned, MemoryKind, PinnedAllocator};
-use crate::host_alloc::CudaHost;
-use crate::locked::HostLocked;
-use crate::registered::Registered;
-use crate::virtual_host::VirtualHost;
+use crate::memory::allocator::Allocation;
+use crate::memory::allocator::MemoryKind;
+use crate::memory::allocator::PinnedAllocator;
+use crate::memory::cuda_host::CudaHost;
+use crate::memory::default::DefaultPinned;
+use crate::memory::host_locked::HostLocked;
+use crate::memory::registered::Registered;
+use crate::memory::virtual_host::VirtualHost;
 
 /// A zero-sized request gets a dangling, aligned pointer, as allocator-api2 allows.
 fn dangling(layout: Layout) -> NonNull<[u8]> {

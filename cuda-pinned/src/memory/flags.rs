@@ -1,14 +1,9 @@
-//! Kind 1: `cudaHostAlloc`, with typed flags.
+//! The flag words of `cudaHostAlloc` and `cudaHostRegister`.
 
-use std::alloc::Layout;
 use std::fmt;
 use std::ops::BitOr;
 
 use cuda_pinned_sys as sys;
-
-use crate::alloc::{Allocation, MemoryKind, PinnedAllocator, check_layout};
-use crate::error::Result;
-use crate::ffi;
 
 /// Flags of `cudaHostAlloc`. The default is [`PORTABLE`](Self::PORTABLE).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -114,69 +109,35 @@ impl fmt::Debug for HostAllocFlags {
     }
 }
 
-/// Page-locked memory from `cudaHostAlloc`. Needs CUDA: without it allocation fails with
-/// [`Error::Unavailable`](crate::Error::Unavailable).
-///
-/// Simple and universally supported, but slow to get (about 1 ms even for 4 KiB, 0.4–0.7 s
-/// per GiB on an H100 host) and it holds a driver lock meanwhile; [`Registered`](crate::Registered)
-/// is the fast path.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct CudaHost {
-    flags: HostAllocFlags,
-}
+/// Flags of `cudaHostRegister`. The default is [`PORTABLE`](Self::PORTABLE).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RegisterFlags(u32);
 
-impl CudaHost {
-    /// Portable pinned memory.
-    pub fn new() -> Self {
-        Self::default()
-    }
+impl RegisterFlags {
+    /// Pinned for every CUDA context (the default).
+    pub const PORTABLE: Self = Self(sys::cudaHostRegisterPortable);
+    /// Also mapped into the device address space.
+    pub const MAPPED: Self = Self(sys::cudaHostRegisterMapped);
+    /// The device only reads the memory (needed for read-only host mappings).
+    pub const READ_ONLY: Self = Self(sys::cudaHostRegisterReadOnly);
+    /// No flag.
+    pub const NONE: Self = Self(sys::cudaHostRegisterDefault);
 
-    /// With these flags.
-    pub fn with_flags(flags: HostAllocFlags) -> Self {
-        Self { flags }
-    }
-
-    /// The flags used.
-    pub fn flags(&self) -> HostAllocFlags {
-        self.flags
+    /// The raw flag word.
+    pub fn bits(self) -> u32 {
+        self.0
     }
 }
 
-// SAFETY: cudaHostAlloc returns page-aligned memory of at least the requested size (alignment
-// above a page is refused by `check_layout`), page-locked until cudaFreeHost.
-unsafe impl PinnedAllocator for CudaHost {
-    fn allocate(&self, layout: Layout) -> Result<Allocation> {
-        check_layout(layout)?;
-        let ptr = ffi::host_alloc(layout.size(), self.flags.bits())?;
-        Ok(Allocation::new(
-            ptr,
-            layout.size(),
-            MemoryKind::HostAlloc(self.flags),
-            0,
-        ))
-    }
-
-    unsafe fn deallocate(&self, allocation: Allocation) {
-        // SAFETY: the allocation came from cudaHostAlloc and is unused, per the caller.
-        let _ = unsafe { ffi::free_host(allocation.ptr()) };
+impl Default for RegisterFlags {
+    fn default() -> Self {
+        Self::PORTABLE
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn flags_combine_and_a_kind_is_one_byte() {
-        let flags = HostAllocFlags::PORTABLE | HostAllocFlags::MAPPED;
-        assert_eq!(
-            flags.bits(),
-            sys::cudaHostAllocPortable | sys::cudaHostAllocMapped
-        );
-        assert!(flags.contains(HostAllocFlags::MAPPED));
-        assert!(!flags.contains(HostAllocFlags::WRITE_COMBINED));
-        assert_eq!(flags.to_string(), "portable|mapped");
-        assert_eq!(HostAllocFlags::NONE.bits(), 0);
-        assert_eq!(std::mem::size_of::<MemoryKind>(), 1);
+impl BitOr for RegisterFlags {
+    type Output = Self;
+    fn bitor(self, other: Self) -> Self {
+        Self(self.0 | other.0)
     }
 }

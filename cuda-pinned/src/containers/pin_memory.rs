@@ -1,8 +1,9 @@
 //! `PinMemory`: pinning a host value, PyTorch's `pin_memory()` for your own batch types.
 
-use crate::alloc::{DefaultPinned, PinnedAllocator};
+use crate::containers::vec::PinnedVec;
 use crate::error::Result;
-use crate::vec::PinnedVec;
+use crate::memory::allocator::PinnedAllocator;
+use crate::memory::default::DefaultPinned;
 
 /// A host value that can be copied into page-locked memory, like a PyTorch batch's
 /// `pin_memory()`. Implemented for slices, `Vec`, arrays, `Option` and tuples of up to four,

@@ -1,0 +1,83 @@
+//! The ring's chunks and the upload slots beside it.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use super::dma::Dma;
+use super::lock;
+use crate::error::{Error, Result};
+
+/// One chunk of the ring (its offset in the ring's memory) and the event after its last DMA.
+pub(super) struct Slot<D: Dma> {
+    pub(super) offset: usize,
+    pub(super) event: D::Event,
+    /// The event is known to have completed (the last piece waited for it): the next piece
+    /// skips the wait.
+    pub(super) settled: bool,
+}
+
+/// A slot for small uploads (its offset in the ring's memory) and the event that ended its
+/// last upload, shared with whoever tracks that upload.
+pub(super) struct UploadSlot<D: Dma> {
+    pub(super) offset: usize,
+    pub(super) ended: Option<Arc<D::Event>>,
+}
+
+/// The upload slots not in use, the least recently used first; a slot whose copy could not be
+/// accounted for is lost (and the ring's memory then leaked, not freed).
+pub(super) struct UploadSlots<D: Dma> {
+    pub(super) free: VecDeque<UploadSlot<D>>,
+    pub(super) lost: bool,
+}
+
+/// An upload slot out of the free list: given back with the event that frees it, or else
+/// lost when dropped (an error or a panic left its copy unaccounted for).
+pub(super) struct TakenUploadSlot<'a, D: Dma> {
+    pub(super) slots: &'a Mutex<UploadSlots<D>>,
+    pub(super) slot: Option<UploadSlot<D>>,
+}
+
+impl<D: Dma> TakenUploadSlot<'_, D> {
+    pub(super) fn give_back(mut self, ended: Option<Arc<D::Event>>) {
+        if let Some(mut slot) = self.slot.take() {
+            slot.ended = ended;
+            lock(self.slots).free.push_back(slot);
+        }
+    }
+}
+
+impl<D: Dma> Drop for TakenUploadSlot<'_, D> {
+    fn drop(&mut self) {
+        if self.slot.take().is_some() {
+            lock(self.slots).lost = true;
+        }
+    }
+}
+
+/// The free chunks, and how many exist: a chunk whose DMA could not be accounted for after a
+/// device error is never reused (and the ring's memory is then leaked, not freed).
+pub(super) struct Ring<D: Dma> {
+    pub(super) free: VecDeque<Slot<D>>,
+    pub(super) live: usize,
+    pub(super) lost: bool,
+}
+
+/// Host memory shared with the copy threads.
+pub(super) struct Address(pub(super) *mut u8);
+
+// SAFETY: an address alone; who may read or write through it is argued at each use (the
+// ring's chunks are handed out one thread at a time, a job's host range in disjoint pieces).
+unsafe impl Send for Address {}
+
+// SAFETY: as above.
+unsafe impl Sync for Address {}
+
+/// An empty list with room for `len` entries, or [`Error::OutOfMemory`].
+pub(super) fn list_with_room<T>(len: usize) -> Result<VecDeque<T>> {
+    let mut list = VecDeque::new();
+    list.try_reserve_exact(len)
+        .map_err(|_| Error::OutOfMemory {
+            requested: len.saturating_mul(size_of::<T>()),
+        })?;
+    Ok(list)
+}
