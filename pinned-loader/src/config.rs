@@ -198,7 +198,7 @@ impl LoaderConfig {
         // dataset too large for that is refused now, not by an abort at the first epoch.
         let indices = len.saturating_add(sampler.per_rank());
         let bytes = indices.saturating_mul(size_of::<usize>()) as u64;
-        let memory = crate::loader::physical_memory();
+        let memory = physical_memory();
         if memory > 0 && bytes > memory {
             return Err(LoaderError::Config(format!(
                 "{len} samples: an epoch's order of them would take {bytes} bytes, more than \
@@ -207,4 +207,16 @@ impl LoaderConfig {
         }
         Ok(sampler)
     }
+}
+
+/// The machine's memory in bytes.
+pub(crate) fn physical_memory() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    (pages.max(0) as u64).saturating_mul(page.max(0) as u64)
 }

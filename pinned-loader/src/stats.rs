@@ -3,8 +3,6 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use crate::loader::nanos;
-
 /// A loader's counters, updated as it goes.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
@@ -90,4 +88,9 @@ impl LoaderStats {
             self.timed_bytes as f64 / seconds
         }
     }
+}
+
+/// Nanoseconds as a `Duration`.
+pub(crate) fn nanos(counter: &AtomicU64) -> Duration {
+    Duration::from_nanos(counter.load(Ordering::Relaxed))
 }

@@ -133,13 +133,13 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
-mod api2;
+mod allocator_api2;
 mod barrier;
 mod completion;
 mod config;
 mod local;
+mod pinner;
 mod pool;
-mod reserve;
 mod size_class;
 mod stats;
 mod sync;

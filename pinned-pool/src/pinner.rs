@@ -12,76 +12,8 @@ use std::thread::JoinHandle;
 use cuda_pinned::{Allocation, Error, PinnedAllocator};
 use parking_lot::{Condvar, Mutex};
 
-use crate::pool::{BlockMap, Central};
-use crate::size_class::{PAGE, SLOT_STRIDE, class_size, slots};
-
-/// A block pinned ahead: as the pool hands it out (the class size, tagged with its slot),
-/// with the bytes the backend pinned. The backend's own description is in the block map.
-pub(crate) type Ready = (Allocation, usize);
-
-/// What the reserve thread and the pool share: part of the pool's [`Central`], under its lock.
-pub(crate) struct Ahead {
-    /// Blocks to keep ready, by slot.
-    target: Vec<usize>,
-    /// Blocks ready, by slot.
-    ready: Vec<Vec<Ready>>,
-    /// Their bytes.
-    ready_bytes: usize,
-    /// Bytes of the block being pinned, if any.
-    pinning_bytes: usize,
-    /// The first error met since it was last taken, and how many in all.
-    error: Option<Error>,
-    failures: u64,
-    /// Slots given up on after an error, until the next `reserve` or take.
-    stalled: Vec<bool>,
-    stop: bool,
-    /// The thread waits for a wake-up (else it looks at the targets again by itself).
-    sleeping: bool,
-}
-
-impl Ahead {
-    pub(crate) fn new(nodes: usize) -> Self {
-        let slots = slots(nodes);
-        Self {
-            target: vec![0; slots],
-            ready: (0..slots).map(|_| Vec::new()).collect(),
-            ready_bytes: 0,
-            pinning_bytes: 0,
-            error: None,
-            failures: 0,
-            stalled: vec![false; slots],
-            stop: false,
-            sleeping: false,
-        }
-    }
-
-    /// Bytes of the blocks ready.
-    pub(crate) fn ready_bytes(&self) -> usize {
-        self.ready_bytes
-    }
-
-    /// Those, and a block being pinned: what the reserve holds of the pinned-bytes count.
-    pub(crate) fn held_bytes(&self) -> usize {
-        self.ready_bytes + self.pinning_bytes
-    }
-
-    /// Errors met in all.
-    pub(crate) fn failures(&self) -> u64 {
-        self.failures
-    }
-
-    /// The first error met since the last call.
-    pub(crate) fn take_error(&mut self) -> Option<Error> {
-        self.error.take()
-    }
-
-    /// The first slot short of its target, not given up on.
-    fn short(&self) -> Option<usize> {
-        (0..self.target.len())
-            .find(|&slot| !self.stalled[slot] && self.ready[slot].len() < self.target[slot])
-    }
-}
-
+use crate::pool::central::{Ahead, BlockMap, Central, Ready};
+use crate::size_class::{PAGE, SLOT_STRIDE, class_size};
 /// The reserve thread, stopped and joined when dropped; what it held is handed back through
 /// [`Reserve::drain`] first. Its ready blocks are in the pool's block map: whoever takes one
 /// from the lists (an allocation, or the pool releasing it) owns that entry.
