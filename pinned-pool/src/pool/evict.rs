@@ -61,7 +61,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     }
 
     /// Releases blocks idle for longer than the configured
-    /// [`idle_release`](PoolConfig::idle_release); nothing without one.
+    /// [`idle_release`](crate::PoolConfig::idle_release); nothing without one.
     pub fn release_idle(&self) {
         let Some(after) = self.config.idle_release else {
             return;

@@ -23,11 +23,11 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// thread calls later. Blocks pinned ahead count against `max_pinned_bytes`, are released
     /// with the pool, and not by [`empty_cache`](Self::empty_cache). They enter `allocations` and
     /// `allocated_bytes` when an allocation takes them; until then they are
-    /// [`PoolStats::reserve_ready_bytes`].
+    /// [`PoolStats::reserve_ready_bytes`](crate::PoolStats::reserve_ready_bytes).
     ///
     /// Errors the thread meets (the backend's, or the pinned cap) stop it pinning that class
     /// until the next call or the next block taken; they are counted in
-    /// [`PoolStats::reserve_failures`] and the first is kept for
+    /// [`PoolStats::reserve_failures`](crate::PoolStats::reserve_failures) and the first is kept for
     /// [`take_reserve_error`](Self::take_reserve_error).
     ///
     /// ```
@@ -45,7 +45,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// [`Error::Unsupported`] for blocks of 0 bytes; [`Error::CapacityOverflow`] above the
     /// largest class, or for more blocks than memory can be counted in;
     /// [`Error::LimitExceeded`] when the blocks together pass
-    /// [`PoolConfig::max_pinned_bytes`], or the machine's memory where no cap is set;
+    /// [`PoolConfig::max_pinned_bytes`](crate::PoolConfig::max_pinned_bytes), or the machine's memory where no cap is set;
     /// [`Error::Os`] when the thread cannot be started.
     pub fn reserve(&self, block_bytes: usize, blocks: usize) -> Result<()>
     where
@@ -108,7 +108,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         unsafe { self.backend.deallocate(block) };
     }
 
-    /// Starts what the configuration asks to keep pinned ahead ([`PoolConfig::reserve`]), as
+    /// Starts what the configuration asks to keep pinned ahead ([`PoolConfig::reserve`](crate::PoolConfig::reserve)), as
     /// [`reserve`](Self::reserve) would for each size. A failure to start (a size above the
     /// largest class, no thread to be had) is kept for
     /// [`take_reserve_error`](Self::take_reserve_error).
