@@ -227,7 +227,6 @@ mod memory;
 mod os;
 mod raw;
 mod staging;
-#[cfg(test)]
 mod test_hooks;
 
 pub use containers::boxed::PinnedBox;

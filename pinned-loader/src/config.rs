@@ -194,10 +194,14 @@ impl LoaderConfig {
             drop_last: self.drop_last,
             shard: self.shard,
         };
-        // An epoch's order holds every index, and a rank's share another list of them: a
-        // dataset too large for that is refused now, not by an abort at the first epoch.
-        let indices = len.saturating_add(sampler.per_rank());
-        let bytes = indices.saturating_mul(size_of::<usize>()) as u64;
+        // An epoch's order holds every index, a rank's share another list of them, and its
+        // batches a range each: a dataset too large for that is refused now, not by an abort
+        // at the first epoch.
+        let per_rank = sampler.per_rank();
+        let indices = len.saturating_add(per_rank);
+        let batches = per_rank.div_ceil(self.batch_size);
+        let bytes = (indices.saturating_mul(size_of::<usize>()) as u64)
+            .saturating_add(batches.saturating_mul(size_of::<std::ops::Range<usize>>()) as u64);
         let memory = physical_memory();
         if memory > 0 && bytes > memory {
             return Err(LoaderError::Config(format!(

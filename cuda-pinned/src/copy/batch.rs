@@ -25,8 +25,8 @@ impl Stream {
     ///
     /// # Errors
     ///
-    /// [`Error::Capturing`](crate::Error::Capturing) on a stream capturing a graph (nothing is queued), or the CUDA
-    /// error; copies queued before it stay queued.
+    /// [`Error::Capturing`](crate::Error::Capturing) on a stream capturing a graph (nothing
+    /// is queued), or the CUDA error; copies queued before it stay queued.
     ///
     /// # Safety
     ///
@@ -38,9 +38,9 @@ impl Stream {
         if copies.is_empty() {
             return Ok(());
         }
-        crate::context::on_device(self.device().raw(), || {
-            // A graph would copy at each launch, after the memory may be gone.
-            self.refuse_capture()?;
+        // A graph would copy at each launch, after the memory may be gone: refused, and fenced
+        // against a capture that other code begins on an adopted stream meanwhile.
+        crate::gpu::fence::enqueue(self, |stream| {
             if copies.len() > 1 && crate::raw::copy::has_memcpy_batch() {
                 let dsts: Vec<_> = copies.iter().map(|c| c.dst as *mut c_void).collect();
                 let srcs: Vec<_> = copies.iter().map(|c| c.src as *const c_void).collect();
@@ -48,7 +48,7 @@ impl Stream {
                 // SAFETY: one length for the three lists, the batch call exists with this
                 // signature (checked), and the caller vouches for every range.
                 return unsafe {
-                    crate::copy::split::queue_batch(&dsts, &srcs, &sizes, self.as_raw())
+                    crate::copy::split::queue_batch(&dsts, &srcs, &sizes, stream.as_raw())
                 };
             }
             for copy in &copies {
@@ -59,7 +59,7 @@ impl Stream {
                         copy.dst as *mut c_void,
                         copy.src as *const c_void,
                         copy.bytes,
-                        self.as_raw(),
+                        stream.as_raw(),
                     )?
                 };
             }

@@ -8,19 +8,21 @@
 //! that began and ended inside it.
 //!
 //! So this crate queues such work on a companion stream of its own, forked from the adopted
-//! stream by an event and joined back by another:
+//! stream by an event and joined back by another, and decides whether a capture took the
+//! fork before it queues anything:
 //!
-//! 1. an event is recorded on the adopted stream, and the companion waits for it;
-//! 2. the work goes on the companion;
-//! 3. the companion's capture status is read. A companion joins a capture only by waiting for
-//!    an event recorded inside one (step 1 is the way), and CUDA ends that capture with a
-//!    graph only once every stream that joined it is joined back (otherwise it fails with
-//!    `CUDA_ERROR_STREAM_CAPTURE_UNJOINED`): a companion seen capturing is never joined back,
-//!    the call fails with [`Error::Capturing`], and the capture fails too. A companion seen
-//!    not capturing ran the work, or had it taken by a capture that already failed, in which
-//!    case every event recorded in it reports an error when waited for, and the memory those
-//!    events release is leaked instead;
-//! 4. an event is recorded on the companion, and the adopted stream waits for it.
+//! 1. an event (the fork) is recorded on the adopted stream, and the companion waits for it;
+//! 2. the companion's capture status and the fork's state are read. A fork recorded inside a
+//!    capture joins the companion to it if the capture is still going (the companion then
+//!    reads as capturing), and otherwise reports an error when queried (an event last
+//!    recorded inside a capture does, once it ended). Either way nothing is queued: the
+//!    companion is kept out of use for good and the call fails with [`Error::Capturing`].
+//!    A fork recorded outside a capture keeps the companion out of every capture, so what
+//!    follows runs now, ordered after the adopted stream's earlier work;
+//! 3. the work goes on the companion, whose capture status is read again;
+//! 4. an event (the join) is recorded on the companion, and the adopted stream waits for it
+//!    as an external wait: should a capture have begun there meanwhile, its graph waits for
+//!    the join at each launch instead of breaking.
 //!
 //! Streams this crate created need none of this: no safe code reaches their handles to
 //! capture them.
@@ -31,6 +33,7 @@ use crate::error::Error;
 use crate::error::Result;
 use crate::gpu::event::Event;
 use crate::gpu::stream::Stream;
+use crate::test_hooks::{Point, reached as hook};
 
 /// Companions kept per device: more are made while all are busy, and dropped when returned.
 const KEPT: usize = 16;
@@ -65,30 +68,40 @@ pub(crate) fn enqueue<R>(stream: &Stream, work: impl FnOnce(&Stream) -> Result<R
 fn run<R>(adopted: &Stream, work: impl FnOnce(&Stream) -> Result<R>) -> Result<R> {
     let device = adopted.device().raw();
     let companion = take(device)?;
-    #[cfg(test)]
-    crate::test_hooks::reached(crate::test_hooks::Point::BeforeFork);
+    hook(Point::BeforeFork);
     let forked = companion
         .fork
         .record_shared(adopted)
         .and_then(|()| companion.stream.wait_event(&companion.fork));
-    if let Err(error) = forked {
-        // The companion may have joined a capture through the fork: it is not lent again.
+    hook(Point::AfterFork);
+    // A fork that a capture took joined the companion to it (while the capture goes on) or
+    // reports an error (once it ended): nothing may be queued then.
+    let outside = forked
+        .and_then(|()| companion.stream.is_capturing())
+        .and_then(|capturing| {
+            if capturing {
+                return Err(Error::Capturing);
+            }
+            companion.fork.query().map_err(|_| Error::Capturing)
+        });
+    if let Err(error) = outside {
+        // It may be part of a capture: it is not lent again.
         return Err(retire(companion, error));
     }
+    hook(Point::BeforeWork);
     let result = work(&companion.stream);
-    #[cfg(test)]
-    crate::test_hooks::reached(crate::test_hooks::Point::AfterWork);
+    hook(Point::AfterWork);
     match companion.stream.is_capturing() {
         Ok(false) => {}
-        // Joined to a capture begun on the adopted stream: the work is in it, and that
-        // capture cannot end with a graph unless this companion is joined back. It is not.
+        // The work cannot have joined a capture (it waits only for events recorded outside
+        // one); should it have, the companion is never joined back, so no graph holds it.
         Ok(true) => return Err(retire(companion, Error::Capturing)),
         Err(error) => return Err(retire(companion, error)),
     }
     let joined = companion
         .join
         .record_shared(&companion.stream)
-        .and_then(|()| adopted.wait_event(&companion.join));
+        .and_then(|()| adopted.wait_event_external(&companion.join));
     give(device, companion);
     joined?;
     result
@@ -141,8 +154,8 @@ fn retire(companion: Companion, error: Error) -> Error {
 #[cfg(test)]
 mod tests {
     //! A capture begun by other code on an adopted stream inside a call, made to happen at
-    //! one point of the call every time (on the test's own thread: CUDA itself crashes when
-    //! one thread queues work on a stream while another begins or ends a capture on it).
+    //! chosen points of the call every time (on the test's own thread: CUDA itself crashes
+    //! when one thread queues work on a stream while another begins or ends a capture on it).
 
     #[cfg(feature = "cudarc")]
     mod capture {
@@ -154,32 +167,42 @@ mod tests {
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
         use cudarc::driver::{CudaContext, CudaGraph, CudaStream, DriverError};
 
-        use crate::containers::vec::PinnedVec;
-        use crate::error::Error;
-        use crate::gpu::buffer::DeviceBuffer;
-        use crate::gpu::stream::Stream;
         use crate::test_hooks::{self, Point};
+        use crate::{DeviceBuffer, Error, PinnedVec, Stream};
 
-        type Ended = Rc<RefCell<Option<Result<Option<CudaGraph>, DriverError>>>>;
+        type Ended = Result<Option<CudaGraph>, DriverError>;
 
-        /// Runs `call` with a capture begun on `stream` just before its work is queued, ended
-        /// right after the work when `end_inside`, else after the call; returns the call's result
-        /// and what ending the capture gave.
+        /// Where the capture begins, and where it ends (`None`: after the call).
+        const CASES: [(Point, Option<Point>); 4] = [
+            (Point::BeforeFork, None),
+            (Point::BeforeFork, Some(Point::AfterFork)),
+            (Point::BeforeWork, None),
+            (Point::BeforeWork, Some(Point::AfterWork)),
+        ];
+
+        /// Whether the fence lets the call's work run in `case`: only when the capture began
+        /// after the fork was found outside every capture.
+        fn runs(case: (Point, Option<Point>)) -> bool {
+            case.0 == Point::BeforeWork
+        }
+
+        /// Runs `call` with a capture on `stream` begun and ended as `case` says; returns the
+        /// call's result and what ending the capture gave.
         fn with_capture<R>(
             stream: &Arc<CudaStream>,
-            end_inside: bool,
+            (begin, end): (Point, Option<Point>),
             call: impl FnOnce() -> R,
-        ) -> (R, Result<Option<CudaGraph>, DriverError>) {
-            let ended: Ended = Rc::default();
-            let (begin, end, slot) = (stream.clone(), stream.clone(), ended.clone());
-            let hook = move |point| match point {
-                Point::BeforeFork => begin
-                    .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-                    .unwrap(),
-                Point::AfterWork if end_inside => {
-                    *slot.borrow_mut() = Some(end.end_capture(CUgraphInstantiate_flags(0)));
+        ) -> (R, Ended) {
+            let ended: Rc<RefCell<Option<Ended>>> = Rc::default();
+            let (capturing, slot) = (stream.clone(), ended.clone());
+            let hook = move |point| {
+                if point == begin {
+                    capturing
+                        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                        .unwrap();
+                } else if Some(point) == end {
+                    *slot.borrow_mut() = Some(capturing.end_capture(CUgraphInstantiate_flags(0)));
                 }
-                Point::AfterWork => {}
             };
             let result = test_hooks::with(hook, call);
             let ended = ended
@@ -193,69 +216,72 @@ mod tests {
             CudaContext::new(0).unwrap().new_stream().unwrap()
         }
 
-        /// A host function that a capture took in runs at most once, however often its graph is
-        /// launched, and never when the call reported the capture.
+        /// Launches the graph a capture gave, if any, twice, and waits for the device.
+        fn launch_twice(stream: &Arc<CudaStream>, ended: &Ended) {
+            if let Ok(Some(graph)) = ended {
+                graph.launch().unwrap();
+                graph.launch().unwrap();
+            }
+            stream.context().synchronize().unwrap();
+        }
+
+        /// A host function runs once when the fence let it be queued and never otherwise,
+        /// however often a graph captured meanwhile is launched.
         #[test]
         #[ignore = "needs a CUDA device"]
-        fn a_host_function_taken_by_a_capture_runs_at_most_once() {
-            for end_inside in [false, true] {
+        fn a_host_function_runs_once_or_never_whatever_a_capture_does() {
+            for case in CASES {
                 let cudarc = cudarc_stream();
                 let stream = Stream::from_cudarc(&cudarc).unwrap();
-                let runs = Arc::new(AtomicUsize::new(0));
-                let counter = runs.clone();
+                let count = Arc::new(AtomicUsize::new(0));
+                let counter = count.clone();
                 let function = move || {
                     counter.fetch_add(1, Ordering::SeqCst);
                 };
                 let (launched, ended) =
-                    with_capture(&cudarc, end_inside, || stream.launch_host_fn(function));
-                if let Ok(Some(graph)) = &ended {
-                    graph.launch().unwrap();
-                    graph.launch().unwrap();
+                    with_capture(&cudarc, case, || stream.launch_host_fn(function));
+                launch_twice(&cudarc, &ended);
+                let count = count.load(Ordering::SeqCst);
+                if runs(case) {
+                    launched.unwrap();
+                    assert_eq!(count, 1, "{case:?}");
+                } else {
+                    assert!(
+                        matches!(launched, Err(Error::Capturing)),
+                        "{case:?}: {launched:?}"
+                    );
+                    assert_eq!(count, 0, "{case:?}");
                 }
-                cudarc.synchronize().unwrap();
-                let runs = runs.load(Ordering::SeqCst);
-                assert!(
-                    runs <= 1,
-                    "ran {runs} times (capture ended inside: {end_inside})"
-                );
-                if launched.is_err() {
-                    assert!(matches!(launched, Err(Error::Capturing)), "{launched:?}");
-                    assert_eq!(runs, 0, "ran after its call reported the capture");
-                }
-                // The companion was never joined back: no graph can hold the function.
-                assert!(!matches!(ended, Ok(Some(_))), "a graph holds it");
             }
         }
 
-        /// A copy that a capture took in never gives its buffer back before the copy runs: either
-        /// the call reports the capture, or waiting for it fails; and no graph holds the copy.
+        /// A copy runs now when the fence let it be queued, and is refused with nothing
+        /// queued otherwise; no graph captured meanwhile copies anything when launched.
         #[test]
         #[ignore = "needs a CUDA device"]
-        fn a_copy_taken_by_a_capture_keeps_its_buffer() {
-            for end_inside in [false, true] {
+        fn a_copy_runs_now_or_not_at_all_whatever_a_capture_does() {
+            for case in CASES {
                 let cudarc = cudarc_stream();
                 let stream = Stream::from_cudarc(&cudarc).unwrap();
                 let mut device = DeviceBuffer::<u32>::zeroed(1 << 16).unwrap();
                 let host = PinnedVec::from_slice(&vec![7u32; 1 << 16]).unwrap();
-                let (copied, ended) = with_capture(&cudarc, end_inside, || {
-                    stream.copy_to_device(host, &mut device)
-                });
-                let returned = copied.and_then(|transfer| transfer.wait());
-                assert!(
-                    returned.is_err(),
-                    "the buffer came back (capture ended inside: {end_inside})"
-                );
-                assert!(!matches!(ended, Ok(Some(_))), "a graph holds the copy");
-                cudarc.synchronize().unwrap();
-                // The stream is usable afterwards, through a new companion.
-                let mut fresh = DeviceBuffer::<u32>::zeroed(1 << 16).unwrap();
-                let host = PinnedVec::from_slice(&vec![9u32; 1 << 16]).unwrap();
-                stream
-                    .copy_to_device(host, &mut fresh)
-                    .unwrap()
-                    .wait()
-                    .unwrap();
-                assert!(fresh.to_vec().unwrap().iter().all(|&x| x == 9));
+                let (copied, ended) =
+                    with_capture(&cudarc, case, || stream.copy_to_device(host, &mut device));
+                let expected = if runs(case) {
+                    // Back after the copy ran; overwritten, it must not reach the device.
+                    let mut host = copied.unwrap().wait().unwrap();
+                    host.fill(9);
+                    7
+                } else {
+                    assert!(
+                        matches!(copied, Err(Error::Capturing)),
+                        "{case:?}: {copied:?}"
+                    );
+                    0
+                };
+                launch_twice(&cudarc, &ended);
+                let on_device = device.to_vec().unwrap();
+                assert!(on_device.iter().all(|&x| x == expected), "{case:?}");
             }
         }
     }

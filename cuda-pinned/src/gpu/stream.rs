@@ -308,9 +308,21 @@ impl Stream {
     ///
     /// A CUDA error.
     pub fn wait_event(&self, event: &Event) -> Result<()> {
+        self.wait_event_with(event, 0)
+    }
+
+    /// As [`wait_event`](Self::wait_event), waiting as a node of its own in a graph that a
+    /// capture on this stream is taking in (`cudaEventWaitExternal`): such a capture is not
+    /// broken by an event recorded outside it, and each launch of its graph waits for the
+    /// event.
+    pub(crate) fn wait_event_external(&self, event: &Event) -> Result<()> {
+        self.wait_event_with(event, crate::raw::stream::EVENT_WAIT_EXTERNAL)
+    }
+
+    fn wait_event_with(&self, event: &Event, flags: u32) -> Result<()> {
         // SAFETY: both handles are live while borrowed.
         crate::context::on_device(self.handle.device, || unsafe {
-            crate::raw::stream::stream_wait_event(self.as_raw(), event.as_raw())
+            crate::raw::stream::stream_wait_event(self.as_raw(), event.as_raw(), flags)
         })
     }
 }

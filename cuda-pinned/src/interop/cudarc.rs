@@ -43,9 +43,10 @@ impl Stream {
     ///
     /// Work this crate queues for an adopted stream runs on a companion stream of its own,
     /// forked from it and joined back: a capture that other code begins on the stream during
-    /// the call cannot take it into a graph (the call, or waiting for its copy, fails
-    /// instead). Never begin or end a capture on a stream while another thread queues work on
-    /// it, through any library: CUDA's driver itself crashes in that race.
+    /// the call cannot take that work into a graph. The call either fails with
+    /// [`Error::Capturing`] before anything is queued, or its work runs now and the graph
+    /// waits for it. Still, never begin or end a capture on a stream while another thread
+    /// queues work on it, through any library: CUDA's driver itself can crash in that race.
     ///
     /// # Errors
     ///

@@ -62,14 +62,19 @@ pub(crate) unsafe fn stream_is_capturing(stream: sys::cudaStream_t) -> Result<bo
     Ok(status != sys::cudaStreamCaptureStatus::cudaStreamCaptureStatusNone)
 }
 
+/// `cudaEventWaitExternal` of the runtime's headers: in a capture, the wait becomes a node
+/// of its own that waits for an event recorded outside the capture.
+pub(crate) const EVENT_WAIT_EXTERNAL: u32 = 0x01;
+
 /// # Safety
 ///
 /// - `stream` and `event` are live.
 pub(crate) unsafe fn stream_wait_event(
     stream: sys::cudaStream_t,
     event: sys::cudaEvent_t,
+    flags: u32,
 ) -> Result<()> {
-    cuda!(cudaStreamWaitEvent(stream, event, 0))
+    cuda!(cudaStreamWaitEvent(stream, event, flags))
 }
 
 /// # Safety

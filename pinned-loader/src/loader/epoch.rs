@@ -145,23 +145,27 @@ impl<D: Dataset> Epoch<'_, D> {
             let next = self.delivered;
             let waited = Instant::now();
             let mut state = shared.state();
+            let wanted = |generation: u64, batch: usize| {
+                generation == self.generation && (!in_order || batch == next)
+            };
             let found = loop {
-                let position = state.finished.iter().position(|f| {
-                    f.generation == self.generation && (!in_order || f.batch == next)
-                });
+                let position = state
+                    .finished
+                    .iter()
+                    .position(|f| wanted(f.generation, f.batch));
                 if let Some(position) = position {
-                    break state.finished.swap_remove(position);
+                    break Ok(state.finished.swap_remove(position));
                 }
                 if !block {
                     return None;
                 }
                 if state.live_workers == 0 {
-                    // Nobody is left to fill it.
-                    break Finished {
-                        generation: self.generation,
-                        batch: next,
-                        result: Err(LoaderError::WorkerStopped { batch: next }),
-                    };
+                    // Every worker stopped: this thread fills the batch itself.
+                    let position = state
+                        .tasks
+                        .iter()
+                        .position(|t| wanted(t.generation, t.batch));
+                    break Err(position.and_then(|p| state.tasks.remove(p)));
                 }
                 state = shared
                     .done
@@ -169,6 +173,24 @@ impl<D: Dataset> Epoch<'_, D> {
                     .unwrap_or_else(PoisonError::into_inner);
             };
             drop(state);
+            let found = match found {
+                Ok(found) => found,
+                Err(Some(task)) => Finished {
+                    generation: task.generation,
+                    batch: task.batch,
+                    result: match shared.fill_caught(&task) {
+                        Ok(done) => Ok(done),
+                        Err(Stop::Failed(error)) => Err(error),
+                        Err(Stop::Cancelled) => unreachable!("the consumer holds its own epoch"),
+                    },
+                },
+                // Neither done nor queued: it was lost with the worker that had it.
+                Err(None) => Finished {
+                    generation: self.generation,
+                    batch: next,
+                    result: Err(LoaderError::WorkerStopped { batch: next }),
+                },
+            };
             shared
                 .counters
                 .wait_ns

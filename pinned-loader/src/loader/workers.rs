@@ -112,8 +112,19 @@ impl<D: Dataset> Shared<D> {
     /// The slots of results nobody will claim.
     pub(super) fn give_back(&self, unclaimed: Vec<Finished>) {
         for finished in unclaimed {
-            if let Ok((slot, _)) = finished.result {
-                self.slots.give(slot);
+            self.discard(finished.result);
+        }
+    }
+
+    /// A result nobody will see: its slot goes back, and its error is dropped where a
+    /// panicking `Drop` of the dataset's own error (inside it) cannot stop the caller.
+    pub(super) fn discard(&self, result: Result<(Slot, usize), LoaderError>) {
+        match result {
+            Ok((slot, _)) => self.slots.give(slot),
+            Err(error) => {
+                if let Err(payload) = catch_unwind(AssertUnwindSafe(|| drop(error))) {
+                    std::mem::forget(payload);
+                }
             }
         }
     }
@@ -241,8 +252,9 @@ impl<D: Dataset> Shared<D> {
                     result,
                 });
                 self.done.notify_all();
-            } else if let Ok((slot, _)) = result {
-                self.slots.give(slot);
+            } else {
+                drop(state);
+                self.discard(result);
             }
             exit.task = None;
         }

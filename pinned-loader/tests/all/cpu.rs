@@ -679,3 +679,66 @@ fn a_world_larger_than_the_dataset_is_a_configuration_error() {
     let mut loader = Loader::new(Indexed::new(10), config(4, 1).shard(9, 10)).unwrap();
     assert_eq!(run_epoch(&mut loader, 0).concat().len(), 1);
 }
+
+/// A dataset error whose drop panics on the loader's own threads.
+#[derive(Debug)]
+struct PanicsWhenDroppedByTheLoader;
+
+impl std::fmt::Display for PanicsWhenDroppedByTheLoader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("an error that panics when the loader drops it")
+    }
+}
+
+impl std::error::Error for PanicsWhenDroppedByTheLoader {}
+
+impl Drop for PanicsWhenDroppedByTheLoader {
+    fn drop(&mut self) {
+        let name = std::thread::current().name().unwrap_or("").to_owned();
+        if name.starts_with("pinned-loader") {
+            panic!("dropped by {name} (on purpose)");
+        }
+    }
+}
+
+/// Fails every sample with [`PanicsWhenDroppedByTheLoader`].
+struct FailsEverySample;
+
+impl Dataset for FailsEverySample {
+    type Fields = (Field<u32>, Field<i64>);
+    fn len(&self) -> usize {
+        64
+    }
+    fn fields(&self) -> Self::Fields {
+        (Field::new(3), Field::new(1))
+    }
+    fn write(&self, _: usize, _: (&mut [u32], &mut [i64])) -> Result<(), BoxError> {
+        // Long enough for the epoch to be abandoned while the workers hold its batches.
+        std::thread::sleep(Duration::from_millis(20));
+        Err(Box::new(PanicsWhenDroppedByTheLoader))
+    }
+}
+
+/// Results of an abandoned epoch are dropped by the workers; an error among them whose drop
+/// panics stops no worker, and the next epoch is served in full.
+#[test]
+fn errors_that_panic_when_dropped_by_a_worker_stop_no_worker() {
+    let config = config(8, 2).persistent_workers(true).prefetch(4);
+    let mut loader = Loader::new(FailsEverySample, config).unwrap();
+    for epoch in 0..3 {
+        let mut abandoned = loader.epoch(epoch);
+        // The first batch dispatches the others, which are abandoned mid-write.
+        assert!(abandoned.next().unwrap().is_err());
+        std::thread::sleep(Duration::from_millis(5));
+        drop(abandoned);
+        std::thread::sleep(Duration::from_millis(40));
+    }
+    let results: Vec<_> = loader.epoch(9).collect();
+    assert_eq!(results.len(), 8);
+    assert!(
+        results
+            .iter()
+            .all(|r| matches!(r, Err(LoaderError::Sample { .. }))),
+        "{results:?}"
+    );
+}

@@ -358,7 +358,16 @@ impl<B: PinnedAllocator, C: Completion> Drop for Pool<B, C> {
         let mut idle = Vec::new();
         let pending = std::mem::take(self.pending.get_mut());
         for (allocation, mut completion) in pending {
-            match std::panic::catch_unwind(AssertUnwindSafe(|| completion.wait())) {
+            let waited = std::panic::catch_unwind(AssertUnwindSafe(|| completion.wait()));
+            if waited.is_ok() {
+                // Its answer stands whatever its drop does; a drop that panics is leaked.
+                let dropped = std::panic::catch_unwind(AssertUnwindSafe(|| drop(completion)));
+                keep_first(&mut panicked, dropped.err());
+            } else {
+                // Dropping a completion that panicked may panic again: leaked with it.
+                std::mem::forget(completion);
+            }
+            match waited {
                 Ok(true) => {
                     self.pending_bytes
                         .fetch_sub(class_size(allocation.tag()), Ordering::Relaxed);
@@ -367,11 +376,7 @@ impl<B: PinnedAllocator, C: Completion> Drop for Pool<B, C> {
                     continue;
                 }
                 Ok(false) => {}
-                Err(payload) => {
-                    // Dropping a completion that panicked may panic again: leaked with it.
-                    std::mem::forget(completion);
-                    keep_first(&mut panicked, Some(payload));
-                }
+                Err(payload) => keep_first(&mut panicked, Some(payload)),
             }
             self.blocks
                 .lock()
