@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use cuda_pinned_sys::{self as sys, cudaEvent_t};
 
+use crate::context::relaxed;
 use crate::error::Result;
 use crate::gpu::device::Device;
 use crate::gpu::device::check_same_device;
@@ -117,8 +118,9 @@ impl Event {
         if self.seen_finished() {
             return Ok(true);
         }
+        // In relaxed capture mode, which a global capture on another thread does not refuse.
         // SAFETY: the handle is live.
-        let finished = unsafe { crate::raw::event::event_query(self.raw)? };
+        let finished = relaxed(|| unsafe { crate::raw::event::event_query(self.raw) })?;
         if finished {
             self.finished.store(true, Ordering::Release);
         }
@@ -140,8 +142,8 @@ impl Event {
         if self.seen_finished() {
             return Ok(());
         }
-        // SAFETY: the handle is live.
-        unsafe { crate::raw::event::event_synchronize(self.raw)? };
+        // SAFETY: the handle is live. (Relaxed, as for `query`.)
+        relaxed(|| unsafe { crate::raw::event::event_synchronize(self.raw) })?;
         self.finished.store(true, Ordering::Release);
         Ok(())
     }
@@ -158,7 +160,7 @@ impl Event {
         check_same_device("the start event", self.device, start.device)?;
         // SAFETY: both handles are live. An event created without timing (the crate's own,
         // lent by `Transfer::event`) makes CUDA return an error, not read anything.
-        unsafe { crate::raw::event::event_elapsed_ms(start.raw, self.raw) }
+        relaxed(|| unsafe { crate::raw::event::event_elapsed_ms(start.raw, self.raw) })
     }
 
     /// The raw `cudaEvent_t`, for waiting on it or querying it. Record it through
