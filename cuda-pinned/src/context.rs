@@ -77,9 +77,8 @@ impl Drop for Restore {
 /// queued before the capture began could not be waited for: a tracked buffer would be
 /// leaked, a blocking copy could not return. This crate never waits on or queues work into
 /// a capturing stream (copies refuse one), so its calls are made in relaxed mode, which CUDA
-/// refuses nothing, as PyTorch's allocators do; an exchange pair costs about 30 ns through
-/// the driver on an H100 host, and calls nested in one (a record inside a copy's
-/// `on_device`) make none. If the mode cannot be exchanged, `work` runs in the thread's own.
+/// refuses nothing, as PyTorch's allocators do; an exchange pair costs tens of nanoseconds,
+/// and calls nested in one (a record inside a copy's `on_device`) make none. If the mode cannot be exchanged, `work` runs in the thread's own.
 pub(crate) fn relaxed<R>(work: impl FnOnce() -> R) -> R {
     const RELAXED: c_uint = 2;
     if RELAXED_HERE.get() {

@@ -1,8 +1,8 @@
 //! `Arena`: the pinned memory of many slots as one pool allocation, cut into parts.
 //!
-//! Pinning costs a fixed ~0.4 ms per registration on top of its cost per byte, and the
-//! driver serialises registrations: a loader's working set pinned as one block was ready in
-//! 12–16 ms on an H100 host, against 31–105 ms as one block per region.
+//! Pinning costs a fixed fraction of a millisecond per registration on top of its cost per
+//! byte, and the driver serialises registrations: a loader's working set pinned as one block
+//! is ready several times sooner than as one block per region.
 
 use std::mem::{ManuallyDrop, MaybeUninit};
 use std::sync::{Arc, Mutex, PoisonError};

@@ -73,8 +73,8 @@
 //!
 //! *Writing samples.* A batch is written by the CPU and read by the DMA engine, so large
 //! fields are best written with [`copy_streaming`] (non-temporal stores: the batch's cache
-//! lines are not read in first), as the loader's own collation does; with 8 workers on H100
-//! hosts this made 3–25% more batches per second than `copy_from_slice` (fifteen paired runs).
+//! lines are not read in first), as the loader's own collation does: with several workers it
+//! makes more batches per second than `copy_from_slice`.
 //!
 //! *Errors.* A dataset error or panic in a worker is caught and delivered as that batch's
 //! error, naming batch and sample; the worker and the loader go on.

@@ -34,13 +34,12 @@
 //!
 //! *Size classes.* Requests round up to a class: page multiples to 32 KiB, then eight classes
 //! per power of two. No request of 4 KiB or more grows by more than 12.5% plus a page
-//! (PyTorch rounds to the next power of two, up to 2×: reserved/requested 1.85 on the mixed
-//! 1.1 GiB + 300 MiB + 3 MB + 5 KB set, about 1.03 here). Each block is one backend
+//! (PyTorch rounds to the next power of two, up to 2×). Each block is one backend
 //! allocation of its class size; a freed block serves later requests of its class.
 //!
 //! *Backend.* New memory comes from a [`PinnedAllocator`](cuda_pinned::PinnedAllocator):
 //! by default `DefaultPinned`, which is `cuda_pinned::Registered` (huge pages, parallel
-//! pre-fault, `cudaHostRegister`: about 50 ms per GiB against `cudaHostAlloc`'s 0.5 s) with
+//! pre-fault, `cudaHostRegister`: about ten times faster to get than `cudaHostAlloc`) with
 //! CUDA, and `mlock`ed memory without, so the pool works the same on CPU-only machines.
 //!
 //! *NUMA nodes.* On a machine with several nodes, `Registered` (the default backend) and
@@ -95,9 +94,7 @@
 //! about to take) and raises the peak to it if it is higher. Frees lower a thread's ceiling
 //! to its count plus its usual headroom, returning room to the others. Once the peak covers
 //! what threads hold at once, allocations take no lock; until then threads take the lock and
-//! pause often while the pool learns the new peak (on the H100 host, 16 threads joining a
-//! pool that had seen 8 blocks in use at once ran at 340 M pairs/s over their first 2
-//! million pairs each, then at 706–760 M/s with no lock taken; one thread: 45–64 M/s).
+//! pause often while the pool learns the new peak, a short warm-up.
 //!
 //! *Locks and CUDA.* No CUDA call runs under a pool lock: events are queried with the pending
 //! list taken out, and blocks are pinned and released with no lock held (PyTorch's own rule,
@@ -115,16 +112,13 @@
 //! blocks of a class pinned and ready, and pins another each time one is taken (or configure
 //! it: [`PoolConfig::reserve`], `CUDA_PINNED_POOL_CONF=reserve_mb:16x64`). An allocation that
 //! finds its class empty takes a ready block before anything slower (no pause, no backend
-//! call), in the same hold of the pool's lock, as it would a cached block: on an H100 host
-//! 0.94–1.09× the cost of a pool hit of the same size. Pinning runs outside every pool lock;
-//! registration holds the driver's lock for its whole range, so small blocks keep other
-//! threads' copies from waiting long while the pool grows (measured on an H100 host: 1 GiB as
-//! 128 blocks of 8 MiB grew in 150–180 ms with the worst concurrent 64 KiB copy at 0.5–0.7 ms
-//! in four runs of five, against 20–31 ms for one 1 GiB registration). Over host memory from
-//! CUDA's virtual-memory API (`Pool::with_backend(VirtualHost::new().fixed_size(), ..)`), which
-//! takes the driver's lock one chunk at a time, the worst concurrent copy while the pool grew
-//! by 1 GiB was 0.04–0.46 ms in eleven runs; that memory costs 0.24–0.30 s per GiB to create,
-//! which the background thread pays.
+//! call), in the same hold of the pool's lock, as it would a cached block: about the cost of a
+//! pool hit. Pinning runs outside every pool lock; registration holds the driver's lock for
+//! its whole range, so small blocks keep other threads' copies from waiting long while the
+//! pool grows. Over host memory from CUDA's virtual-memory API
+//! (`Pool::with_backend(VirtualHost::new().fixed_size(), ..)`), which takes the driver's lock
+//! one chunk at a time, other threads' copies hardly wait at all; that memory is slower to
+//! create, which the background thread pays. `benches/RESULTS.md` has the figures.
 //!
 //! *Failure.* A block whose device work cannot be known (a CUDA error, or a stream recorded
 //! on it that is capturing a CUDA graph when it is freed) is never reused and, when the pool

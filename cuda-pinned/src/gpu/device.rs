@@ -138,7 +138,7 @@ impl Device {
         self.ordinal
     }
 
-    /// The marketing name, such as `"NVIDIA H100 80GB HBM3"`.
+    /// The marketing name the driver reports.
     ///
     /// # Errors
     ///

@@ -17,8 +17,8 @@ use crate::gpu::device::check_same_device;
 pub struct Event {
     raw: cudaEvent_t,
     device: i32,
-    /// The work recorded last has been seen finished: queries answer without a driver call
-    /// (about 0.3 µs), which makes reusing memory the event released nearly free.
+    /// The work recorded last has been seen finished: queries answer without a driver call,
+    /// which makes reusing memory the event released nearly free.
     finished: AtomicBool,
 }
 

@@ -11,9 +11,9 @@ use crate::memory::flags::HostAllocFlags;
 /// Page-locked memory from `cudaHostAlloc`. Needs CUDA: without it allocation fails with
 /// [`Error::Unavailable`](crate::Error::Unavailable).
 ///
-/// Simple and universally supported, but slow to get (about 1 ms even for 4 KiB, 0.4–0.7 s
-/// per GiB on an H100 host) and it holds a driver lock meanwhile; [`Registered`](crate::Registered)
-/// is the fast path.
+/// Simple and universally supported, but slow to get (about a millisecond even for 4 KiB, and
+/// ten times [`Registered`](crate::Registered)'s time per GiB), and it holds a driver lock
+/// meanwhile: [`Registered`](crate::Registered) is the fast path.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CudaHost {
     flags: HostAllocFlags,

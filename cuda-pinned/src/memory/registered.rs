@@ -18,8 +18,8 @@ use crate::memory::allocator::check_layout;
 use crate::memory::flags::RegisterFlags;
 use crate::os;
 /// How long the driver's lock is left free between the registrations of two chunks (see
-/// `register_chunked`). About 60 µs was long enough, on an H100 host, for a thread woken from
-/// waiting on the lock to take it.
+/// `register_chunked`): long enough for a thread woken from waiting on the lock to take it
+/// (`docs/tuning.md`).
 const REGISTRATION_GAP: Duration = Duration::from_micros(60);
 
 /// The sleeps that make the gap: the kernel's default timer slack (50 µs) stretches one to
@@ -32,10 +32,10 @@ const CREW_SPIN: Duration = Duration::from_micros(200);
 /// Page-locked memory obtained the fast way: an anonymous `mmap`, `MADV_HUGEPAGE` for sizes
 /// of 2 MiB and more, every page faulted in by several threads, then one `cudaHostRegister`.
 ///
-/// On an H100 host this pins 1 GiB in about 50 ms, against 0.4–0.7 s for `cudaHostAlloc`.
-/// Registration holds the driver's lock for its whole range (25–30 ms for 1 GiB), and other
-/// threads' copies wait that long; [`register_in_chunks`](Self::register_in_chunks) bounds
-/// that wait and overlaps faulting with registering. Needs CUDA and a device that supports
+/// It pins about ten times faster than `cudaHostAlloc`. Registration holds the driver's lock
+/// for its whole range, and other threads' copies wait that long;
+/// [`register_in_chunks`](Self::register_in_chunks) bounds that wait and overlaps faulting with
+/// registering. Needs CUDA and a device that supports
 /// registration ([`Device::supports_host_registration`]).
 ///
 /// On a machine with several NUMA nodes the pages go on the node nearest the current device
@@ -113,18 +113,14 @@ impl Registered {
         }
     }
 
-    /// Registers blocks larger than `bytes` (rounded up to 2 MiB) as consecutive chunks of
-    /// that size, each as soon as the crew of faulting threads (up to
-    /// [`prefault_threads`](Self::prefault_threads), at most all cores but three, at least
-    /// one) has faulted it in while they go on with the next. The driver's lock is taken for
-    /// one chunk at a time, with a pause between chunks so that other threads' copies get
-    /// their turn.
-    /// Smaller chunks hold the lock for less time but pin more slowly (more calls and
-    /// pauses); 12 MiB was the best trade-off measured on H100 and H200 hosts. On the faster
-    /// of them, 1 GiB in 12 MiB chunks was pinned in 33–39 ms while another thread's copy
-    /// waited at most 0.6–1.0 ms, where one registration took 42–60 ms and held that copy
-    /// back 20–26 ms; slower, noisier hosts mostly took 42–63 ms and let the copy wait
-    /// 1.0–2.2 ms (in two runs of twelve, far longer).
+    /// Registers blocks larger than `bytes` (rounded up to 2 MiB) in consecutive chunks of
+    /// that size, each as soon as the crew of faulting threads has faulted it in.
+    ///
+    /// The driver's lock is taken for one chunk at a time, with a pause between chunks so
+    /// that other threads' copies get their turn; the crew (up to
+    /// [`prefault_threads`](Self::prefault_threads), at most all cores but three) goes on
+    /// with the next chunk meanwhile. Smaller chunks hold the lock for less time but pin more
+    /// slowly; 12 MiB was the best trade-off on the hosts measured (`docs/tuning.md`).
     ///
     /// Copies queued through this crate split at the chunk boundaries (one buffer, one
     /// [`Transfer`](crate::Transfer)). A copy queued by other code must stay within one

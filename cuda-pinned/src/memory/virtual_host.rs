@@ -21,9 +21,8 @@ use crate::raw::vmm;
 /// an address range reserved with room to spare.
 ///
 /// - **Never stalls other threads.** Each chunk is created and mapped on its own, so the
-///   driver's lock is held for one chunk at a time; on an H100 host another thread's small
-///   copy waited at most 0.05–0.3 ms while 1 GiB was created (one `cudaHostRegister` of
-///   1 GiB held it 20–46 ms, a `cudaHostAlloc` 370–550 ms).
+///   driver's lock is held for one chunk at a time, and another thread's small copy waits
+///   far less than behind one registration or `cudaHostAlloc` of the same size.
 /// - **Grows in place.** A [`PinnedVec`](crate::PinnedVec) of this kind grows by mapping more
 ///   chunks after its end: no copy, and the address stays. Each block reserves address space
 ///   to grow into (8× its size or 1 GiB, whichever is more: reserving takes microseconds and
@@ -35,8 +34,7 @@ use crate::raw::vmm;
 /// - **One buffer, one copy.** A copy may span any number of chunks at full speed; every
 ///   device of the process that supports this kind can copy to and from it.
 ///
-/// The cost: creating it is slower than registration (about 0.24–0.30 s per GiB against
-/// 0.04–0.05 s), and sizes round up to the driver's granularity (2 MiB on x86-64 hosts; a
+/// The cost: creating it is several times slower than registration, and sizes round up to the driver's granularity (2 MiB on x86-64 hosts; a
 /// pool over this kind pins 2 MiB for each block of a smaller class, though its
 /// `max_pinned_bytes` counts the class size). So [`DefaultPinned`](crate::DefaultPinned)
 /// keeps registration, and this kind is for memory that is created ahead of need (a pool's
@@ -61,8 +59,7 @@ impl Default for VirtualHost {
 }
 
 /// Chunks of 32 MiB bound how long one driver call holds its lock; larger ones create
-/// slightly faster (measured on an H100 host: 254–262 ms per GiB at 32 MiB, 315–332 ms at
-/// 2 MiB, 233–245 ms as one piece).
+/// slightly faster (`docs/tuning.md`).
 const DEFAULT_CHUNK: usize = 32 << 20;
 /// Address space reserved per block at least: a vector starting small grows to 1 GiB in place.
 const DEFAULT_ROOM: usize = 1 << 30;
@@ -177,8 +174,8 @@ impl VirtualHost {
     }
 
     /// Threads that touch every page of new memory before it is handed out (0: leave the
-    /// first touch to the user). The CPU's view of this memory fills on first touch at about
-    /// 4 GB/s per thread; touching it here moves that cost off the first writes.
+    /// first touch to the user). The CPU's view of this memory fills slowly on first touch;
+    /// touching it here moves that cost off the first writes.
     pub fn prefault_threads(self, threads: usize) -> Self {
         Self {
             prefault_threads: threads,

@@ -32,8 +32,8 @@ impl Direction {
 }
 
 /// One copy call, the copy whole: the driver's own call where its entry points are reachable,
-/// else the runtime's `cudaMemcpyAsync`, which costs 0.1–0.3 µs more per call on an H100 host
-/// (a few percent of a small copy). The handles and addresses are the same for both. Unlike
+/// else the runtime's `cudaMemcpyAsync`, which costs a little more per call (a few percent of
+/// a small copy). The handles and addresses are the same for both. Unlike
 /// [`memcpy_async`] it is not cut where buffers registered in chunks end: a page-locked side
 /// that spans two registrations is refused with an error, and a host side that starts in
 /// ordinary memory is staged whole by the driver.

@@ -41,8 +41,8 @@ const SIZES: [usize; 2] = [4 << 10, MAX_DRIVER_BYTES];
 /// The largest copy the stager's driver paths take: the largest size checked.
 pub(crate) const MAX_DRIVER_BYTES: usize = 4 << 20;
 
-/// The driver paths of `device`, checked once per process (four holds and the copies: about
-/// 40 ms on an H100 host). Runs with the device current.
+/// The driver paths of `device`, checked once per process (four holds and the copies: tens of
+/// milliseconds). Runs with the device current.
 pub(crate) fn driver_paths(device: Device) -> Result<DriverPaths> {
     static CHECKED: Mutex<Vec<(Device, DriverPaths)>> = Mutex::new(Vec::new());
     // Held through the check: stagers made at once wait for one check.

@@ -12,7 +12,7 @@
 //! most [`StagingConfig::single_thread_bytes`] runs on the calling thread alone. An upload of
 //! at most [`StagingConfig::upload_slot_bytes`] is copied into a slot of its own beside the
 //! ring, ended by a single event that frees the slot and is handed back. Copies of
-//! the sizes where the driver's own path was measured as fast
+//! the sizes where the driver's own path is as fast
 //! ([`StagingConfig::driver_uploads`], [`StagingConfig::driver_downloads`]) take that path,
 //! for host memory that starts in ordinary memory, on devices that cannot read pageable
 //! memory themselves (the driver then stages it within its call: a source is read, a
