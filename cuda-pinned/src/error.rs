@@ -99,6 +99,8 @@ fn failure(
 
 impl std::error::Error for CudaError {}
 
+/// A CUDA driver call that returned an error code.
+///
 /// A CUDA driver call that returned an error code: host memory through the virtual-memory
 /// API ([`VirtualHost`](crate::VirtualHost)) is made with driver calls, and copies between
 /// host and device memory are queued and events recorded, queried and waited for with the

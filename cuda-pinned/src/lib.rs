@@ -57,26 +57,7 @@ mod raw;
 mod staging;
 mod test_hooks;
 
-pub use containers::boxed::PinnedBox;
-pub use containers::pin_memory::PinMemory;
-pub use containers::vec::{IntoIter, PinnedVec};
-pub use copy::batch::RawCopy;
-pub use copy::nontemporal::copy_streaming;
-pub use copy::tracked::{HostBuffer, Transfer};
-/// The raw CUDA runtime bindings this crate is built on (the types of [`Stream::as_raw`] and
-/// [`Event::as_raw`], and the rest of the runtime API).
-pub use cuda_pinned_sys as sys;
-pub use cuda_pinned_sys::LoadError;
-pub use error::{CudaError, DriverError, Error, Result};
-pub use gpu::buffer::DeviceBuffer;
-pub use gpu::device::{
-    Device, Version, device_count, driver_version, is_available, runtime_path, runtime_version,
-};
-pub use gpu::event::Event;
-pub use gpu::stream::Stream;
-pub use gpu::views::{DeviceSlice, DeviceSliceMut};
-#[cfg(feature = "cudarc")]
-pub use interop::cudarc::CudarcCopies;
+// Memory: the allocator contract and the kinds.
 pub use memory::allocator::{Allocation, MemoryKind, PendingUses, PinnedAllocator};
 pub use memory::cuda_host::CudaHost;
 pub use memory::default::DefaultPinned;
@@ -85,5 +66,34 @@ pub use memory::host_locked::HostLocked;
 pub use memory::registered::Registered;
 pub use memory::registration::{RegisteredVec, Registration};
 pub use memory::virtual_host::VirtualHost;
-pub use raw::RUNTIME_CALLS_VAR;
+
+// Containers.
+pub use containers::boxed::PinnedBox;
+pub use containers::pin_memory::PinMemory;
+pub use containers::vec::{IntoIter, PinnedVec};
+
+// The GPU side.
+pub use gpu::buffer::DeviceBuffer;
+pub use gpu::device::{
+    Device, Version, device_count, driver_version, is_available, runtime_path, runtime_version,
+};
+pub use gpu::event::Event;
+pub use gpu::stream::Stream;
+pub use gpu::views::{DeviceSlice, DeviceSliceMut};
+
+// Copies.
+pub use copy::batch::RawCopy;
+pub use copy::nontemporal::copy_streaming;
+pub use copy::tracked::{HostBuffer, Transfer};
+#[cfg(feature = "cudarc")]
+pub use interop::cudarc::CudarcCopies;
 pub use staging::{StagedCopy, Stager, StagingConfig};
+
+// Errors, and the layer below.
+/// The raw CUDA runtime bindings this crate is built on (the types of [`Stream::as_raw`] and
+/// [`Event::as_raw`], and the rest of the runtime API).
+pub use cuda_pinned_sys as sys;
+pub use cuda_pinned_sys::LoadError;
+pub use error::{CudaError, DriverError, Error, Result};
+#[doc(hidden)]
+pub use raw::RUNTIME_CALLS_VAR;

@@ -116,9 +116,10 @@ impl SlotPool {
 }
 
 /// A batch in pinned memory, as a loader delivers it: read its fields with
-/// [`fields`](Self::fields); dropping it gives its memory back to the loader for a later
-/// batch. Its memory is part of the loader's one pinned block: a batch kept after its
-/// loader is dropped keeps that whole block from going back to the pool.
+/// [`fields`](Self::fields); dropping it gives its memory back to the loader for a later batch.
+///
+/// Its memory is part of the loader's one pinned block: a batch kept after its loader is dropped
+/// keeps that whole block from going back to the pool.
 pub struct HostBatch<F: Fields> {
     pub(crate) slot: Option<Slot>,
     pub(crate) len: usize,

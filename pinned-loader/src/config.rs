@@ -44,6 +44,8 @@ impl LoaderConfig {
     /// thread, and several batches in pinned memory).
     pub const MAX_WORKERS: usize = 1024;
 
+    /// Batches of `batch_size` samples, with PyTorch's defaults for the rest.
+    ///
     /// Batches of `batch_size` samples; no workers (the consumer fills each batch), prefetch
     /// 2, no shuffle, the last short batch kept, in order, at most half the machine's memory
     /// pinned.
@@ -96,6 +98,8 @@ impl LoaderConfig {
         self
     }
 
+    /// Whether persistent workers begin the next epoch before the current one ends.
+    ///
     /// Whether persistent workers begin the next epoch (the one numbered one higher) once
     /// all of the current one's batches are in the making, within the same `prefetch`
     /// budget (off by default; needs [`persistent_workers`](Self::persistent_workers)). An
@@ -112,6 +116,8 @@ impl LoaderConfig {
         self
     }
 
+    /// This process's share of the samples in distributed training: rank `rank` of `world_size`.
+    ///
     /// This process's share of the samples in distributed training: rank `rank` of
     /// `world_size`, as `DistributedSampler` (equal counts; the order padded by wrapping
     /// around unless `drop_last`).
@@ -139,11 +145,12 @@ impl LoaderConfig {
         self
     }
 
-    /// The GPU the batches are for (by default the device current on the thread that makes
-    /// the [`Loader`](crate::Loader)). The loader's threads make it current, so its pinned
-    /// memory goes on that GPU's NUMA node, and a [`DeviceLoader`](crate::DeviceLoader)
-    /// uploads to it. With one loader per GPU in a process, give each its device and a
-    /// [`shard`](Self::shard).
+    /// The GPU the batches are for (by default the device current on the thread that makes the
+    /// [`Loader`](crate::Loader)).
+    ///
+    /// The loader's threads make it current, so its pinned memory goes on that GPU's NUMA node, and
+    /// a [`DeviceLoader`](crate::DeviceLoader) uploads to it. With one loader per GPU in a process,
+    /// give each its device and a [`shard`](Self::shard).
     pub fn device(mut self, device: Device) -> Self {
         self.device = Some(device);
         self

@@ -72,6 +72,8 @@ pub struct DeviceLoader<D: Dataset> {
 }
 
 impl<D: Dataset> DeviceLoader<D> {
+    /// A device loader over `loader`, with its own copy stream and device memory.
+    ///
     /// A device loader over `loader`, with its own copy stream and device memory for the
     /// batches it uploads ahead (two) and those the consumer holds (two more), on the
     /// loader's [`device`](crate::LoaderConfig::device). The calling thread's current device
@@ -466,9 +468,11 @@ impl<D: Dataset> Iterator for DeviceEpoch<'_, D> {
     }
 }
 
-/// A batch in device memory. Its fields are reached through [`ready_on`](Self::ready_on),
-/// which makes a stream wait for the upload on the device; when the batch drops, its memory
-/// is reused only after every such stream has passed the work queued on it so far.
+/// A batch in device memory.
+///
+/// Its fields are reached through [`ready_on`](Self::ready_on), which makes a stream wait for the
+/// upload on the device; when the batch drops, its memory is reused only after every such stream
+/// has passed the work queued on it so far.
 pub struct DeviceBatch<F: Fields> {
     slot: Option<DeviceSlot>,
     ready: Arc<Event>,
@@ -506,9 +510,10 @@ impl<F: Fields> DeviceBatch<F> {
         self.ready.device()
     }
 
-    /// Makes `stream` wait (on the device, the host does not block) until the batch is
-    /// there, and returns its fields for work queued on `stream`. Use them on no other
-    /// stream unless it too was passed here.
+    /// Makes `stream` wait (on the device, the host does not block) until the batch is there, and
+    /// returns its fields for work queued on `stream`.
+    ///
+    /// Use them on no other stream unless it too was passed here.
     ///
     /// # Errors
     ///

@@ -8,9 +8,10 @@ use cuda_pinned::DeviceSlice;
 
 use crate::error::BoxError;
 
-/// The fields of a batch and typed views of them. Implemented for [`Field`] and for tuples
-/// of up to six `Fields` (`(Field<u8>, Field<i64>)`: images and labels); implement it for a
-/// struct of your own by forwarding to such a tuple.
+/// The fields of a batch and typed views of them.
+///
+/// Implemented for [`Field`] and for tuples of up to six `Fields` (`(Field<u8>, Field<i64>)`:
+/// images and labels); implement it for a struct of your own by forwarding to such a tuple.
 ///
 /// A batch holds one region of memory per field; sample `j` of a batch takes bytes
 /// `j * b .. (j + 1) * b` of each region, `b` being the field's [`sample_bytes`](Self::sample_bytes).
@@ -163,8 +164,10 @@ tuple_fields!((A, a), (B, b), (C, c), (D, d), (E, e));
 tuple_fields!((A, a), (B, b), (C, c), (D, d), (E, e), (F, f));
 
 /// Writing a sample value `S` into a sample's fields: the collate step of a
-/// [`SampleDataset`](crate::SampleDataset). Implemented for a [`Field<T>`] from `T` (one
-/// element), `[T; N]`, `&[T]` and `Vec<T>`, and for tuples of fields from tuples of values.
+/// [`SampleDataset`](crate::SampleDataset).
+///
+/// Implemented for a [`Field<T>`] from `T` (one element), `[T; N]`, `&[T]` and `Vec<T>`, and for
+/// tuples of fields from tuples of values.
 pub trait Collate<S>: Fields {
     /// Writes `sample` into `into`.
     ///

@@ -106,12 +106,17 @@ mod loader;
 mod sampler;
 mod stats;
 
+// Loaders, their epochs and batches.
 pub use batch::HostBatch;
 pub use config::LoaderConfig;
+pub use device::{Assembly, DeviceBatch, DeviceEpoch, DeviceLoader};
+pub use loader::{Epoch, Loader};
+
+// Datasets and the fields of their samples.
 pub use cuda_pinned::copy_streaming;
 pub use dataset::{Dataset, PinnedSamples, PinnedStorage, SampleDataset};
-pub use device::{Assembly, DeviceBatch, DeviceEpoch, DeviceLoader};
-pub use error::{BoxError, LoaderError};
 pub use fields::{Collate, Field, Fields};
-pub use loader::{Epoch, Loader};
+
+// Errors and statistics.
+pub use error::{BoxError, LoaderError};
 pub use stats::LoaderStats;

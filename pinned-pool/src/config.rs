@@ -95,8 +95,9 @@ impl PoolConfig {
         self
     }
 
-    /// Caps the bytes pinned by the pool (in use, pending and cached). An allocation that
-    /// would pass it first releases idle cache, then fails with
+    /// Caps the bytes pinned by the pool (in use, pending and cached).
+    ///
+    /// An allocation that would pass it first releases idle cache, then fails with
     /// [`Error::LimitExceeded`](cuda_pinned::Error::LimitExceeded).
     pub fn max_pinned_bytes(mut self, bytes: usize) -> Self {
         self.max_pinned_bytes = Some(bytes);
@@ -117,6 +118,8 @@ impl PoolConfig {
         self
     }
 
+    /// Keeps `blocks` blocks of `block_bytes` pinned ahead of need (see `Pool::reserve`).
+    ///
     /// Keeps `blocks` blocks of `block_bytes` pinned ahead of need by the pool's reserve thread
     /// (see [`Pool::reserve`](crate::Pool::reserve)), like PyTorch's
     /// `pinned_reserve_segment_size_mb`; give it once per size class (a later size of the

@@ -139,6 +139,8 @@ mod stats;
 mod sync;
 mod threads;
 
+/// What says a freed block's device work has finished: CUDA events in use, a flag in tests.
+#[doc(hidden)]
 pub use completion::Completion;
 pub use config::{ConfigError, POOL_CONF_VAR, PoolConfig};
 pub use pool::Pool;

@@ -5,9 +5,10 @@ use crate::error::Result;
 use crate::memory::allocator::PinnedAllocator;
 use crate::memory::default::DefaultPinned;
 
-/// A host value that can be copied into page-locked memory, like a PyTorch batch's
-/// `pin_memory()`. Implemented for slices, `Vec`, arrays, `Option` and tuples of up to four,
-/// so a batch type needs a few lines:
+/// A host value that can be copied into page-locked memory, like a PyTorch batch's `pin_memory()`.
+///
+/// Implemented for slices, `Vec`, arrays, `Option` and tuples of up to four, so a batch type needs
+/// a few lines:
 ///
 /// ```
 /// use cuda_pinned::{PinMemory, PinnedAllocator, PinnedVec, Result};

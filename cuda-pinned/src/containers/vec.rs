@@ -198,6 +198,8 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
         unsafe { std::slice::from_raw_parts_mut(self.as_mut_ptr(), self.len) }
     }
 
+    /// The capacity past the length, as uninitialised elements to write in place.
+    ///
     /// The room after the elements, to be filled in place and then declared with
     /// [`set_len`](Self::set_len) — how a worker writes a batch straight into pinned memory
     /// without building it elsewhere first.
@@ -373,12 +375,12 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
         self.truncate(0);
     }
 
-    /// Marks the buffer as used by work on `stream` that this crate cannot see (a kernel
-    /// reading it through [`device_ptr`](Self::device_ptr), a copy by another library).
+    /// Marks the buffer as used by work on `stream` that this crate cannot see (a kernel reading it
+    /// through [`device_ptr`](Self::device_ptr), a copy by another library).
+    ///
     /// When the buffer is freed or returned to a pool, that work is waited for, or deferred on,
-    /// first. Copies made through this crate record their use themselves. Freed while `stream`
-    /// is capturing a CUDA graph, the buffer is never released: the graph may use it at any
-    /// launch.
+    /// first. Copies made through this crate record their use themselves. Freed while `stream` is
+    /// capturing a CUDA graph, the buffer is never released: the graph may use it at any launch.
     pub fn record_stream(&mut self, stream: &Stream) {
         self.block.record_stream(stream);
     }
@@ -387,6 +389,8 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
         self.block.uses_mut()
     }
 
+    /// The address of the buffer in the device's address space, for kernels that use it.
+    ///
     /// The address of the buffer in the device's address space, for kernels that read or
     /// write host memory directly (mapped memory: [`HostAllocFlags::MAPPED`](crate::HostAllocFlags::MAPPED),
     /// [`RegisterFlags::MAPPED`](crate::RegisterFlags::MAPPED), or any CUDA-pinned memory on
@@ -405,9 +409,9 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
     }
 
     /// Takes the vector apart: the allocation (if any), the length and the allocator.
-    /// Uses recorded with [`record_stream`](Self::record_stream) are forgotten: whoever frees
-    /// the memory (through [`from_raw_parts`](Self::from_raw_parts) or the allocator) answers
-    /// for them.
+    ///
+    /// Uses recorded with [`record_stream`](Self::record_stream) are forgotten: whoever frees the
+    /// memory (through [`from_raw_parts`](Self::from_raw_parts) or the allocator) answers for them.
     pub fn into_raw_parts(self) -> (Option<Allocation>, usize, A) {
         let this = ManuallyDrop::new(self);
         // SAFETY: `this` is never used or dropped again; the block is moved out once.

@@ -18,10 +18,11 @@ pub struct RawCopy {
 }
 
 impl Stream {
-    /// Queues many copies at once: one `cudaMemcpyBatchAsync` where the runtime has it
-    /// (CUDA 13 and later), one `cudaMemcpyAsync` each otherwise. Gathering many small pieces
-    /// (the samples of a batch) this way runs at the link's speed where separate calls reach
-    /// half of it.
+    /// Queues many copies at once: one `cudaMemcpyBatchAsync` where the runtime has it (CUDA 13 and
+    /// later), one `cudaMemcpyAsync` each otherwise.
+    ///
+    /// Gathering many small pieces (the samples of a batch) this way runs at the link's speed where
+    /// separate calls reach half of it.
     ///
     /// # Errors
     ///

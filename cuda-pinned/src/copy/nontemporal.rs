@@ -3,6 +3,8 @@
 
 use bytemuck::NoUninit;
 
+/// Copies `src` into `dst` with non-temporal stores, for memory the DMA engine reads next.
+///
 /// Copies `src` into `dst` as [`slice::copy_from_slice`] does (for plain-old-data `T`), with
 /// non-temporal stores where the CPU has them (x86-64 with AVX2; copies of 4 KiB and more):
 /// the destination's cache lines are neither read in first nor kept in the caches

@@ -24,6 +24,7 @@ use crate::memory::registration::RegisteredVec;
 
 /// A host buffer that async copies can take by value: [`PinnedVec`], [`PinnedBox`],
 /// [`RegisteredVec`], and allocator-api2's `Vec` over this crate's allocators (or a pool).
+///
 /// Implement it for a container of your own to copy from and into it.
 ///
 /// # Safety
@@ -171,9 +172,10 @@ impl<B: HostBuffer> Drop for Transfer<B> {
 }
 
 impl Stream {
-    /// Queues a copy of `src` into `dst` (a [`DeviceBuffer`](crate::DeviceBuffer) or a view
-    /// of part of one: `&mut device`, `device.slice_mut(..n)`) on this stream. `src` travels
-    /// with the returned [`Transfer`] until the copy has finished.
+    /// Queues a copy of `src` into `dst` (a [`DeviceBuffer`](crate::DeviceBuffer) or a view of part
+    /// of one: `&mut device`, `device.slice_mut(..n)`) on this stream.
+    ///
+    /// `src` travels with the returned [`Transfer`] until the copy has finished.
     ///
     /// The error is this crate's [`Error`], so `?` converts it into `Box<dyn Error>` or any
     /// error type that takes a `std::error::Error`, whatever allocator the buffer has:
@@ -217,6 +219,8 @@ impl Stream {
         }
     }
 
+    /// Queues a copy of `src` into `dst` on this stream, tracked until it ends.
+    ///
     /// Queues a copy of `src` (a [`DeviceBuffer`](crate::DeviceBuffer) or a view of part of
     /// one) into `dst` on this stream; `dst` travels with the returned [`Transfer`] and holds
     /// the data once [`Transfer::wait`] returns it.

@@ -197,11 +197,11 @@ impl<T> DeviceBuffer<T> {
         Device::from_raw(self.device)
     }
 
-    /// Makes work queued on `stream` from now on wait (on the device) for the copies of this
-    /// buffer that this crate queued on other streams and that may still run. This crate's
-    /// own copies and memsets order themselves so; work on the buffer's raw address
-    /// ([`as_raw`](Self::as_raw): a kernel, [`Stream::copy_batch_raw`]) needs this call
-    /// first.
+    /// Makes work queued on `stream` from now on wait (on the device) for the copies of this buffer
+    /// that this crate queued on other streams and that may still run.
+    ///
+    /// This crate's own copies and memsets order themselves so; work on the buffer's raw address
+    /// ([`as_raw`](Self::as_raw): a kernel, [`Stream::copy_batch_raw`]) needs this call first.
     ///
     /// # Errors
     ///

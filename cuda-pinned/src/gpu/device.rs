@@ -165,6 +165,8 @@ impl Device {
         self.flag(cudaDeviceAttr::cudaDevAttrHostRegisterSupported)
     }
 
+    /// Whether the device can use [`VirtualHost`](crate::VirtualHost) memory.
+    ///
     /// Whether the device can use page-locked host memory created through CUDA's
     /// virtual-memory API on a host NUMA node ([`VirtualHost`](crate::VirtualHost)): the
     /// device's attribute says so or, where the runtime does not know the attribute, the
@@ -204,11 +206,12 @@ impl Device {
             .and_then(|node| u32::try_from(node).ok())
     }
 
-    /// The host NUMA node nearest the device: CUDA's answer ([`host_numa_node`]), else the
-    /// kernel's (the sysfs `numa_node` of its PCI device); `None` where neither says. The
-    /// node [`Registered`](crate::Registered) and [`VirtualHost`](crate::VirtualHost) place
-    /// memory on. Asked once per device (the first 64) and remembered: allocators ask on
-    /// every allocation.
+    /// The host NUMA node nearest the device: CUDA's answer ([`host_numa_node`]), else the kernel's
+    /// (the sysfs `numa_node` of its PCI device); `None` where neither says.
+    ///
+    /// The node [`Registered`](crate::Registered) and [`VirtualHost`](crate::VirtualHost) place
+    /// memory on. Asked once per device (the first 64) and remembered: allocators ask on every
+    /// allocation.
     ///
     /// [`host_numa_node`]: Self::host_numa_node
     pub fn nearest_numa_node(self) -> Option<u32> {

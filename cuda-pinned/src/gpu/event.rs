@@ -163,9 +163,10 @@ impl Event {
         relaxed(|| unsafe { crate::raw::event::event_elapsed_ms(start.raw, self.raw) })
     }
 
-    /// The raw `cudaEvent_t`, for waiting on it or querying it. Record it through
-    /// [`record`](Self::record) only: the event remembers when its recorded work was seen
-    /// finished, and a record made behind its back would leave that stale.
+    /// The raw `cudaEvent_t`, for waiting on it or querying it.
+    ///
+    /// Record it through [`record`](Self::record) only: the event remembers when its recorded work
+    /// was seen finished, and a record made behind its back would leave that stale.
     pub fn as_raw(&self) -> cudaEvent_t {
         self.raw
     }

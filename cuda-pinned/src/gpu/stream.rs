@@ -115,6 +115,8 @@ impl Stream {
         Device::from_raw(self.handle.device)
     }
 
+    /// Adopts a stream created by other code, like PyTorch's `torch.cuda.ExternalStream`.
+    ///
     /// Adopts a stream created by other code (a `cudaStream_t` or a driver API `CUstream`:
     /// they are the same handle), like PyTorch's `torch.cuda.ExternalStream`: copies can be
     /// queued on it and buffers can record their use on it ([`PinnedVec::record_stream`]),
@@ -270,10 +272,11 @@ impl Stream {
         Ok(())
     }
 
-    /// Whether work queued on the stream now would be captured into a CUDA graph rather than
-    /// run: a capture began on it, or it waits on work of a capture (which joins it to that
-    /// capture). This crate's copies, tracked work and host functions refuse such a stream
-    /// with [`Error::Capturing`].
+    /// Whether work queued on the stream now would be captured into a CUDA graph rather than run: a
+    /// capture began on it, or it waits on work of a capture (which joins it to that capture).
+    ///
+    /// This crate's copies, tracked work and host functions refuse such a stream with
+    /// [`Error::Capturing`].
     ///
     /// # Errors
     ///

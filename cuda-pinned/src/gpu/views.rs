@@ -154,6 +154,8 @@ impl<'a, T> From<DeviceSliceMut<'a, T>> for DeviceSlice<'a, T> {
 }
 
 impl<'a, T> DeviceSlice<'a, T> {
+    /// The view as elements of another type, if the sizes allow.
+    ///
     /// The same bytes seen as elements of `U` (as `bytemuck::try_cast_slice`); `None` when
     /// the length in bytes is not a multiple of `U`'s size or the address is not aligned
     /// for `U`.
@@ -289,6 +291,8 @@ impl<'a, T> DeviceSliceMut<'a, T> {
         (view(head), view(tail))
     }
 
+    /// Queues setting every byte of the view to `value` on `stream`.
+    ///
     /// Queues setting every byte of the view to `value` on `stream` (`cudaMemsetAsync`),
     /// ordered after this buffer's copies on other streams; later copies on other streams are
     /// ordered after it, and the buffer is freed only after it.

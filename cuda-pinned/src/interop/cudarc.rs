@@ -25,6 +25,8 @@ use crate::gpu::stream::Owner;
 use crate::gpu::stream::Stream;
 
 impl Stream {
+    /// Adopts a cudarc stream for copies and for buffers' recorded uses.
+    ///
     /// Adopts a cudarc stream: copies can be queued on it, and buffers can record their use on
     /// it ([`PinnedVec::record_stream`](crate::PinnedVec::record_stream)) so that work queued
     /// through cudarc (kernels, its own copies) holds them back from reuse and free. The
@@ -67,11 +69,12 @@ impl Stream {
     }
 }
 
-/// Tracked async copies on a cudarc stream, between this crate's pinned buffers and cudarc's
-/// device memory (`CudaSlice`, `CudaView`, `CudaViewMut`). As with [`Stream::copy_to_device`],
-/// the host buffer moves into the returned [`Transfer`] and comes back from
-/// [`Transfer::wait`] after the copy, so the host cannot touch it while the DMA runs; the device
-/// side takes part in cudarc's own event tracking, like its `memcpy_htod`.
+/// Tracked async copies on a cudarc stream, between this crate's pinned buffers and cudarc's device
+/// memory (`CudaSlice`, `CudaView`, `CudaViewMut`).
+///
+/// As with [`Stream::copy_to_device`], the host buffer moves into the returned [`Transfer`] and
+/// comes back from [`Transfer::wait`] after the copy, so the host cannot touch it while the DMA
+/// runs; the device side takes part in cudarc's own event tracking, like its `memcpy_htod`.
 ///
 /// ```no_run
 /// use cuda_pinned::{CudarcCopies, PinnedVec};

@@ -101,6 +101,8 @@ impl Allocation {
         self.tag
     }
 
+    /// The block's address in the device's address space.
+    ///
     /// The block's address in the device's address space, for kernels that read or write
     /// host memory directly: mapped memory, or any CUDA-pinned memory on systems with unified
     /// addressing.

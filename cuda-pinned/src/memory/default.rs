@@ -9,6 +9,8 @@ use crate::memory::cuda_host::CudaHost;
 use crate::memory::host_locked::HostLocked;
 use crate::memory::registered::Registered;
 
+/// The allocator containers use unless told otherwise: the best kind this machine has.
+///
 /// The allocator containers use unless told otherwise: the fast registration path
 /// ([`Registered`]) where CUDA and a device are present and support it, `cudaHostAlloc`
 /// where registration is not supported, and `mlock`ed memory ([`HostLocked`]) without CUDA,

@@ -10,10 +10,11 @@ use crate::memory::allocator::PinnedAllocator;
 use crate::memory::allocator::check_layout;
 use crate::os;
 
-/// Page-locked memory without CUDA: an anonymous mapping locked with `mlock`. It cannot be
-/// swapped out, like CUDA-pinned memory, but no GPU knows it, so a copy from it is staged by
-/// the driver as if it were pageable. It is what [`DefaultPinned`](crate::DefaultPinned) uses
-/// where CUDA is absent, so programs and their tests run on CPU-only machines.
+/// Page-locked memory without CUDA: an anonymous mapping locked with `mlock`.
+///
+/// It cannot be swapped out, like CUDA-pinned memory, but no GPU knows it, so a copy from it is
+/// staged by the driver as if it were pageable. It is what [`DefaultPinned`](crate::DefaultPinned)
+/// uses where CUDA is absent, so programs and their tests run on CPU-only machines.
 ///
 /// Locking counts against `RLIMIT_MEMLOCK` (`ulimit -l`) unless the process holds
 /// `CAP_IPC_LOCK`; beyond it allocation fails with [`Error::MemlockLimit`].

@@ -103,9 +103,10 @@ impl Registered {
     }
 
     /// Places the pages on this NUMA node (`mbind`, preferred: another node when it is full)
-    /// instead of the current device's. Allocation fails if the kernel refuses: a node the
-    /// machine does not have, a kernel without NUMA support, or a sandbox that forbids
-    /// `mbind`.
+    /// instead of the current device's.
+    ///
+    /// Allocation fails if the kernel refuses: a node the machine does not have, a kernel without
+    /// NUMA support, or a sandbox that forbids `mbind`.
     pub fn node(self, node: u32) -> Self {
         Self {
             node: Some(node),

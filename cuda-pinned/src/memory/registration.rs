@@ -103,10 +103,12 @@ impl<T: fmt::Debug> fmt::Debug for Registration<'_, T> {
     }
 }
 
-/// A `Vec<T>` made page-locked with `cudaHostRegister`, for data that already lives in a
-/// `Vec` (read from a file, produced by another library). It takes part in async copies like
-/// [`PinnedVec`](crate::PinnedVec); [`into_inner`](Self::into_inner) unregisters it and gives
-/// the `Vec` back. The length is fixed while registered.
+/// A `Vec<T>` made page-locked with `cudaHostRegister`, for data that already lives in a `Vec`
+/// (read from a file, produced by another library).
+///
+/// It takes part in async copies like [`PinnedVec`](crate::PinnedVec);
+/// [`into_inner`](Self::into_inner) unregisters it and gives the `Vec` back. The length is fixed
+/// while registered.
 pub struct RegisteredVec<T> {
     vec: Vec<T>,
     registered: Option<NonNull<u8>>,

@@ -124,6 +124,8 @@ fn platform() -> Result<&'static Platform> {
 }
 
 impl VirtualHost {
+    /// Growable memory on the current device's node, in chunks of 32 MiB.
+    ///
     /// Memory on the current device's NUMA node, in chunks of 32 MiB, each block with room
     /// to grow in place to 8× its size or 1 GiB, whichever is more; pages are touched by up
     /// to 16 threads before the block is handed out.
@@ -145,6 +147,8 @@ impl VirtualHost {
         }
     }
 
+    /// Creates and maps memory in chunks of this size (rounded to the granularity).
+    ///
     /// Creates and maps memory in chunks of this many bytes (rounded up to the granularity):
     /// smaller chunks hold the driver's lock for less time, larger ones create a little
     /// faster.
@@ -173,9 +177,11 @@ impl VirtualHost {
         }
     }
 
-    /// Threads that touch every page of new memory before it is handed out (0: leave the
-    /// first touch to the user). The CPU's view of this memory fills slowly on first touch;
-    /// touching it here moves that cost off the first writes.
+    /// Threads that touch every page of new memory before it is handed out (0: leave the first
+    /// touch to the user).
+    ///
+    /// The CPU's view of this memory fills slowly on first touch; touching it here moves that cost
+    /// off the first writes.
     pub fn prefault_threads(self, threads: usize) -> Self {
         Self {
             prefault_threads: threads,

@@ -66,6 +66,8 @@ pub(crate) mod memory;
 pub(crate) mod stream;
 pub(crate) mod vmm;
 
+/// The environment variable that makes hot calls go through the runtime, not the driver.
+///
 /// The environment variable that makes copies, events and pointer lookups go through the
 /// runtime's calls even where the driver's can be reached: what runtimes before 12.5 do, to
 /// compare or test that path. Read once.

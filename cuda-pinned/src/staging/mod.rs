@@ -53,6 +53,8 @@ mod tests;
 
 pub use config::StagingConfig;
 
+/// Copies between ordinary memory and the device near page-locked speed, through a pinned ring.
+///
 /// Copies between `&[T]` / `&mut [T]` in ordinary memory and device memory near page-locked
 /// speed for large copies, through a ring of pinned chunks (from allocator `A`, a pool for
 /// instance) and persistent copy threads. Share one stager between threads: calls from
@@ -119,9 +121,10 @@ impl<A: PinnedAllocator> Stager<A> {
         Self::with_config_on(Device::current()?, config, allocator)
     }
 
-    /// As [`with_config_in`](Self::with_config_in), for `device`: the ring is allocated and
-    /// the workers run with it current. The calling thread's current device is left as it
-    /// was.
+    /// As [`with_config_in`](Self::with_config_in), for `device`: the ring is allocated and the
+    /// workers run with it current.
+    ///
+    /// The calling thread's current device is left as it was.
     ///
     /// # Errors
     ///
@@ -164,6 +167,8 @@ impl<A: PinnedAllocator> Stager<A> {
         self.engine.workers.len()
     }
 
+    /// Copies `src` into `dst` on `stream`, and returns once `src` has been read.
+    ///
     /// Copies `src` into `dst` (a [`DeviceBuffer`](crate::DeviceBuffer) or a view of one)
     /// on `stream`, and returns once `src` has been read: the borrow ends, the DMA trails on
     /// the stream from an upload slot, the ring, or the driver's staging memory (for the
@@ -274,18 +279,24 @@ impl<A: PinnedAllocator> Stager<A> {
             && crate::raw::memory::is_pageable(host.as_ptr().cast())
     }
 
+    /// Whether uploads of [`StagingConfig::driver_uploads`]' sizes take the driver's path.
+    ///
     /// Whether uploads of the sizes in [`StagingConfig::driver_uploads`] take the driver's
     /// own path: not on a device that reads pageable memory itself, nor where the driver's
     /// call did not return with the source read when checked (once per device and process,
     /// as the first stager was made).
+    #[doc(hidden)]
     pub fn driver_uploads_taken(&self) -> bool {
         self.driver_paths.uploads
     }
 
+    /// Whether downloads of [`StagingConfig::driver_downloads`]' sizes take the driver's path.
+    ///
     /// Whether downloads of the sizes in [`StagingConfig::driver_downloads`] take the
     /// driver's own path: as [`driver_uploads_taken`](Self::driver_uploads_taken), for a call
     /// that must return with the destination filled (the check downloads what it uploaded,
     /// so it passes only where uploads pass too).
+    #[doc(hidden)]
     pub fn driver_downloads_taken(&self) -> bool {
         self.driver_paths.downloads
     }

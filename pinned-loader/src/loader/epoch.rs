@@ -23,9 +23,10 @@ pub(super) struct Ahead {
     pub(super) dispatched: usize,
 }
 
-/// One epoch's batches: an iterator of `Result<HostBatch, LoaderError>`, in order unless the
-/// loader was told otherwise. A batch whose sample failed comes out as an error naming both;
-/// the next batch follows.
+/// One epoch's batches: an iterator of `Result<HostBatch, LoaderError>`, in order unless the loader
+/// was told otherwise.
+///
+/// A batch whose sample failed comes out as an error naming both; the next batch follows.
 pub struct Epoch<'l, D: Dataset> {
     pub(super) loader: &'l mut Loader<D>,
     pub(super) epoch: u64,

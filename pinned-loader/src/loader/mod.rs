@@ -61,13 +61,14 @@ pub struct Loader<D: Dataset> {
 }
 
 impl<D: Dataset> Loader<D> {
-    /// A loader over `dataset`. Pins its working set before returning: a slot (a full batch
-    /// of every field) for each batch the workers may have in the making (`workers ×
-    /// prefetch`, at least `prefetch`) and two for the consumer, so that no batch waits for
-    /// memory to be pinned. They are one block from the pool: the driver registers it once
-    /// (a registration has a fixed cost on top of its bytes, and registrations do not run in
-    /// parallel). After the loader is dropped, the block waits in the pool's cache for
-    /// a request of its size class, a loader of the same shape; call
+    /// A loader over `dataset`.
+    ///
+    /// Pins its working set before returning: a slot (a full batch of every field) for each batch
+    /// the workers may have in the making (`workers × prefetch`, at least `prefetch`) and two for
+    /// the consumer, so that no batch waits for memory to be pinned. They are one block from the
+    /// pool: the driver registers it once (a registration has a fixed cost on top of its bytes, and
+    /// registrations do not run in parallel). After the loader is dropped, the block waits in the
+    /// pool's cache for a request of its size class, a loader of the same shape; call
     /// [`Pool::empty_cache`](pinned_pool::Pool::empty_cache) to unpin it sooner.
     ///
     /// # Errors

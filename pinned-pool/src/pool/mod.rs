@@ -153,6 +153,7 @@ impl Default for Pool {
 impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// A pool pinning new memory from `backend` and told by completions of type `C` when
     /// freed blocks' device work has finished (`Pool::<_, MyCompletion>::with_completion`).
+    #[doc(hidden)]
     pub fn with_completion(backend: B, config: PoolConfig) -> Self {
         let nodes = backend.numa_nodes().clamp(1, MAX_NODES);
         Self {
@@ -186,9 +187,11 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         &self.backend
     }
 
-    /// Whether allocate and free take no atomic read-modify-write and no fence on their fast
-    /// path. True on Linux 4.14 and later, where pausing the thread caches uses
-    /// `membarrier(2)`; elsewhere each operation pays one full fence.
+    /// Whether allocate and free take no atomic read-modify-write and no fence on their fast path.
+    ///
+    /// True on Linux 4.14 and later, where pausing the thread caches uses `membarrier(2)`;
+    /// elsewhere each operation pays one full fence.
+    #[doc(hidden)]
     pub fn has_fence_free_fast_path(&self) -> bool {
         self.barrier.is_expedited()
     }
@@ -216,6 +219,8 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         self.locals.iter().chain(std::iter::once(&self.shared))
     }
 
+    /// An empty byte vector with room for `bytes` bytes: PyTorch's `allocate(bytes)`.
+    ///
     /// An empty byte vector with room for at least `bytes` bytes, PyTorch's
     /// `allocate(bytes)`: fill it with `extend_from_slice`, `resize`, `io::Write`, or in place
     /// through `spare_capacity_mut` and `set_len`. Dropping it gives the block back.
@@ -242,10 +247,11 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         PinnedVec::zeroed_in(bytes, self)
     }
 
-    /// A block of at least `bytes` bytes. Its [`Allocation::bytes`] is the class size and its
-    /// tag the pool's own (the class, on the NUMA node the backend places memory on for this
-    /// thread now); give it back with [`free_raw`](Self::free_raw) or
-    /// [`free_raw_after`](Self::free_raw_after).
+    /// A block of at least `bytes` bytes.
+    ///
+    /// Its [`Allocation::bytes`] is the class size and its tag the pool's own (the class, on the
+    /// NUMA node the backend places memory on for this thread now); give it back with
+    /// [`free_raw`](Self::free_raw) or [`free_raw_after`](Self::free_raw_after).
     ///
     /// # Errors
     ///

@@ -11,12 +11,12 @@ use crate::local::{Amount, Counted, Local, idle_bytes};
 use crate::stats::PoolStats;
 
 impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
-    /// A snapshot of the statistics, exact: every thread cache is paused while it is read,
-    /// so the numbers are one consistent state of the pool even while other threads
-    /// allocate. The pause costs one `membarrier(2)` call, the pool's lock and a wait for
-    /// each thread to leave its cache: microseconds, and while other threads allocate the
-    /// pause slows them too. For frequent monitoring use
-    /// [`approximate_stats`](Self::approximate_stats).
+    /// A snapshot of the statistics, exact: every thread cache is paused while it is read, so the
+    /// numbers are one consistent state of the pool even while other threads allocate.
+    ///
+    /// The pause costs one `membarrier(2)` call, the pool's lock and a wait for each thread to
+    /// leave its cache: microseconds, and while other threads allocate the pause slows them too.
+    /// For frequent monitoring use [`approximate_stats`](Self::approximate_stats).
     pub fn stats(&self) -> PoolStats {
         let mut central = self.central.lock();
         let paused = self.pause_all(&mut central);
@@ -35,6 +35,8 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         stats
     }
 
+    /// The statistics without pausing any thread: cheaper, but the totals may mix moments.
+    ///
     /// The statistics without pausing anyone: each thread's counters are read as they are
     /// at that moment, so the totals may mix moments (a block freed on one thread and just
     /// handed out on another may count twice or not at all, and `cached_bytes` is derived

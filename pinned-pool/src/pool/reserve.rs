@@ -11,6 +11,8 @@ use crate::pinner::Reserve;
 use crate::size_class::{class_of, class_size};
 
 impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
+    /// Keeps `blocks` blocks of `block_bytes` pinned ahead of need, on a thread of the pool's own.
+    ///
     /// Keeps `blocks` blocks of `block_bytes` (rounded up to its size class) pinned ahead of
     /// need from now on, like PyTorch's `pinned_reserve_segment_size_mb` per size class: a
     /// thread of the pool's own pins them in the background and pins another each time an
@@ -108,6 +110,8 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         unsafe { self.backend.deallocate(block) };
     }
 
+    /// Starts the reserve that the pool's configuration asks for.
+    ///
     /// Starts what the configuration asks to keep pinned ahead ([`PoolConfig::reserve`](crate::PoolConfig::reserve)), as
     /// [`reserve`](Self::reserve) would for each size. A failure to start (a size above the
     /// largest class, no thread to be had) is kept for
@@ -123,6 +127,8 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         }
     }
 
+    /// The first error the reserve thread met since the last call, if any.
+    ///
     /// The first error the reserve thread met since the last call (see
     /// [`reserve`](Self::reserve)), or why the configured reserve could not start; `None`
     /// when there was none.
