@@ -212,6 +212,8 @@ impl Registered {
 /// as soon as all of it is faulted in, leaving a gap between calls. Stops at the first
 /// error, returned with the number of chunks registered before it.
 ///
+/// One function, a little long: the crew's closures share its locals.
+///
 /// # Safety
 ///
 /// - `ptr..ptr + bytes` is a fresh writable mapping of ours that nobody else uses (the first
@@ -281,26 +283,12 @@ unsafe fn fault_and_register(
                 }) {
                     fault(unit);
                 }
-                // Then wait for the rest, spinning for a while before sleeping: the crew
-                // is usually close, and a wake-up costs more than the wait.
-                let ready = || done.load(Ordering::Acquire) >= units_in(k);
-                let spin = Instant::now();
-                while !ready() {
-                    if spin.elapsed() > CREW_SPIN {
-                        let guard = progress.lock().unwrap_or_else(PoisonError::into_inner);
-                        drop(
-                            wake.wait_while(guard, |()| !ready())
-                                .unwrap_or_else(PoisonError::into_inner),
-                        );
-                    }
-                    std::hint::spin_loop();
-                }
-                // Leave the driver's lock free for the gap, unless the wait did: released
-                // and taken again at once, it would stay with this thread. Sleeping, not
-                // spinning, leaves this core to a woken waiter.
-                while released.is_some_and(|t| t.elapsed() < REGISTRATION_GAP) {
-                    std::thread::sleep(REGISTRATION_PAUSE);
-                }
+                wait_for_crew(
+                    || done.load(Ordering::Acquire) >= units_in(k),
+                    &progress,
+                    &wake,
+                );
+                leave_the_gap(released);
                 let start = k * chunk;
                 let len = chunk.min(bytes - start);
                 register(start, len)?;
@@ -311,6 +299,31 @@ unsafe fn fault_and_register(
         })();
         result.map_err(|e| (e, registered))
     })
+}
+
+/// Waits until `ready`, spinning for a while before sleeping on `wake`: the crew is usually
+/// close, and a wake-up costs more than the wait.
+fn wait_for_crew(ready: impl Fn() -> bool, progress: &Mutex<()>, wake: &Condvar) {
+    let spin = Instant::now();
+    while !ready() {
+        if spin.elapsed() > CREW_SPIN {
+            let guard = progress.lock().unwrap_or_else(PoisonError::into_inner);
+            drop(
+                wake.wait_while(guard, |()| !ready())
+                    .unwrap_or_else(PoisonError::into_inner),
+            );
+        }
+        std::hint::spin_loop();
+    }
+}
+
+/// Leaves the driver's lock free for the gap after the registration `released` ended (the
+/// wait for the crew may have done so already): released and taken again at once, it would
+/// stay with this thread. Sleeping, not spinning, leaves this core to a woken waiter.
+fn leave_the_gap(released: Option<Instant>) {
+    while released.is_some_and(|t| t.elapsed() < REGISTRATION_GAP) {
+        std::thread::sleep(REGISTRATION_PAUSE);
+    }
 }
 
 /// Raises its flag when dropped.

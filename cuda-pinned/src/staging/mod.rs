@@ -219,26 +219,7 @@ impl<A: PinnedAllocator> Stager<A> {
                 self.driver_paths.uploads,
                 &self.config().driver_uploads,
             ) {
-                // SAFETY: on this device the driver copies a source in ordinary memory into
-                // its own pinned buffers before its copy call returns (checked: the path is
-                // on), and the stream runs the copy now, not at a graph's launch (capture
-                // refused above: see `Error::Capturing` for a capture another thread begins
-                // on the same stream during the call); `src` starts in ordinary memory,
-                // which is what the driver decides by (a source starting in memory
-                // registered with CUDA, which it would read later, was ruled out), so it
-                // need only be valid during the call. The device range is live, borrowed
-                // uniquely, and records the copy below.
-                unsafe {
-                    crate::raw::copy::copy_once(
-                        range.address as *mut std::ffi::c_void,
-                        src.as_ptr().cast(),
-                        bytes,
-                        Direction::HostToDevice,
-                        stream.as_raw(),
-                    )
-                }
-                // A capture another thread began meanwhile is reported, if not prevented.
-                .and_then(|()| stream.refuse_capture())
+                self.upload_through_driver(stream, src, range)
             } else {
                 // SAFETY: `src` is readable for `bytes` and borrowed until the engine
                 // returns, which is after the last read of it; the device range is live,
@@ -263,6 +244,35 @@ impl<A: PinnedAllocator> Stager<A> {
             copied?;
             Ok(StagedCopy { event: ended? })
         })
+    }
+
+    /// The driver's own path for an upload from ordinary memory: one copy call, which stages
+    /// `src` before it returns. Runs with the stager's device current.
+    fn upload_through_driver<T: NoUninit>(
+        &self,
+        stream: &Stream,
+        src: &[T],
+        range: DeviceRange<'_>,
+    ) -> Result<()> {
+        // SAFETY: on this device the driver copies a source in ordinary memory into its own
+        // pinned buffers before its copy call returns (checked: the path is on, which the
+        // caller asked), and the stream runs the copy now, not at a graph's launch (the fence
+        // refused a capture, or took the copy onto a companion that no capture holds); `src`
+        // starts in ordinary memory, which is what the driver decides by (a source starting
+        // in memory registered with CUDA, which it would read later, was ruled out), so it
+        // need only be valid during the call. The device range is live, borrowed uniquely,
+        // and the caller records the copy.
+        unsafe {
+            crate::raw::copy::copy_once(
+                range.address as *mut std::ffi::c_void,
+                src.as_ptr().cast(),
+                size_of_val(src),
+                Direction::HostToDevice,
+                stream.as_raw(),
+            )
+        }?;
+        // A capture another thread began meanwhile is reported, if not prevented.
+        stream.refuse_capture()
     }
 
     /// Whether a copy from or into `host` takes the driver's own path: the path holds on

@@ -1,11 +1,11 @@
 //! `Loader`: workers fill batches straight into pinned slots reserved before the first batch.
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use cuda_pinned::Device;
 use pinned_pool::Pool;
 
 use crate::batch::{Slot, SlotPool};
@@ -14,14 +14,14 @@ use crate::dataset::Dataset;
 use crate::error::LoaderError;
 use crate::fields::Fields;
 use crate::sampler::Sampler;
-use crate::stats::{Counters, LoaderStats};
+use crate::stats::LoaderStats;
 mod epoch;
 mod workers;
 
 use epoch::Ahead;
 pub use epoch::Epoch;
 pub(crate) use workers::Shared;
-use workers::{State, use_device};
+use workers::use_device;
 
 use crate::config::physical_memory;
 
@@ -81,88 +81,30 @@ impl<D: Dataset> Loader<D> {
         let sampler = config.sampler(dataset.len())?;
         let fields = dataset.fields();
         let sample_bytes: Arc<[usize]> = fields.sample_bytes().into();
-        let region_bytes: Vec<usize> = sample_bytes
-            .iter()
-            .map(|b| b.checked_mul(config.batch_size))
-            .collect::<Option<_>>()
-            .ok_or(cuda_pinned::Error::CapacityOverflow)?;
-        let slot_bytes = region_bytes
-            .iter()
-            .fold(0u64, |sum, &b| sum.saturating_add(b as u64));
-        let slots = (config.workers.max(1))
-            .checked_mul(config.prefetch)
-            .and_then(|n| n.checked_add(2))
-            .ok_or_else(|| {
-                LoaderError::Config(format!(
-                    "{} workers with {} batches each in the making",
-                    config.workers, config.prefetch
-                ))
-            })?;
-        let requested = slot_bytes.saturating_mul(slots as u64);
-        let total = physical_memory();
-        let budget = (total as f64 * config.max_pinned_fraction) as u64;
-        if total > 0 && requested > budget {
-            return Err(LoaderError::PinnedBudget {
-                requested,
-                budget,
-                total,
-            });
-        }
+        let set = WorkingSet::of(&sample_bytes, &config)?;
         let pool = config.pool.clone().unwrap_or_else(|| Arc::new(Pool::new()));
         // Without CUDA there is none, and nothing to choose.
         let device = config
             .device
             .or_else(|| cuda_pinned::Device::current().ok());
         let free = Arc::new(SlotPool::default());
-        // The whole working set is one pinned allocation (one registration, not one per
-        // region), made on a thread of its own with the loader's device current, so that it
-        // lands on that device's node; it is zeroed by several threads.
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
-        let make = || {
-            use_device(device);
-            Slot::many(&pool, &region_bytes, slots, threads)
-        };
-        let made = std::thread::scope(|scope| {
-            match std::thread::Builder::new().spawn_scoped(scope, make) {
-                Ok(maker) => maker
-                    .join()
-                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
-                // No thread: this one makes them, on whatever device is current here.
-                Err(_) => Slot::many(&pool, &region_bytes, slots, threads),
-            }
-        })?;
-        for slot in made {
+        for slot in set.pin(&pool, device)? {
             free.give(slot);
         }
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(Shared::new(
             dataset,
             fields,
             sample_bytes,
-            region_bytes,
+            set.region_bytes,
             pool,
-            slots: free,
+            free,
             device,
-            state: Mutex::new(State {
-                generation: 0,
-                newest: 0,
-                tasks: VecDeque::new(),
-                finished: Vec::new(),
-                shutdown: false,
-                live_workers: 0,
-            }),
-            generation: AtomicU64::new(0),
-            work: Condvar::new(),
-            done: Condvar::new(),
-            counters: Counters::default(),
-        });
-        shared
-            .counters
-            .reserved_bytes
-            .store(requested, Ordering::Relaxed);
-        shared
-            .counters
+        ));
+        let counters = &shared.counters;
+        counters.reserved_bytes.store(set.bytes, Ordering::Relaxed);
+        counters
             .reserved_slots
-            .store(slots as u64, Ordering::Relaxed);
+            .store(set.slots as u64, Ordering::Relaxed);
         let workers = if config.persistent_workers {
             shared.spawn_workers(config.workers)
         } else {
@@ -251,5 +193,74 @@ impl<D: Dataset> Drop for Loader<D> {
         // The block the slots were cut from goes back to the pool once the batches still
         // out are dropped too.
         self.shared.slots.clear();
+    }
+}
+
+/// What a loader pins before its first batch: a slot (a full batch of every field) for each
+/// batch the workers may have in the making, and two for the consumer.
+struct WorkingSet {
+    /// Bytes of each region of a slot: a full batch of the field.
+    region_bytes: Vec<usize>,
+    slots: usize,
+    bytes: u64,
+}
+
+impl WorkingSet {
+    /// The working set of batches of `sample_bytes` samples as `config` says, within its
+    /// budget of the machine's memory.
+    fn of(sample_bytes: &[usize], config: &LoaderConfig) -> Result<Self, LoaderError> {
+        let region_bytes: Vec<usize> = sample_bytes
+            .iter()
+            .map(|b| b.checked_mul(config.batch_size))
+            .collect::<Option<_>>()
+            .ok_or(cuda_pinned::Error::CapacityOverflow)?;
+        let slot_bytes = region_bytes
+            .iter()
+            .fold(0u64, |sum, &b| sum.saturating_add(b as u64));
+        let slots = (config.workers.max(1))
+            .checked_mul(config.prefetch)
+            .and_then(|n| n.checked_add(2))
+            .ok_or_else(|| {
+                LoaderError::Config(format!(
+                    "{} workers with {} batches each in the making",
+                    config.workers, config.prefetch
+                ))
+            })?;
+        let bytes = slot_bytes.saturating_mul(slots as u64);
+        let total = physical_memory();
+        let budget = (total as f64 * config.max_pinned_fraction) as u64;
+        if total > 0 && bytes > budget {
+            return Err(LoaderError::PinnedBudget {
+                requested: bytes,
+                budget,
+                total,
+            });
+        }
+        Ok(Self {
+            region_bytes,
+            slots,
+            bytes,
+        })
+    }
+
+    /// The slots, as one pinned allocation (one registration, not one per region), made on a
+    /// thread of its own with `device` current, so that it lands on that device's node, and
+    /// zeroed by several threads.
+    fn pin(&self, pool: &Arc<Pool>, device: Option<Device>) -> Result<Vec<Slot>, LoaderError> {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+        let make = || {
+            use_device(device);
+            Slot::many(pool, &self.region_bytes, self.slots, threads)
+        };
+        let made = std::thread::scope(|scope| {
+            match std::thread::Builder::new().spawn_scoped(scope, make) {
+                Ok(maker) => maker
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+                // No thread: this one makes them, on whatever device is current here.
+                Err(_) => Slot::many(pool, &self.region_bytes, self.slots, threads),
+            }
+        })?;
+        Ok(made)
     }
 }

@@ -72,6 +72,39 @@ pub(super) enum Stop {
 }
 
 impl<D: Dataset> Shared<D> {
+    /// The state a loader's workers and batches share, with no work queued yet.
+    pub(super) fn new(
+        dataset: D,
+        fields: D::Fields,
+        sample_bytes: Arc<[usize]>,
+        region_bytes: Vec<usize>,
+        pool: Arc<Pool>,
+        slots: Arc<SlotPool>,
+        device: Option<cuda_pinned::Device>,
+    ) -> Self {
+        Self {
+            dataset,
+            fields,
+            sample_bytes,
+            region_bytes,
+            pool,
+            slots,
+            device,
+            state: Mutex::new(State {
+                generation: 0,
+                newest: 0,
+                tasks: VecDeque::new(),
+                finished: Vec::new(),
+                shutdown: false,
+                live_workers: 0,
+            }),
+            generation: AtomicU64::new(0),
+            work: Condvar::new(),
+            done: Condvar::new(),
+            counters: Counters::default(),
+        }
+    }
+
     pub(super) fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
