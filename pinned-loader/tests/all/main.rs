@@ -1,4 +1,5 @@
-//! The loader's integration tests, one binary. GPU tests are ignored without a device.
+//! The loader's integration tests, one binary, a module per feature. GPU tests are ignored
+//! without a device.
 
-mod cpu;
-mod gpu;
+mod device;
+mod epochs;

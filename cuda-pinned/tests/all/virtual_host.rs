@@ -9,7 +9,7 @@ use cuda_pinned::{
     Device, DeviceBuffer, MemoryKind, PinnedAllocator, PinnedVec, Stream, VirtualHost,
 };
 
-use crate::gpu::{block, pattern, round_trip};
+use crate::copies::{block, pattern, round_trip};
 
 const MIB: usize = 1 << 20;
 

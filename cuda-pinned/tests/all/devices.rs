@@ -7,7 +7,7 @@ use cuda_pinned::{
     PinnedVec, RawCopy, Registered, Stager, Stream, VirtualHost,
 };
 
-use crate::gpu::pattern;
+use crate::copies::pattern;
 
 fn devices() -> Vec<Device> {
     Device::all().unwrap()

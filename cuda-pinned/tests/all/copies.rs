@@ -1,4 +1,5 @@
-//! Tests on a CUDA device (ignored without one).
+//! Copies through every kind of memory, and their tracking: buffers come back, or go to their
+//! allocator, only after the device is done with them (ignored without a device).
 
 use std::alloc::Layout;
 use std::sync::Arc;
