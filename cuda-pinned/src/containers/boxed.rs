@@ -37,6 +37,15 @@ unsafe impl<T: Sync, A: PinnedAllocator + Sync> Sync for PinnedBox<T, A> {}
 impl<T> PinnedBox<T> {
     /// Moves `value` into pinned memory.
     ///
+    /// # Examples
+    ///
+    /// ```
+    /// use cuda_pinned::PinnedBox;
+    /// let header = PinnedBox::new([0u32; 16])?;
+    /// assert_eq!(header[3], 0);
+    /// # Ok::<(), cuda_pinned::Error>(())
+    /// ```
+    ///
     /// # Errors
     ///
     /// The allocator's error.

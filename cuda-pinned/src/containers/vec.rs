@@ -59,6 +59,16 @@ impl<T> PinnedVec<T> {
 
     /// An empty vector with room for at least `capacity` elements.
     ///
+    /// # Examples
+    ///
+    /// ```
+    /// use cuda_pinned::PinnedVec;
+    /// let mut batch = PinnedVec::<f32>::with_capacity(1024)?;
+    /// batch.extend((0..1024).map(|i| i as f32));
+    /// assert!(batch.capacity() >= 1024);
+    /// # Ok::<(), cuda_pinned::Error>(())
+    /// ```
+    ///
     /// # Errors
     ///
     /// [`Error::CapacityOverflow`] when the size overflows, or the allocator's error.
@@ -69,6 +79,15 @@ impl<T> PinnedVec<T> {
 
 impl<T: Clone> PinnedVec<T> {
     /// A pinned copy of `slice`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use cuda_pinned::PinnedVec;
+    /// let labels = PinnedVec::from_slice(&[1i64, 2, 3])?;
+    /// assert_eq!(labels, [1, 2, 3][..]);
+    /// # Ok::<(), cuda_pinned::Error>(())
+    /// ```
     ///
     /// # Errors
     ///

@@ -180,6 +180,8 @@ impl Stream {
     /// The error is this crate's [`Error`], so `?` converts it into `Box<dyn Error>` or any
     /// error type that takes a `std::error::Error`, whatever allocator the buffer has:
     ///
+    /// # Examples
+    ///
     /// ```no_run
     /// # use cuda_pinned::{DeviceBuffer, PinnedVec, Stream};
     /// fn upload(stream: &Stream, data: &[f32]) -> Result<(), Box<dyn std::error::Error>> {
@@ -224,6 +226,18 @@ impl Stream {
     /// Queues a copy of `src` (a [`DeviceBuffer`](crate::DeviceBuffer) or a view of part of
     /// one) into `dst` on this stream; `dst` travels with the returned [`Transfer`] and holds
     /// the data once [`Transfer::wait`] returns it.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use cuda_pinned::{DeviceBuffer, PinnedVec, Stream};
+    /// let stream = Stream::new()?;
+    /// let device = DeviceBuffer::from_slice(&[3u32; 1024])?;
+    /// let host = PinnedVec::<u32>::zeroed(1024)?;
+    /// let host = stream.copy_from_device(&device, host)?.wait()?;
+    /// assert_eq!(host[0], 3);
+    /// # Ok::<(), cuda_pinned::Error>(())
+    /// ```
     ///
     /// # Errors
     ///

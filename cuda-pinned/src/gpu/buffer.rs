@@ -31,6 +31,8 @@ use crate::gpu::views::{DeviceRange, DeviceSlice, DeviceSliceMut, bounds, checke
 /// that leaves the device's context unusable), they abort the process: the device could
 /// otherwise still reach the borrowed host memory after the call.
 ///
+/// # Examples
+///
 /// ```no_run
 /// # use cuda_pinned::{DeviceBuffer, PinnedVec, Stream};
 /// let stream = Stream::new()?;
@@ -63,6 +65,15 @@ impl<T> fmt::Debug for DeviceBuffer<T> {
 
 impl<T: Copy> DeviceBuffer<T> {
     /// `len` zeroed elements on the calling thread's current device.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use cuda_pinned::DeviceBuffer;
+    /// let buffer = DeviceBuffer::<f32>::zeroed(1 << 20)?;
+    /// assert_eq!(buffer.to_vec()?[0], 0.0);
+    /// # Ok::<(), cuda_pinned::Error>(())
+    /// ```
     ///
     /// # Errors
     ///
@@ -114,6 +125,15 @@ impl<T: Copy> DeviceBuffer<T> {
     }
 
     /// A copy of `slice` on the calling thread's current device.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use cuda_pinned::DeviceBuffer;
+    /// let weights = DeviceBuffer::from_slice(&[0.5f32; 256])?;
+    /// assert_eq!(weights.len(), 256);
+    /// # Ok::<(), cuda_pinned::Error>(())
+    /// ```
     ///
     /// # Errors
     ///

@@ -50,6 +50,20 @@ impl Drop for Event {
 impl Event {
     /// Creates an event that can be timed, on the calling thread's current device.
     ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use cuda_pinned::{Event, Stream};
+    /// let stream = Stream::new()?;
+    /// let (mut start, mut end) = (Event::new()?, Event::new()?);
+    /// start.record(&stream)?;
+    /// // ... queue work on `stream` ...
+    /// end.record(&stream)?;
+    /// end.synchronize()?;
+    /// println!("{} ms", end.elapsed_ms_since(&start)?);
+    /// # Ok::<(), cuda_pinned::Error>(())
+    /// ```
+    ///
     /// # Errors
     ///
     /// [`Error::Unavailable`](crate::Error::Unavailable) without CUDA, or the CUDA error.

@@ -83,6 +83,18 @@ impl Eq for Stream {}
 impl Stream {
     /// Creates a non-blocking stream on the calling thread's current device.
     ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use cuda_pinned::{DeviceBuffer, PinnedVec, Stream};
+    /// let stream = Stream::new()?;
+    /// let mut device = DeviceBuffer::<u8>::zeroed(4096)?;
+    /// let host = PinnedVec::from_slice(&[7u8; 4096])?;
+    /// stream.copy_to_device(host, &mut device)?.wait()?;
+    /// stream.synchronize()?;
+    /// # Ok::<(), cuda_pinned::Error>(())
+    /// ```
+    ///
     /// # Errors
     ///
     /// [`Error::Unavailable`](crate::Error::Unavailable) without CUDA, or the CUDA error.

@@ -62,6 +62,8 @@ pub use config::StagingConfig;
 /// A stager copies to and from one device, the one current when it was made or the one named
 /// ([`on`](Self::on)), from any thread whatever device is current there; make one per device.
 ///
+/// # Examples
+///
 /// ```no_run
 /// use cuda_pinned::{DeviceBuffer, Stager, Stream};
 /// let stager = Stager::new()?;
@@ -88,6 +90,17 @@ pub struct Stager<A: PinnedAllocator = DefaultPinned> {
 
 impl Stager {
     /// A stager with the default configuration and [`DefaultPinned`] memory.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use cuda_pinned::{DeviceBuffer, Stager, Stream};
+    /// let (stager, stream) = (Stager::new()?, Stream::new()?);
+    /// let data = vec![1u8; 64 << 20]; // ordinary memory
+    /// let mut device = DeviceBuffer::<u8>::zeroed(data.len())?;
+    /// stager.copy_to_device(&stream, &data, &mut device)?.wait()?;
+    /// # Ok::<(), cuda_pinned::Error>(())
+    /// ```
     ///
     /// # Errors
     ///
@@ -361,6 +374,18 @@ impl<A: PinnedAllocator> Stager<A> {
 
     /// Copies `src` (a [`DeviceBuffer`](crate::DeviceBuffer) or a view of one) into `dst` on
     /// `stream`, after the work queued there before, and returns once `dst` is filled.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// use cuda_pinned::{DeviceBuffer, Stager, Stream};
+    /// let (stager, stream) = (Stager::new()?, Stream::new()?);
+    /// let device = DeviceBuffer::from_slice(&[9u16; 1 << 20])?;
+    /// let mut back = vec![0u16; 1 << 20]; // ordinary memory, filled when the call returns
+    /// stager.copy_from_device(&stream, &device, &mut back)?;
+    /// assert_eq!(back[0], 9);
+    /// # Ok::<(), cuda_pinned::Error>(())
+    /// ```
     ///
     /// # Errors
     ///

@@ -27,6 +27,8 @@ use crate::config::physical_memory;
 
 /// Batches of a [`Dataset`] in pinned memory: PyTorch's `DataLoader(pin_memory=True)`.
 ///
+/// # Examples
+///
 /// ```
 /// use pinned_loader::{BoxError, Field, Loader, LoaderConfig, SampleDataset};
 ///

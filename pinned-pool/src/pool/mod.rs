@@ -37,6 +37,8 @@ mod reserve;
 /// from; `C` is what says a freed block's device work has finished ([`PendingUses`], CUDA
 /// events, in real use).
 ///
+/// # Examples
+///
 /// ```
 /// use std::sync::Arc;
 /// use cuda_pinned::PinnedVec;
@@ -104,6 +106,18 @@ impl<B: PinnedAllocator, C: Completion> fmt::Debug for Pool<B, C> {
 
 impl Pool {
     /// A pool over [`DefaultPinned`] with the default configuration.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use cuda_pinned::PinnedVec;
+    /// use pinned_pool::Pool;
+    /// let pool = Pool::new();
+    /// let batch = PinnedVec::<f32, _>::with_capacity_in(1 << 16, &pool)?;
+    /// drop(batch); // back in the pool's cache, not unpinned
+    /// assert_eq!(pool.stats().active_requests.current, 0);
+    /// # Ok::<(), cuda_pinned::Error>(())
+    /// ```
     pub fn new() -> Self {
         Self::with_config(PoolConfig::default())
     }
@@ -224,6 +238,18 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// An empty byte vector with room for at least `bytes` bytes, PyTorch's
     /// `allocate(bytes)`: fill it with `extend_from_slice`, `resize`, `io::Write`, or in place
     /// through `spare_capacity_mut` and `set_len`. Dropping it gives the block back.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::io::Write;
+    /// use pinned_pool::Pool;
+    /// let pool = Pool::new();
+    /// let mut bytes = pool.with_capacity(4096)?;
+    /// bytes.write_all(b"header")?;
+    /// assert_eq!(&bytes[..], b"header");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     ///
     /// # Errors
     ///
