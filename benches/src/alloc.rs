@@ -13,7 +13,8 @@ use cuda_pinned::{
 use pinned_pool::{Pool, PoolConfig};
 
 use crate::progress::Progress;
-use crate::report::{Section, Spread, Value, size_label};
+use crate::report::{Section, Value, size_label};
+use crate::stats::{self, Spread, gbps};
 
 /// Sizes measured.
 pub fn sizes(quick: bool) -> Vec<usize> {
@@ -48,9 +49,11 @@ const CHUNKS_16: &str = "registered in 16 MiB chunks";
 const CHUNKS_32: &str = "registered in 32 MiB chunks";
 const CHUNKS_64: &str = "registered in 64 MiB chunks";
 
-fn median(mut values: Vec<Duration>) -> Duration {
-    values.sort();
-    values[values.len() / 2]
+/// The median of `values` (see [`stats::median`]).
+fn median(values: Vec<Duration>) -> Duration {
+    Duration::from_secs_f64(stats::median(
+        values.iter().map(Duration::as_secs_f64).collect(),
+    ))
 }
 
 /// Median time to allocate and to free `bytes` from `allocator`, over `reps` rounds.
@@ -634,7 +637,7 @@ fn touch_row<A: PinnedAllocator>(section: &mut Section, kind: &str, allocator: A
         let start = Instant::now();
         v.spare_capacity_mut()[..BYTES].fill(std::mem::MaybeUninit::new(value));
         std::hint::black_box(&mut v);
-        BYTES as f64 / start.elapsed().as_secs_f64() / 1e9
+        gbps(BYTES, start.elapsed().as_secs_f64())
     };
     let (first, second) = (write(1), write(2));
     section.row(vec![

@@ -14,6 +14,7 @@ use pinned_pool::Pool;
 
 use crate::progress::Progress;
 use crate::report::{Section, Value, size_label};
+use crate::stats::{gbps, median};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum Direction {
@@ -64,15 +65,6 @@ pub(crate) fn reps(bytes: usize, quick: bool) -> usize {
         (false, true) => 10,
         (false, false) => 30,
     }
-}
-
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
-}
-
-fn gbps(bytes: usize, ms: f64) -> f64 {
-    bytes as f64 / (ms * 1e-3) / 1e9
 }
 
 /// Holds a stream until opened, so that the start event, the copy and the end event are all
@@ -310,7 +302,7 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
         drop(copiers);
         for (d, direction) in DIRECTIONS.into_iter().enumerate() {
             let rate = |k: usize| {
-                (!times[k][d].is_empty()).then(|| gbps(bytes, median(times[k][d].clone())))
+                (!times[k][d].is_empty()).then(|| gbps(bytes, median(times[k][d].clone()) * 1e-3))
             };
             let baseline = rate(0);
             for (k, kind) in KINDS.iter().enumerate() {
@@ -436,7 +428,7 @@ fn time_both(
             times.push(end.elapsed_ms_since(&start)? as f64);
         }
     }
-    Ok(gbps(2 * bytes, median(times)))
+    Ok(gbps(2 * bytes, median(times) * 1e-3))
 }
 
 fn both_raw(

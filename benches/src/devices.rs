@@ -9,7 +9,8 @@ use cuda_pinned::{Device, DeviceBuffer, Event, PinnedVec, Registered, Result, St
 
 use crate::host;
 use crate::progress::Progress;
-use crate::report::{Section, Spread, Value, size_label};
+use crate::report::{Section, Value, size_label};
+use crate::stats::{self, Spread};
 
 fn bytes(quick: bool) -> usize {
     if quick { 64 << 20 } else { 256 << 20 }
@@ -58,7 +59,7 @@ fn h2d(
         // The copy's own event is done; `end`, recorded after it, may not be yet.
         end.synchronize()?;
         let ms = f64::from(end.elapsed_ms_since(&begin)?);
-        gbps.push(bytes as f64 / (ms * 1e-3) / 1e9);
+        gbps.push(stats::gbps(bytes, ms * 1e-3));
     }
     Ok((gbps, started.elapsed().as_secs_f64()))
 }
@@ -117,7 +118,7 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
         let (gbps, seconds) = alone(device, Registered::new(), bytes, reps)?;
         let spread = Spread::of(gbps);
         alone_medians.push(spread.median);
-        alone_host_rates.push((reps * bytes) as f64 / seconds / 1e9);
+        alone_host_rates.push(stats::gbps(reps * bytes, seconds));
         let mut row = head(device, "its node".into(), "alone");
         row.extend(spread.cells(1));
         row.push(Value::Missing);
@@ -149,7 +150,7 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
         row.push(Value::Num(100.0 * spread.median / alone, 1));
         section.row(row);
     }
-    let aggregate = (devices.len() * reps * bytes) as f64 / slowest / 1e9;
+    let aggregate = stats::gbps(devices.len() * reps * bytes, slowest);
     let sum_alone: f64 = alone_host_rates.iter().sum();
     section.row(vec![
         Value::Text("all".into()),

@@ -13,7 +13,8 @@ use pinned_loader::{
 };
 
 use crate::progress::Progress;
-use crate::report::{Section, Spread, Value};
+use crate::report::{Section, Value};
+use crate::stats::{Spread, gbps};
 
 const IMAGE: usize = 3 * 224 * 224;
 const IMAGES: usize = 1024;
@@ -514,7 +515,7 @@ fn host_memcpy(reps: usize) -> [Spread; 2] {
             barrier.wait();
             let start = Instant::now();
             barrier.wait();
-            rates[rep % 2].push(total as f64 / start.elapsed().as_secs_f64() / 1e9);
+            rates[rep % 2].push(gbps(total, start.elapsed().as_secs_f64()));
         }
     });
     rates.map(Spread::of)

@@ -9,113 +9,90 @@ mod host;
 mod info;
 mod loader;
 mod memcpy;
-mod plot;
 mod pool;
 mod progress;
-mod report;
 mod staged;
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 
+use clap::{Parser, Subcommand};
+use pinned_bench::{context, plot, report, stats};
 use progress::Progress;
 use report::Report;
 
-const USAGE: &str = "\
-usage: pinned-bench [SUBCOMMAND] [--quick] [--json] [--plot FILE.svg]
-
-subcommands:
-  all        everything this machine supports (the default)
-  info       the CUDA runtime, driver and devices found, and the host's memory facts
-  bandwidth  H2D, D2H and both at once, 4 KiB to 1 GiB, per kind of memory, against raw CUDA;
-             then the staged rows
-  devices    each GPU's H2D bandwidth alone and all GPUs at once; each GPU from each NUMA node
-  staged     copies from ordinary memory through the staging ring, against the driver's path
-             and page-locked memory; a sweep of chunk sizes and thread counts
-  alloc      cost of getting pinned memory per kind and size; another thread's stall
-  pool       the caching pool: warm latency, threads, memory waste
-  loader     the data loader: batches/s to the GPU by workers, device gather
-  help       this message
-
-options:
-  --quick          a short run (fewer sizes and repetitions)
-  --json           print one JSON document instead of tables
-  --plot FILE.svg  also draw bandwidth and allocation latency against size
-";
-
-#[derive(Debug, PartialEq, Eq)]
+/// What page-locked memory buys on this machine: copies, allocation, the pool.
+#[derive(Debug, Parser, PartialEq, Eq)]
+#[command(name = "pinned-bench", version)]
 struct Options {
-    command: String,
+    /// What to measure (everything this machine supports by default).
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// A short run (fewer sizes and repetitions).
+    #[arg(long, global = true)]
     quick: bool,
+    /// Print one JSON document instead of tables.
+    #[arg(long, global = true)]
     json: bool,
-    plot: Option<String>,
+    /// Also draw bandwidth and allocation latency against size, as SVG.
+    #[arg(long, global = true, value_name = "FILE")]
+    plot: Option<PathBuf>,
+    /// Also write the JSON record to DIR/<date>-<gpu>-<commit>.json.
+    #[arg(long, global = true, value_name = "DIR")]
+    record: Option<PathBuf>,
 }
 
-fn parse(args: &[String]) -> Result<Options, String> {
-    let mut options = Options {
-        command: "all".into(),
-        quick: false,
-        json: false,
-        plot: None,
-    };
-    let mut command = None;
-    let mut rest = args.iter();
-    while let Some(arg) = rest.next() {
-        match arg.as_str() {
-            "--quick" => options.quick = true,
-            "--json" => options.json = true,
-            "--plot" => options.plot = Some(rest.next().ok_or("--plot needs a file name")?.clone()),
-            "-h" | "--help" => command = Some("help".to_owned()),
-            flag if flag.starts_with('-') => return Err(format!("unknown option {flag}")),
-            name => {
-                if command.is_some() {
-                    return Err(format!("unexpected argument {name}"));
-                }
-                if ![
-                    "all",
-                    "info",
-                    "bandwidth",
-                    "devices",
-                    "staged",
-                    "alloc",
-                    "pool",
-                    "loader",
-                    "help",
-                ]
-                .contains(&name)
-                {
-                    return Err(format!("unknown subcommand {name}"));
-                }
-                command = Some(name.to_owned());
-            }
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Subcommand)]
+enum Command {
+    /// Everything this machine supports (the default).
+    All,
+    /// The CUDA runtime, driver and devices found, and the host's memory facts.
+    Info,
+    /// H2D, D2H and both at once, 4 KiB to 1 GiB, per kind of memory, against raw CUDA; then
+    /// the staged rows.
+    Bandwidth,
+    /// Each GPU's H2D bandwidth alone and all GPUs at once; each GPU from each NUMA node.
+    Devices,
+    /// Copies from ordinary memory through the staging ring, against the driver's path and
+    /// page-locked memory; a sweep of chunk sizes and thread counts.
+    Staged,
+    /// Cost of getting pinned memory per kind and size; another thread's stall.
+    Alloc,
+    /// The caching pool: warm latency, threads, memory waste.
+    Pool,
+    /// The data loader: batches/s to the GPU by workers, device gather.
+    Loader,
+}
+
+impl Command {
+    fn name(self) -> &'static str {
+        match self {
+            Self::All => "all",
+            Self::Info => "info",
+            Self::Bandwidth => "bandwidth",
+            Self::Devices => "devices",
+            Self::Staged => "staged",
+            Self::Alloc => "alloc",
+            Self::Pool => "pool",
+            Self::Loader => "loader",
         }
     }
-    if let Some(command) = command {
-        options.command = command;
-    }
-    Ok(options)
 }
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let options = match parse(&args) {
-        Ok(options) => options,
-        Err(message) => {
-            eprintln!("pinned-bench: {message}\n\n{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
-    if options.command == "help" {
-        print!("{USAGE}");
-        return ExitCode::SUCCESS;
-    }
-    let report = run(&options);
+    let args: Vec<String> = std::env::args().collect();
+    let options = Options::parse_from(&args);
+    let command = options.command.unwrap_or(Command::All).name();
+    let mut report = run(command, options.quick);
+    report.date = context::today();
+    report.commit = context::COMMIT.to_owned();
+    report.command = context::command_line(&args);
     if options.json {
         print!("{}", report.to_json());
     } else {
-        if options.command != "info" {
+        if command != "info" {
             println!(
-                "pinned-bench {}{}",
-                options.command,
+                "pinned-bench {command}{}",
                 if options.quick { " --quick" } else { "" }
             );
         }
@@ -129,29 +106,41 @@ fn main() -> ExitCode {
     }
     if let Some(path) = &options.plot {
         if let Err(e) = std::fs::write(path, plot::svg(&report)) {
-            eprintln!("pinned-bench: cannot write {path}: {e}");
+            eprintln!("pinned-bench: cannot write {}: {e}", path.display());
             return ExitCode::FAILURE;
         }
         if !options.json {
-            println!("\nplot written to {path}");
+            println!("\nplot written to {}", path.display());
+        }
+    }
+    if let Some(dir) = &options.record {
+        let path = dir.join(context::record_name(&report));
+        if let Err(e) =
+            std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&path, report.to_json()))
+        {
+            eprintln!("pinned-bench: cannot write {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+        if !options.json {
+            println!("\nrecord written to {}", path.display());
         }
     }
     ExitCode::SUCCESS
 }
 
-fn run(options: &Options) -> Report {
+fn run(command: &str, quick: bool) -> Report {
     let mut report = Report {
         machine: info::facts(),
         ..Report::default()
     };
-    if options.command == "info" {
+    if command == "info" {
         return report;
     }
     let cuda = cuda_pinned::is_available();
-    let (all, command) = (options.command == "all", options.command.as_str());
+    let all = command == "all";
     let mut steps = 0;
     if (all || command == "bandwidth") && cuda {
-        steps += bandwidth::steps(options.quick);
+        steps += bandwidth::steps(quick);
     }
     let gpus = cuda_pinned::device_count().unwrap_or(0);
     if (all || command == "devices") && cuda {
@@ -159,10 +148,10 @@ fn run(options: &Options) -> Report {
     }
     let staged = all || command == "bandwidth" || command == "staged";
     if staged && cuda {
-        steps += staged::steps(options.quick);
+        steps += staged::steps(quick);
     }
     if all || command == "alloc" {
-        steps += alloc::steps(options.quick, cuda);
+        steps += alloc::steps(quick, cuda);
     }
     if all || command == "pool" {
         steps += pool::steps();
@@ -188,19 +177,19 @@ fn run(options: &Options) -> Report {
         report.skipped.push(format!("GPU parts skipped: {why}"));
     }
     if (all || command == "bandwidth") && cuda {
-        match bandwidth::run(options.quick, &mut progress) {
+        match bandwidth::run(quick, &mut progress) {
             Ok(section) => report.sections.push(section),
             Err(e) => report.skipped.push(format!("bandwidth failed: {e}")),
         }
     }
     if (all || command == "devices") && cuda {
-        match devices::run(options.quick, &mut progress) {
+        match devices::run(quick, &mut progress) {
             Ok(section) => report.sections.push(section),
             Err(e) => report.skipped.push(format!("devices failed: {e}")),
         }
     }
     if staged && cuda {
-        match staged::run(options.quick, &mut progress) {
+        match staged::run(quick, &mut progress) {
             Ok(section) => report.sections.push(section),
             Err(e) => report.skipped.push(format!("staged copies failed: {e}")),
         }
@@ -208,22 +197,16 @@ fn run(options: &Options) -> Report {
     if all || command == "alloc" {
         report
             .sections
-            .extend(alloc::run(options.quick, cuda, &mut progress));
+            .extend(alloc::run(quick, cuda, &mut progress));
     }
     if all && !cuda {
-        report
-            .sections
-            .push(memcpy::run(options.quick, &mut progress));
+        report.sections.push(memcpy::run(quick, &mut progress));
     }
     if all || command == "pool" {
-        report
-            .sections
-            .extend(pool::run(options.quick, &mut progress));
+        report.sections.extend(pool::run(quick, &mut progress));
     }
     if all || command == "loader" {
-        report
-            .sections
-            .extend(loader::run(options.quick, &mut progress));
+        report.sections.extend(loader::run(quick, &mut progress));
     }
     progress.finish();
     report
@@ -231,45 +214,47 @@ fn run(options: &Options) -> Report {
 
 #[cfg(test)]
 mod tests {
+    use clap::CommandFactory;
+
     use super::*;
 
-    fn args(list: &[&str]) -> Vec<String> {
-        list.iter().map(|s| (*s).to_owned()).collect()
+    fn parse(args: &[&str]) -> Result<Options, clap::Error> {
+        Options::try_parse_from(["pinned-bench"].iter().chain(args))
+    }
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Options::command().debug_assert();
     }
 
     #[test]
     fn parses_subcommands_and_options() {
-        let o = parse(&args(&["pool", "--quick", "--plot", "x.svg"])).unwrap();
+        let o = parse(&["pool", "--quick", "--plot", "x.svg"]).unwrap();
         assert_eq!(
             o,
             Options {
-                command: "pool".into(),
+                command: Some(Command::Pool),
                 quick: true,
                 json: false,
-                plot: Some("x.svg".into())
+                plot: Some("x.svg".into()),
+                record: None,
             }
         );
-        assert_eq!(parse(&[]).unwrap().command, "all");
-        assert!(parse(&args(&["--json"])).unwrap().json);
+        assert_eq!(parse(&[]).unwrap().command, None);
+        assert!(parse(&["--json"]).unwrap().json);
+        let o = parse(&["--record", "benches/results", "loader"]).unwrap();
+        assert_eq!(o.record, Some("benches/results".into()));
+        assert_eq!(o.command, Some(Command::Loader));
     }
 
     #[test]
     fn rejects_bad_arguments() {
-        assert!(
-            parse(&args(&["bogus"]))
-                .unwrap_err()
-                .contains("unknown subcommand")
-        );
-        assert!(parse(&args(&["--plot"])).unwrap_err().contains("file name"));
-        assert!(
-            parse(&args(&["--fast"]))
-                .unwrap_err()
-                .contains("unknown option")
-        );
-        assert!(
-            parse(&args(&["pool", "alloc"]))
-                .unwrap_err()
-                .contains("unexpected")
-        );
+        use clap::error::ErrorKind;
+        let kind = |args: &[&str]| parse(args).unwrap_err().kind();
+        assert_eq!(kind(&["bogus"]), ErrorKind::InvalidSubcommand);
+        assert_eq!(kind(&["--plot"]), ErrorKind::InvalidValue);
+        assert_eq!(kind(&["--fast"]), ErrorKind::UnknownArgument);
+        assert_eq!(kind(&["pool", "alloc"]), ErrorKind::UnknownArgument);
+        assert_eq!(kind(&["--help"]), ErrorKind::DisplayHelp);
     }
 }

@@ -7,6 +7,7 @@ use cuda_pinned::{HostLocked, PinnedVec};
 
 use crate::progress::Progress;
 use crate::report::{Section, Value, size_label};
+use crate::stats::gbps;
 
 const SIZES: [usize; 4] = [1 << 20, 16 << 20, 64 << 20, 256 << 20];
 
@@ -39,7 +40,7 @@ pub fn run(quick: bool, progress: &mut Progress) -> Section {
             .map(|_| {
                 let start = Instant::now();
                 target.copy_from_slice(std::hint::black_box(&source));
-                bytes as f64 / start.elapsed().as_secs_f64() / 1e9
+                gbps(bytes, start.elapsed().as_secs_f64())
             })
             .collect();
         rates.sort_by(f64::total_cmp);

@@ -12,7 +12,8 @@ use cuda_pinned::PinnedVec;
 use pinned_pool::Pool;
 
 use crate::progress::Progress;
-use crate::report::{Section, Spread, Value, size_label};
+use crate::report::{Section, Value, size_label};
+use crate::stats::Spread;
 
 const SIZES: [usize; 4] = [64, 4096, 1 << 20, 64 << 20];
 /// The set PyTorch reserves 1.85× for: 1.1 GiB + 300 MiB + 3 MB + 5 KB.

@@ -1,47 +1,45 @@
-//! A one-line progress bar on standard error, shown only when standard output is a terminal.
+//! A one-line progress bar on standard error, shown only when standard output and standard
+//! error are both a terminal.
 
-use std::io::Write;
+use std::io::IsTerminal;
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// Counts work items and redraws the bar.
 pub struct Progress {
-    shown: bool,
-    total: usize,
-    done: usize,
+    bar: ProgressBar,
 }
 
 impl Progress {
-    /// A bar over `total` items; silent unless stdout is a terminal.
+    /// A bar over `total` items; silent unless stdout and stderr are a terminal.
     pub fn new(total: usize) -> Self {
-        // SAFETY: isatty only inspects the descriptor.
-        let terminal = unsafe { libc::isatty(1) == 1 && libc::isatty(2) == 1 };
-        Self {
-            shown: terminal,
-            total: total.max(1),
-            done: 0,
-        }
+        let shown = std::io::stdout().is_terminal() && std::io::stderr().is_terminal();
+        let bar = ProgressBar::with_draw_target(
+            Some(total.max(1) as u64),
+            if shown {
+                ProgressDrawTarget::stderr()
+            } else {
+                ProgressDrawTarget::hidden()
+            },
+        );
+        bar.set_style(
+            ProgressStyle::with_template("[{bar:30}] {pos}/{len} {msg}")
+                .expect("a valid template")
+                .progress_chars("## "),
+        );
+        Self { bar }
     }
 
     /// Marks the start of the next item, named `what`.
     pub fn step(&mut self, what: &str) {
-        self.done = (self.done + 1).min(self.total);
-        if self.shown {
-            let filled = 30 * self.done / self.total;
-            eprint!(
-                "\r\x1b[2K[{}{}] {}/{} {what}",
-                "#".repeat(filled),
-                " ".repeat(30 - filled),
-                self.done,
-                self.total
-            );
-            let _ = std::io::stderr().flush();
+        if self.bar.position() < self.bar.length().unwrap_or(0) {
+            self.bar.inc(1);
         }
+        self.bar.set_message(what.to_owned());
     }
 
     /// Clears the bar.
     pub fn finish(&mut self) {
-        if self.shown {
-            eprint!("\r\x1b[2K");
-            let _ = std::io::stderr().flush();
-        }
+        self.bar.finish_and_clear();
     }
 }

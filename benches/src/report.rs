@@ -1,14 +1,17 @@
 //! What a run found: sections of rows, rendered as terminal tables or one JSON document.
 
-use std::fmt::Write as _;
+use comfy_table::{CellAlignment, Table};
+use serde::{Deserialize, Serialize};
 
-/// One cell.
-#[derive(Clone, Debug, PartialEq)]
+/// One cell. In JSON: text as a string, a measurement as `[value, decimals]`, a count as a
+/// number, and `null` for what was not measured.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
 pub enum Value {
     /// Free text.
     Text(String),
     /// A measurement, shown with this many decimals.
-    Num(f64, usize),
+    Num(#[serde(with = "finite")] f64, usize),
     /// A count or a size in bytes.
     Int(u64),
     /// Not measured (unsupported here, or failed).
@@ -25,15 +28,6 @@ impl Value {
         }
     }
 
-    fn json(&self) -> String {
-        match self {
-            Self::Text(t) => json_string(t),
-            Self::Num(v, _) if v.is_finite() => format!("{v}"),
-            Self::Int(v) => v.to_string(),
-            Self::Num(..) | Self::Missing => "null".to_owned(),
-        }
-    }
-
     /// The number in the cell, if any.
     pub fn number(&self) -> Option<f64> {
         match self {
@@ -41,45 +35,6 @@ impl Value {
             Self::Int(v) => Some(*v as f64),
             _ => None,
         }
-    }
-}
-
-/// The spread of repeated measurements: the smallest, the median and the largest.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Spread {
-    /// Smallest.
-    pub min: f64,
-    /// Median (the mean of the middle two for an even count).
-    pub median: f64,
-    /// Largest.
-    pub max: f64,
-}
-
-impl Spread {
-    /// The spread of `values` (at least one).
-    pub fn of(mut values: Vec<f64>) -> Self {
-        assert!(!values.is_empty(), "a spread of nothing");
-        values.sort_by(f64::total_cmp);
-        let n = values.len();
-        let median = if n % 2 == 1 {
-            values[n / 2]
-        } else {
-            (values[n / 2 - 1] + values[n / 2]) / 2.0
-        };
-        Self {
-            min: values[0],
-            median,
-            max: values[n - 1],
-        }
-    }
-
-    /// Three cells: min, median, max, with `decimals` decimals.
-    pub fn cells(self, decimals: usize) -> [Value; 3] {
-        [
-            Value::Num(self.min, decimals),
-            Value::Num(self.median, decimals),
-            Value::Num(self.max, decimals),
-        ]
     }
 }
 
@@ -99,8 +54,11 @@ pub fn size_label(bytes: u64) -> String {
     }
 }
 
+/// comfy-table's preset: no borders and no lines but the one under the header.
+const PRESET: &str = "     -             ";
+
 /// A table of results.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Section {
     /// Machine-readable name, such as `bandwidth`.
     pub name: String,
@@ -132,53 +90,57 @@ impl Section {
         self.rows.push(cells);
     }
 
-    /// The table as text, columns aligned.
+    /// The table as text, columns aligned: the first to the left, the others to the right.
     pub fn render(&self) -> String {
-        let cells: Vec<Vec<String>> = self
-            .rows
-            .iter()
-            .map(|r| r.iter().map(Value::display).collect())
-            .collect();
-        let widths: Vec<usize> = (0..self.columns.len())
-            .map(|c| {
-                cells
+        let mut table = Table::new();
+        // No borders or colors: columns apart by two spaces, the header underlined.
+        table
+            .load_preset(PRESET)
+            .set_header(&self.columns)
+            .add_rows(
+                self.rows
                     .iter()
-                    .map(|r| r[c].len())
-                    .chain([self.columns[c].len()])
-                    .max()
-                    .unwrap_or(0)
-            })
-            .collect();
+                    .map(|r| r.iter().map(Value::display).collect::<Vec<_>>()),
+            );
+        for (i, column) in table.column_iter_mut().enumerate() {
+            column.set_padding((2, 0));
+            if i > 0 {
+                column.set_cell_alignment(CellAlignment::Right);
+            }
+        }
         let mut out = format!("\n{}\n", self.title);
-        let line = |out: &mut String, row: &[String]| {
-            let text: Vec<String> = row
-                .iter()
-                .enumerate()
-                .map(|(c, v)| {
-                    if c == 0 {
-                        format!("{v:<w$}", w = widths[c])
-                    } else {
-                        format!("{v:>w$}", w = widths[c])
-                    }
-                })
-                .collect();
-            let _ = writeln!(out, "  {}", text.join("  "));
-        };
-        line(&mut out, &self.columns);
-        for row in &cells {
-            line(&mut out, row);
+        for line in table.lines() {
+            // The header's line starts under the first column's text, not its padding.
+            let line = match line.strip_prefix("--") {
+                Some(rest) => format!("  {rest}"),
+                None => line,
+            };
+            out.push_str(line.trim_end());
+            out.push('\n');
         }
         for note in &self.notes {
-            let _ = writeln!(out, "  {note}");
+            out.push_str("  ");
+            out.push_str(note);
+            out.push('\n');
         }
         out
     }
 }
 
 /// Everything one run measured.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Report {
+    /// The date of the run, `YYYY-MM-DD`.
+    #[serde(default)]
+    pub date: String,
+    /// The commit the tool was built from (see [`crate::context::COMMIT`]).
+    #[serde(default)]
+    pub commit: String,
+    /// The command line as run.
+    #[serde(default)]
+    pub command: String,
     /// Facts about the machine (`info`), as key/value pairs.
+    #[serde(with = "pairs")]
     pub machine: Vec<(String, String)>,
     /// Results.
     pub sections: Vec<Section>,
@@ -192,100 +154,130 @@ impl Report {
         self.sections.iter().find(|s| s.name == name)
     }
 
-    /// The whole report as one JSON document.
+    /// The whole report as one JSON document (a record: [`Report::from_json`] reads it back).
     pub fn to_json(&self) -> String {
-        let machine: Vec<String> = self
-            .machine
-            .iter()
-            .map(|(k, v)| format!("{}:{}", json_string(k), json_string(v)))
-            .collect();
-        let sections: Vec<String> = self
-            .sections
-            .iter()
-            .map(|s| {
-                let columns: Vec<String> = s.columns.iter().map(|c| json_string(c)).collect();
-                let rows: Vec<String> = s
-                    .rows
-                    .iter()
-                    .map(|r| {
-                        format!(
-                            "[{}]",
-                            r.iter().map(Value::json).collect::<Vec<_>>().join(",")
-                        )
-                    })
-                    .collect();
-                let notes: Vec<String> = s.notes.iter().map(|n| json_string(n)).collect();
-                format!(
-                    "{{\"name\":{},\"title\":{},\"columns\":[{}],\"rows\":[{}],\"notes\":[{}]}}",
-                    json_string(&s.name),
-                    json_string(&s.title),
-                    columns.join(","),
-                    rows.join(","),
-                    notes.join(",")
-                )
-            })
-            .collect();
-        let skipped: Vec<String> = self.skipped.iter().map(|s| json_string(s)).collect();
-        format!(
-            "{{\"machine\":{{{}}},\"sections\":[{}],\"skipped\":[{}]}}\n",
-            machine.join(","),
-            sections.join(","),
-            skipped.join(",")
-        )
+        let mut json = serde_json::to_string(self).expect("a report serializes");
+        json.push('\n');
+        json
+    }
+
+    /// A report from a JSON document written by [`Report::to_json`].
+    pub fn from_json(json: &str) -> serde_json::Result<Self> {
+        serde_json::from_str(json)
     }
 }
 
-fn json_string(text: &str) -> String {
-    let mut out = String::with_capacity(text.len() + 2);
-    out.push('"');
-    for c in text.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
+/// (key, value) pairs as a JSON object, in their order.
+mod pairs {
+    use std::fmt;
+
+    use serde::de::{MapAccess, Visitor};
+    use serde::{Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(pairs: &[(String, String)], s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(pairs.iter().map(|(k, v)| (k, v)))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<(String, String)>, D::Error> {
+        struct Pairs;
+        impl<'de> Visitor<'de> for Pairs {
+            type Value = Vec<(String, String)>;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an object of strings")
             }
-            c => out.push(c),
+
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut pairs = Vec::new();
+                while let Some(pair) = map.next_entry()? {
+                    pairs.push(pair);
+                }
+                Ok(pairs)
+            }
+        }
+        d.deserialize_map(Pairs)
+    }
+}
+
+/// A measurement as a JSON number; one that is not finite as `null` (read back as NaN).
+mod finite {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(value: &f64, s: S) -> Result<S::Ok, S::Error> {
+        if value.is_finite() {
+            s.serialize_f64(*value)
+        } else {
+            s.serialize_none()
         }
     }
-    out.push('"');
-    out
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn spreads_sort_and_take_the_middle() {
-        let spread = Spread::of(vec![5.0, 1.0, 3.0]);
-        assert_eq!((spread.min, spread.median, spread.max), (1.0, 3.0, 5.0));
-        assert_eq!(Spread::of(vec![4.0, 1.0, 2.0, 3.0]).median, 2.5);
-    }
-
-    #[test]
-    fn tables_align_and_json_escapes() {
+    fn example() -> Report {
         let mut section = Section::new("s", "A \"title\"", &["kind", "GB/s"]);
         section.row(vec![Value::Text("raw".into()), Value::Num(55.123, 1)]);
         section.row(vec![Value::Text("pageable".into()), Value::Missing]);
+        section.row(vec![Value::Text("count".into()), Value::Int(7)]);
         section.notes.push("two\nlines".into());
-        let text = section.render();
+        Report {
+            date: "2026-11-22".into(),
+            commit: "1dc3c9a".into(),
+            command: "pinned-bench --quick".into(),
+            machine: vec![("gpu".into(), "H100".into()), ("cpus".into(), "16".into())],
+            sections: vec![section],
+            skipped: vec!["GPU parts skipped".into()],
+        }
+    }
+
+    #[test]
+    fn tables_align() {
+        let text = example().sections[0].render();
+        assert!(text.starts_with("\nA \"title\"\n"), "{text}");
         assert!(
-            text.contains("  raw       55.1\n  pageable     -\n"),
+            text.contains("  raw       55.1\n  pageable     -\n  count        7\n"),
             "{text}"
         );
-        let report = Report {
-            machine: vec![("gpu".into(), "H100".into())],
-            sections: vec![section],
-            skipped: vec![],
-        };
+        assert!(text.ends_with("  two\nlines\n"), "{text}");
+    }
+
+    #[test]
+    fn json_escapes_and_reads_back() {
+        let report = example();
         let json = report.to_json();
         assert!(json.contains(r#""title":"A \"title\"""#), "{json}");
-        assert!(json.contains(r#"["raw",55.123]"#), "{json}");
-        assert!(json.contains(r#"["pageable",null]"#), "{json}");
+        assert!(
+            json.contains(r#"[["raw",[55.123,1]],["pageable",null],["count",7]]"#),
+            "{json}"
+        );
         assert!(json.contains(r#""notes":["two\nlines"]"#), "{json}");
-        assert!(json.starts_with(r#"{"machine":{"gpu":"H100"}"#), "{json}");
+        assert!(
+            json.starts_with(
+                r#"{"date":"2026-11-22","commit":"1dc3c9a","command":"pinned-bench --quick","machine":{"gpu":"H100","cpus":"16"}"#
+            ),
+            "{json}"
+        );
+        assert_eq!(Report::from_json(&json).unwrap(), report);
+    }
+
+    #[test]
+    fn measurements_that_are_not_finite_are_null() {
+        let mut section = Section::new("s", "t", &["x"]);
+        section.row(vec![Value::Num(f64::NAN, 1)]);
+        let report = Report {
+            sections: vec![section],
+            ..Report::default()
+        };
+        let json = report.to_json();
+        assert!(json.contains("[[[null,1]]]"), "{json}");
+        let back = Report::from_json(&json).unwrap();
+        assert!(matches!(back.sections[0].rows[0][0], Value::Num(v, 1) if v.is_nan()));
     }
 
     #[test]

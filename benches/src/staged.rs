@@ -15,7 +15,8 @@ use cuda_pinned::{
 
 use crate::bandwidth::{Direction, raw_copy, reps};
 use crate::progress::Progress;
-use crate::report::{Section, Spread, Value, size_label};
+use crate::report::{Section, Value, size_label};
+use crate::stats::{Spread, gbps};
 
 fn sizes(quick: bool) -> Vec<usize> {
     if quick {
@@ -40,10 +41,6 @@ fn sizes(quick: bool) -> Vec<usize> {
 /// Work items, for the progress bar.
 pub fn steps(quick: bool) -> usize {
     sizes(quick).len() + if quick { 3 } else { 6 }
-}
-
-fn gbps(bytes: usize, seconds: f64) -> f64 {
-    bytes as f64 / seconds / 1e9
 }
 
 /// Seconds `copy` takes, on the host clock.
