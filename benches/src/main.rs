@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use pinned_bench::{context, plot, report, stats};
+use pinned_bench::{context, plot, report, results, stats};
 use progress::Progress;
 use report::Report;
 
@@ -42,7 +42,7 @@ struct Options {
     record: Option<PathBuf>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Subcommand)]
+#[derive(Clone, Debug, PartialEq, Eq, Subcommand)]
 enum Command {
     /// Everything this machine supports (the default).
     All,
@@ -62,10 +62,18 @@ enum Command {
     Pool,
     /// The data loader: batches/s to the GPU by workers, device gather.
     Loader,
+    /// Writes benches/RESULTS.md, benches/RESULTS.svg and the README's figures from a record.
+    Results {
+        /// The record (JSON written by --record).
+        record: PathBuf,
+        /// The workspace to write into (the one this tool was built from by default).
+        #[arg(long, value_name = "DIR")]
+        root: Option<PathBuf>,
+    },
 }
 
 impl Command {
-    fn name(self) -> &'static str {
+    fn name(&self) -> &'static str {
         match self {
             Self::All => "all",
             Self::Info => "info",
@@ -75,6 +83,7 @@ impl Command {
             Self::Alloc => "alloc",
             Self::Pool => "pool",
             Self::Loader => "loader",
+            Self::Results { .. } => "results",
         }
     }
 }
@@ -82,7 +91,25 @@ impl Command {
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     let options = Options::parse_from(&args);
-    let command = options.command.unwrap_or(Command::All).name();
+    if let Some(Command::Results { record, root }) = &options.command {
+        let root = root
+            .clone()
+            .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".."));
+        return match results::write(record, &root) {
+            Ok(()) => {
+                println!(
+                    "RESULTS.md, RESULTS.svg and the README's figures written from {}",
+                    record.display()
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("pinned-bench: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let command = options.command.as_ref().unwrap_or(&Command::All).name();
     let mut report = run(command, options.quick);
     report.date = context::today();
     report.commit = context::COMMIT.to_owned();
@@ -245,6 +272,14 @@ mod tests {
         let o = parse(&["--record", "benches/results", "loader"]).unwrap();
         assert_eq!(o.record, Some("benches/results".into()));
         assert_eq!(o.command, Some(Command::Loader));
+        let o = parse(&["results", "r.json"]).unwrap();
+        assert_eq!(
+            o.command,
+            Some(Command::Results {
+                record: "r.json".into(),
+                root: None
+            })
+        );
     }
 
     #[test]

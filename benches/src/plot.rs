@@ -42,7 +42,8 @@ fn series(
     out
 }
 
-fn parse_size(label: &str) -> Option<f64> {
+/// `1 MiB` → 1048576.0: a size label (see [`crate::report::size_label`]) read back.
+pub fn parse_size(label: &str) -> Option<f64> {
     let (number, unit) = label.split_once(' ')?;
     let scale = match unit {
         "B" => 1.0,

@@ -1,0 +1,518 @@
+//! The goals a run is held to: each names the figure of the report it reads, what that figure
+//! is compared with (a reference measured in the same run, or a constant anchor), and the
+//! goal. `RESULTS.md` and the README's figures are generated from this list.
+
+use crate::plot::parse_size;
+use crate::report::{Report, Value};
+use crate::stats::median;
+
+/// What a row's cell in one column must hold for the row to be read.
+#[derive(Clone, Copy, Debug)]
+pub enum Pick {
+    /// This text.
+    Is(&'static str),
+    /// One of these texts.
+    OneOf(&'static [&'static str]),
+    /// A size label of at least this many bytes.
+    SizeFrom(u64),
+    /// A size label from the first to the second number of bytes, both included.
+    SizeIn(u64, u64),
+}
+
+impl Pick {
+    fn matches(self, cell: &Value) -> bool {
+        let Value::Text(text) = cell else {
+            return false;
+        };
+        let size = || parse_size(text);
+        match self {
+            Self::Is(want) => text == want,
+            Self::OneOf(list) => list.contains(&text.as_str()),
+            Self::SizeFrom(low) => size().is_some_and(|s| s >= low as f64),
+            Self::SizeIn(low, high) => size().is_some_and(|s| s >= low as f64 && s <= high as f64),
+        }
+    }
+}
+
+/// Which columns hold the figure.
+#[derive(Clone, Copy, Debug)]
+pub enum Columns {
+    /// One column: the figure is the median of the rows read, from their least to their
+    /// largest.
+    One(&'static str),
+    /// The min, median and max columns of a spread; over several rows, the median of the
+    /// medians, from the least min to the largest max.
+    Spread(&'static str, &'static str, &'static str),
+}
+
+/// Where a figure is in a report: the section, the rows (by the cells they hold) and the
+/// columns.
+#[derive(Clone, Copy, Debug)]
+pub struct Read {
+    /// The section's name.
+    pub section: &'static str,
+    /// The rows read: each (column, what its cell holds).
+    pub rows: &'static [(&'static str, Pick)],
+    /// The columns read.
+    pub columns: Columns,
+}
+
+/// A figure as measured: its median, from its least to its largest value.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Measured {
+    /// The median.
+    pub median: f64,
+    /// The least.
+    pub min: f64,
+    /// The largest.
+    pub max: f64,
+}
+
+impl Measured {
+    /// `median (min–max)` with `decimals` decimals; only the median where all are the same.
+    pub fn show(&self, decimals: usize) -> String {
+        let [median, min, max] =
+            [self.median, self.min, self.max].map(|v| format!("{v:.decimals$}"));
+        if min == max {
+            median
+        } else {
+            format!("{median} ({min}–{max})")
+        }
+    }
+}
+
+impl Read {
+    /// The figure in `report`, if the run measured it.
+    pub fn measure(&self, report: &Report) -> Option<Measured> {
+        let section = report.section(self.section)?;
+        let column = |name: &str| section.columns.iter().position(|c| c == name);
+        let picks: Vec<(usize, Pick)> = self
+            .rows
+            .iter()
+            .map(|&(name, pick)| Some((column(name)?, pick)))
+            .collect::<Option<_>>()?;
+        let rows = section.rows.iter().filter(|row| {
+            picks
+                .iter()
+                .all(|&(c, pick)| row.get(c).is_some_and(|v| pick.matches(v)))
+        });
+        let number =
+            |row: &[Value], c: usize| row.get(c).and_then(Value::number).filter(|v| v.is_finite());
+        match self.columns {
+            Columns::One(name) => {
+                let c = column(name)?;
+                let values: Vec<f64> = rows.filter_map(|row| number(row, c)).collect();
+                (!values.is_empty()).then(|| Measured {
+                    median: median(values.clone()),
+                    min: values.iter().copied().fold(f64::INFINITY, f64::min),
+                    max: values.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+                })
+            }
+            Columns::Spread(min, mid, max) => {
+                let [min, mid, max] = [column(min)?, column(mid)?, column(max)?];
+                let spreads: Vec<[f64; 3]> = rows
+                    .filter_map(|row| {
+                        Some([number(row, min)?, number(row, mid)?, number(row, max)?])
+                    })
+                    .collect();
+                (!spreads.is_empty()).then(|| Measured {
+                    median: median(spreads.iter().map(|s| s[1]).collect()),
+                    min: spreads.iter().map(|s| s[0]).fold(f64::INFINITY, f64::min),
+                    max: spreads
+                        .iter()
+                        .map(|s| s[2])
+                        .fold(f64::NEG_INFINITY, f64::max),
+                })
+            }
+        }
+    }
+}
+
+/// How a goal's figure is made from the report.
+#[derive(Clone, Copy, Debug)]
+pub enum Figure {
+    /// Read as it is.
+    Read(Read),
+    /// The first as a percentage of the second's median.
+    PercentOf(Read, Read),
+}
+
+impl Figure {
+    /// The figure in `report`, if the run measured it.
+    pub fn measure(&self, report: &Report) -> Option<Measured> {
+        match self {
+            Self::Read(read) => read.measure(report),
+            Self::PercentOf(part, whole) => {
+                let (part, whole) = (part.measure(report)?, whole.measure(report)?.median);
+                (whole > 0.0).then(|| Measured {
+                    median: 100.0 * part.median / whole,
+                    min: 100.0 * part.min / whole,
+                    max: 100.0 * part.max / whole,
+                })
+            }
+        }
+    }
+}
+
+/// What a figure is compared with.
+#[derive(Clone, Copy, Debug)]
+pub enum Reference {
+    /// A constant figure measured elsewhere (such as PyTorch on the same host).
+    Anchor(&'static str),
+    /// A figure measured in the same run: its name, where it is, its unit and decimals.
+    Same(&'static str, Read, &'static str, usize),
+}
+
+/// Where the figure must be.
+#[derive(Clone, Copy, Debug)]
+pub enum Target {
+    /// At least this.
+    AtLeast(f64),
+    /// At most this.
+    AtMost(f64),
+}
+
+impl Target {
+    /// Whether `value` meets the target.
+    pub fn met(self, value: f64) -> bool {
+        match self {
+            Self::AtLeast(low) => value >= low,
+            Self::AtMost(high) => value <= high,
+        }
+    }
+}
+
+/// One goal: a row of `RESULTS.md`'s table.
+#[derive(Clone, Copy, Debug)]
+pub struct Goal {
+    /// What is measured.
+    pub name: &'static str,
+    /// Where the figure comes from.
+    pub figure: Figure,
+    /// The figure's unit, as written after it.
+    pub unit: &'static str,
+    /// Decimals shown.
+    pub decimals: usize,
+    /// What it is compared with.
+    pub reference: &'static [Reference],
+    /// The goal, met by the figure's median.
+    pub target: Target,
+    /// The goal as written.
+    pub goal: &'static str,
+    /// Whether the README's figures table shows it.
+    pub readme: bool,
+}
+
+const MIB: u64 = 1 << 20;
+const DIRECTIONS: Pick = Pick::OneOf(&["H2D", "D2H"]);
+/// The kinds of page-locked memory a `PinnedVec` copies from in the bandwidth section.
+const PINNED: Pick = Pick::OneOf(&[
+    "cudaHostAlloc",
+    "registered",
+    "registered in 12 MiB chunks",
+    "virtual (cuMemCreate)",
+    "pool",
+]);
+
+const STAGED_SPREAD: Columns = Columns::Spread("staged min", "staged median", "staged max");
+
+const fn read(
+    section: &'static str,
+    rows: &'static [(&'static str, Pick)],
+    columns: Columns,
+) -> Read {
+    Read {
+        section,
+        rows,
+        columns,
+    }
+}
+
+/// The goals, in the order of the table.
+pub const GOALS: &[Goal] = &[
+    Goal {
+        name: "copy from `PinnedVec`, ≥ 16 MiB",
+        figure: Figure::Read(read(
+            "bandwidth",
+            &[
+                ("direction", DIRECTIONS),
+                ("size", Pick::SizeFrom(16 * MIB)),
+                ("memory", PINNED),
+            ],
+            Columns::One("% of raw"),
+        )),
+        unit: "% of raw",
+        decimals: 1,
+        reference: &[Reference::Same(
+            "raw `cudaMemcpyAsync`",
+            read(
+                "bandwidth",
+                &[
+                    ("direction", DIRECTIONS),
+                    ("size", Pick::SizeFrom(16 * MIB)),
+                    ("memory", Pick::Is("raw (sys)")),
+                ],
+                Columns::One("GB/s"),
+            ),
+            "GB/s",
+            1,
+        )],
+        target: Target::AtLeast(99.0),
+        goal: "≥ 99%",
+        readme: true,
+    },
+    Goal {
+        name: "copy from `PinnedVec`, 64 KiB",
+        figure: Figure::Read(read(
+            "bandwidth",
+            &[
+                ("direction", DIRECTIONS),
+                ("size", Pick::Is("64 KiB")),
+                ("memory", PINNED),
+            ],
+            Columns::One("% of raw"),
+        )),
+        unit: "% of raw",
+        decimals: 1,
+        reference: &[Reference::Same(
+            "raw `cudaMemcpyAsync`",
+            read(
+                "bandwidth",
+                &[
+                    ("direction", DIRECTIONS),
+                    ("size", Pick::Is("64 KiB")),
+                    ("memory", Pick::Is("raw (sys)")),
+                ],
+                Columns::One("GB/s"),
+            ),
+            "GB/s",
+            2,
+        )],
+        target: Target::AtLeast(97.0),
+        goal: "≥ 97%",
+        readme: false,
+    },
+    Goal {
+        name: "pool pair, `PinnedVec::with_capacity_in(4 KiB, &pool)` + drop",
+        figure: Figure::Read(read(
+            "pool_latency",
+            &[("size", Pick::Is("4 KiB")), ("path", Pick::Is("PinnedVec"))],
+            Columns::Spread("min", "median", "max"),
+        )),
+        unit: "ns",
+        decimals: 1,
+        reference: &[Reference::Anchor("PyTorch 200 ns")],
+        target: Target::AtMost(25.0),
+        goal: "≤ 25 ns",
+        readme: true,
+    },
+    Goal {
+        name: "pool, 4 KiB pairs on 16 threads",
+        figure: Figure::Read(read(
+            "pool_threads",
+            &[("threads", Pick::Is("16"))],
+            Columns::Spread("min", "median", "max"),
+        )),
+        unit: "M pairs/s",
+        decimals: 0,
+        reference: &[Reference::Anchor("PyTorch 2.07 M pairs/s")],
+        target: Target::AtLeast(200.0),
+        goal: "≥ 200 M/s",
+        readme: true,
+    },
+    Goal {
+        name: "reserved / requested, mixed sizes",
+        figure: Figure::Read(read("pool_waste", &[], Columns::One("ratio"))),
+        unit: "",
+        decimals: 3,
+        reference: &[Reference::Anchor("PyTorch 1.849")],
+        target: Target::AtMost(1.10),
+        goal: "≤ 1.10",
+        readme: true,
+    },
+    Goal {
+        name: "cold pin of 1 GiB, registered in 12 MiB chunks",
+        figure: Figure::Read(read(
+            "alloc",
+            &[
+                ("memory", Pick::Is("registered in 12 MiB chunks")),
+                ("size", Pick::Is("1 GiB")),
+            ],
+            Columns::One("allocate ms/GiB"),
+        )),
+        unit: "ms",
+        decimals: 1,
+        reference: &[COLD_CUDA_HOST_ALLOC],
+        target: Target::AtMost(40.0),
+        goal: "≤ 40 ms",
+        readme: true,
+    },
+    Goal {
+        name: "cold pin of 1 GiB, pool miss",
+        figure: Figure::Read(read(
+            "alloc",
+            &[
+                ("memory", Pick::Is("pool miss")),
+                ("size", Pick::Is("1 GiB")),
+            ],
+            Columns::One("allocate ms/GiB"),
+        )),
+        unit: "ms",
+        decimals: 1,
+        reference: &[COLD_CUDA_HOST_ALLOC],
+        target: Target::AtMost(40.0),
+        goal: "≤ 40 ms",
+        readme: false,
+    },
+    Goal {
+        name: "another thread's 64 KiB copy while 1 GiB is pinned in 12 MiB chunks, worst wait",
+        figure: Figure::Read(read(
+            "stall",
+            &[("pinning", Pick::Is("registered in 12 MiB chunks"))],
+            Columns::One("worst copy ms"),
+        )),
+        unit: "ms",
+        decimals: 2,
+        reference: &[Reference::Same(
+            "while `cudaHostAlloc` pins 1 GiB",
+            read(
+                "stall",
+                &[("pinning", Pick::Is("cudaHostAlloc"))],
+                Columns::One("worst copy ms"),
+            ),
+            "ms",
+            1,
+        )],
+        target: Target::AtMost(1.0),
+        goal: "≤ 1 ms",
+        readme: false,
+    },
+    Goal {
+        name: "upload of 1 GiB from a `Vec` (`Stager`)",
+        figure: Figure::Read(read("staged", STAGED_UP_1G, STAGED_SPREAD)),
+        unit: "GB/s",
+        decimals: 1,
+        reference: &[
+            Reference::Same(
+                "the driver's path",
+                read("staged", STAGED_UP_1G, Columns::One("driver")),
+                "GB/s",
+                1,
+            ),
+            Reference::Same(
+                "pinned",
+                read("staged", STAGED_UP_1G, Columns::One("pinned")),
+                "GB/s",
+                1,
+            ),
+        ],
+        target: Target::AtLeast(50.0),
+        goal: "≥ 50 GB/s",
+        readme: true,
+    },
+    Goal {
+        name: "download of 1 GiB into a `Vec` (`Stager`)",
+        figure: Figure::Read(read("staged", STAGED_DOWN_1G, STAGED_SPREAD)),
+        unit: "GB/s",
+        decimals: 1,
+        reference: &[
+            Reference::Same(
+                "the driver's path",
+                read("staged", STAGED_DOWN_1G, Columns::One("driver")),
+                "GB/s",
+                1,
+            ),
+            Reference::Same(
+                "pinned",
+                read("staged", STAGED_DOWN_1G, Columns::One("pinned")),
+                "GB/s",
+                1,
+            ),
+        ],
+        target: Target::AtLeast(50.0),
+        goal: "≥ 50 GB/s",
+        readme: true,
+    },
+    Goal {
+        name: "uploads of 16–256 MiB from a `Vec` (`Stager`)",
+        figure: Figure::Read(read(
+            "staged",
+            STAGED_UP_16M_256M,
+            Columns::One("% of pinned"),
+        )),
+        unit: "% of pinned",
+        decimals: 1,
+        reference: &[Reference::Same(
+            "pinned",
+            read("staged", STAGED_UP_16M_256M, Columns::One("pinned")),
+            "GB/s",
+            1,
+        )],
+        target: Target::AtLeast(80.0),
+        goal: "≥ 80%",
+        readme: false,
+    },
+    Goal {
+        name: "loader, host collate, 8 workers",
+        figure: Figure::Read(read(
+            "loader",
+            &[("mode", Pick::Is("host collate, 8 workers"))],
+            Columns::Spread("steady b/s min", "median", "max"),
+        )),
+        unit: "batches/s",
+        decimals: 0,
+        reference: &[Reference::Anchor("hand-tuned PyTorch 2,967 batches/s")],
+        target: Target::AtLeast(4000.0),
+        goal: "≥ 4,000 batches/s",
+        readme: true,
+    },
+    Goal {
+        name: "loader, device gather",
+        figure: Figure::PercentOf(
+            read(
+                "loader",
+                &[("mode", Pick::Is("device gather"))],
+                LOADER_SPREAD,
+            ),
+            read("loader", LOADER_CONTIGUOUS, LOADER_SPREAD),
+        ),
+        unit: "% of one copy",
+        decimals: 1,
+        reference: &[Reference::Same(
+            "one contiguous copy per batch",
+            read("loader", LOADER_CONTIGUOUS, LOADER_SPREAD),
+            "batches/s",
+            0,
+        )],
+        target: Target::AtLeast(95.0),
+        goal: "≥ 95%",
+        readme: false,
+    },
+];
+
+const COLD_CUDA_HOST_ALLOC: Reference = Reference::Same(
+    "`cudaHostAlloc`",
+    read(
+        "alloc",
+        &[
+            ("memory", Pick::Is("cudaHostAlloc")),
+            ("size", Pick::Is("1 GiB")),
+        ],
+        Columns::One("allocate ms/GiB"),
+    ),
+    "ms",
+    0,
+);
+const STAGED_UP_1G: &[(&str, Pick)] =
+    &[("direction", Pick::Is("H2D")), ("size", Pick::Is("1 GiB"))];
+const STAGED_DOWN_1G: &[(&str, Pick)] =
+    &[("direction", Pick::Is("D2H")), ("size", Pick::Is("1 GiB"))];
+const STAGED_UP_16M_256M: &[(&str, Pick)] = &[
+    ("direction", Pick::Is("H2D")),
+    ("size", Pick::SizeIn(16 * MIB, 256 * MIB)),
+];
+const LOADER_SPREAD: Columns = Columns::Spread("steady b/s min", "median", "max");
+const LOADER_CONTIGUOUS: &[(&str, Pick)] = &[(
+    "mode",
+    Pick::Is("one contiguous copy per batch (reference)"),
+)];

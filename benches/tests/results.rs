@@ -1,0 +1,169 @@
+//! RESULTS.md and the README's figures are generated from the newest record: regenerating them
+//! must give the committed text. And the generator on a small record written by hand.
+
+use std::path::{Path, PathBuf};
+
+use pinned_bench::report::{Report, Section, Value};
+use pinned_bench::results::{readme_block, readme_figures, replace_readme_figures, results_md};
+
+fn manifest() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The newest record in `benches/results/` by file name, if any.
+fn newest_record() -> Option<PathBuf> {
+    let entries = std::fs::read_dir(manifest().join("results")).ok()?;
+    entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .max_by(|a, b| a.file_name().cmp(&b.file_name()))
+}
+
+#[test]
+fn committed_results_match_the_newest_record() {
+    let Some(record) = newest_record() else {
+        println!("no record in benches/results/ yet: nothing to compare");
+        return;
+    };
+    let report = Report::from_json(&std::fs::read_to_string(&record).unwrap()).unwrap();
+    let name = record.file_name().unwrap().to_string_lossy();
+    let regenerate = format!(
+        "run `cargo run -p pinned-bench -- results {}`",
+        record.display()
+    );
+    let committed = std::fs::read_to_string(manifest().join("RESULTS.md")).unwrap();
+    assert!(
+        committed == results_md(&report, &name),
+        "benches/RESULTS.md differs from what {name} gives: {regenerate}"
+    );
+    let readme = std::fs::read_to_string(manifest().join("../README.md")).unwrap();
+    let figures = readme_figures(&readme).expect("the README's figures markers");
+    assert!(
+        figures == readme_block(&report),
+        "the README's figures differ from what {name} gives: {regenerate}"
+    );
+}
+
+fn fixture() -> Report {
+    let path = manifest().join("tests/fixtures/record.json");
+    Report::from_json(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// The row of the goals table for `figure`.
+fn goal_row<'a>(text: &'a str, figure: &str) -> &'a str {
+    text.lines()
+        .find(|l| l.starts_with(&format!("| {figure} |")))
+        .unwrap_or_else(|| panic!("no row for {figure} in\n{text}"))
+}
+
+#[test]
+fn the_fixture_reads_back_as_it_was_written() {
+    let report = fixture();
+    assert_eq!(Report::from_json(&report.to_json()).unwrap(), report);
+    assert_eq!(report.commit, "abc1234");
+    assert_eq!(report.sections[1].rows[0][2], Value::Num(1.2, 3));
+}
+
+#[test]
+fn a_met_goal_a_missed_goal_and_a_missing_figure() {
+    let text = results_md(&fixture(), "2026-11-26-nvidia-h100-80gb-hbm3-abc1234.json");
+    assert!(text.lines().count() <= 120, "{text}");
+    assert!(
+        text.starts_with("# Results: NVIDIA H100 80GB HBM3\n"),
+        "{text}"
+    );
+    assert!(text.contains("- **Commit:** `abc1234`\n"), "{text}");
+    assert!(
+        text.contains("- **Command:** `pinned-bench pool --record benches/results`\n"),
+        "{text}"
+    );
+    assert!(text.contains("- **Date:** 2026-11-26\n"), "{text}");
+    assert!(text.contains("| cpus | 16 |\n"), "{text}");
+    assert_eq!(
+        goal_row(
+            &text,
+            "pool pair, `PinnedVec::with_capacity_in(4 KiB, &pool)` + drop"
+        ),
+        "| pool pair, `PinnedVec::with_capacity_in(4 KiB, &pool)` + drop | PyTorch 200 ns \
+         | ≤ 25 ns | 14.2 (13.5–15.6) ns | yes |"
+    );
+    assert_eq!(
+        goal_row(&text, "reserved / requested, mixed sizes"),
+        "| reserved / requested, mixed sizes | PyTorch 1.849 | ≤ 1.10 | 1.200 | no |"
+    );
+    assert!(
+        goal_row(&text, "upload of 1 GiB from a `Vec` (`Stager`)").ends_with(
+            "| the driver's path: not measured; pinned: not measured | ≥ 50 GB/s | not measured | — |"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("](RESULTS.svg)\n"), "{text}");
+    let gaps = &text[text.find("## Known gaps").unwrap()..];
+    assert!(
+        gaps.contains("- reserved / requested, mixed sizes: 1.200 against the goal ≤ 1.10.\n"),
+        "{gaps}"
+    );
+    assert!(!gaps.contains("pool pair"), "{gaps}");
+    assert!(gaps.contains("- Not measured in this run: "), "{gaps}");
+}
+
+#[test]
+fn the_readme_shows_what_was_measured() {
+    let block = readme_block(&fixture());
+    assert_eq!(
+        block,
+        "\n| | this workspace | reference |\n|---|---|---|\n\
+         | pool pair, `PinnedVec::with_capacity_in(4 KiB, &pool)` + drop | 14.2 (13.5–15.6) ns | PyTorch 200 ns |\n\
+         | reserved / requested, mixed sizes | 1.200 | PyTorch 1.849 |\n"
+    );
+    let readme = "# x\n\n<!-- figures:begin -->\nold\n<!-- figures:end -->\n\nrest\n";
+    let replaced = replace_readme_figures(readme, &block).unwrap();
+    assert_eq!(readme_figures(&replaced), Some(block.as_str()));
+    assert!(replaced.ends_with("<!-- figures:end -->\n\nrest\n"));
+    assert_eq!(replace_readme_figures("no markers", &block), None);
+}
+
+#[test]
+fn the_readme_shows_six_figures_at_most() {
+    // Every goal measured: a section per name with every column the goals read, the same
+    // figure in every cell.
+    let mut report = fixture();
+    report.sections.clear();
+    for goal in pinned_bench::goals::GOALS {
+        let reads = match goal.figure {
+            pinned_bench::goals::Figure::Read(r) => vec![r],
+            pinned_bench::goals::Figure::PercentOf(a, b) => vec![a, b],
+        };
+        for read in reads {
+            let columns: Vec<&str> = read
+                .rows
+                .iter()
+                .map(|(c, _)| *c)
+                .chain(match read.columns {
+                    pinned_bench::goals::Columns::One(c) => vec![c],
+                    pinned_bench::goals::Columns::Spread(a, b, c) => vec![a, b, c],
+                })
+                .collect();
+            let mut section = Section::new(read.section, "t", &columns);
+            let mut row: Vec<Value> = read
+                .rows
+                .iter()
+                .map(|(_, pick)| {
+                    Value::Text(
+                        match pick {
+                            pinned_bench::goals::Pick::Is(t) => t,
+                            pinned_bench::goals::Pick::OneOf(list) => list[0],
+                            _ => "64 MiB",
+                        }
+                        .to_owned(),
+                    )
+                })
+                .collect();
+            row.resize(columns.len(), Value::Num(100.0, 1));
+            section.row(row);
+            report.sections.push(section);
+        }
+    }
+    let block = readme_block(&report);
+    assert_eq!(block.lines().count(), 3 + 6, "{block}");
+}
