@@ -87,7 +87,7 @@ pub fn results_md(report: &Report, record: &str) -> String {
     );
     let _ = writeln!(out, "- **Date:** {}", report.date);
     let _ = writeln!(out, "- **Commit:** `{}`", report.commit);
-    let _ = writeln!(out, "- **Command:** `{}`", report.command);
+    let _ = writeln!(out, "- **Command:** `{}`", shown_command(&report.command));
     let _ = writeln!(out, "- **Record:** [`results/{record}`](results/{record})");
     for skipped in &report.skipped {
         let _ = writeln!(out, "- **Skipped:** {}", cell(skipped));
@@ -217,4 +217,19 @@ pub fn write(record: &Path, root: &Path) -> Result<(), String> {
         )
     })?;
     write(&readme_path, &readme)
+}
+
+/// The command as a reader would run it: the program by its name, and the directory the
+/// record went to (a path of the machine that ran it) as `benches/results`.
+fn shown_command(command: &str) -> String {
+    let mut words = command.split_whitespace();
+    let mut shown = vec!["pinned-bench".to_owned()];
+    words.next();
+    while let Some(word) = words.next() {
+        shown.push(word.to_owned());
+        if word == "--record" && words.next().is_some() {
+            shown.push("benches/results".to_owned());
+        }
+    }
+    shown.join(" ")
 }
