@@ -3,8 +3,6 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use proptest::prelude::*;
-
 use super::*;
 
 /// An upload through a slot as the stager makes it, its event recorded by `end` (which fails
