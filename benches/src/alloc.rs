@@ -386,7 +386,7 @@ unsafe fn free_by_kind(allocation: Allocation) {
     // SAFETY: forwarded from the caller; the kind names the allocator that made it.
     unsafe {
         match allocation.kind() {
-            MemoryKind::HostAlloc(_) => CudaHost::new().deallocate(allocation),
+            MemoryKind::CudaHost(_) => CudaHost::new().deallocate(allocation),
             MemoryKind::VirtualHost => VirtualHost::new().deallocate(allocation),
             _ => Registered::new().deallocate(allocation),
         }

@@ -574,7 +574,7 @@ fn sweep(section: &mut Section, progress: &mut Progress) -> Result<()> {
         let config = StagingConfig {
             chunk_bytes: chunk,
             threads,
-            slots,
+            chunks: slots,
             min_piece_bytes: min_piece,
             streaming_stores,
             ..StagingConfig::default()
@@ -726,7 +726,7 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
              under 4 MiB timed in runs of up to 64): the driver's path, page-locked memory, and \
              the staging ring ({} threads, {} chunks of {})",
             stager.config().threads,
-            stager.config().slots,
+            stager.config().chunks,
             size_label(stager.config().chunk_bytes as u64)
         ),
         &[

@@ -33,7 +33,7 @@ impl<A: PinnedAllocator> Block<A> {
     #[inline]
     pub(crate) const fn empty(dangling: NonNull<u8>, allocator: A) -> Self {
         Self {
-            allocation: Allocation::new(dangling, 0, MemoryKind::Locked, 0),
+            allocation: Allocation::new(dangling, 0, MemoryKind::HostLocked, 0),
             uses: StreamUses::new(),
             allocator,
         }
@@ -170,7 +170,7 @@ impl<A: PinnedAllocator> Block<A> {
         let allocation = (this.allocation.bytes() != 0).then(|| {
             std::mem::replace(
                 &mut this.allocation,
-                Allocation::new(NonNull::dangling(), 0, MemoryKind::Locked, 0),
+                Allocation::new(NonNull::dangling(), 0, MemoryKind::HostLocked, 0),
             )
         });
         // SAFETY: `this` is never dropped; each field is moved out or dropped exactly once.

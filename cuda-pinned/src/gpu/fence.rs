@@ -82,7 +82,13 @@ fn run<R>(adopted: &Stream, work: impl FnOnce(&Stream) -> Result<R>) -> Result<R
             if capturing {
                 return Err(Error::Capturing);
             }
-            companion.fork.query().map_err(|_| Error::Capturing)
+            companion.fork.query().map_err(|error| {
+                if recorded_in_a_capture(&error) {
+                    Error::Capturing
+                } else {
+                    error
+                }
+            })
         });
     if let Err(error) = outside {
         // It may be part of a capture: it is not lent again.
@@ -102,24 +108,53 @@ fn run<R>(adopted: &Stream, work: impl FnOnce(&Stream) -> Result<R>) -> Result<R
         .join
         .record_shared(&companion.stream)
         .and_then(|()| join(adopted, &companion.join));
-    give(device, companion);
-    joined?;
+    match joined {
+        // A graph captured on the adopted stream waits for the join event at each launch:
+        // the companion, and the event with it, is kept for good.
+        Ok(Join::External) => drop(retire(companion, Error::Capturing)),
+        Ok(Join::Plain) => give(device, companion),
+        Err(error) => return Err(retire(companion, error)),
+    }
     result
+}
+
+/// How the adopted stream was made to wait for the join.
+enum Join {
+    Plain,
+    /// As a node of a graph being captured there.
+    External,
+}
+
+/// Whether `error` is what querying an event last recorded inside a capture answers: 907
+/// while the capture goes on, an invalid value once it ended.
+fn recorded_in_a_capture(error: &Error) -> bool {
+    use cuda_pinned_sys::driver::CUresult;
+    match error {
+        Error::Driver(e) => {
+            e.code() == CUresult::CUDA_ERROR_INVALID_VALUE.0
+                || e.code() == CUresult::CUDA_ERROR_CAPTURED_EVENT.0
+        }
+        Error::Cuda(e) => {
+            e.raw() == cuda_pinned_sys::cudaError::cudaErrorInvalidValue
+                || e.raw() == cuda_pinned_sys::cudaError::cudaErrorCapturedEvent
+        }
+        _ => false,
+    }
 }
 
 /// Makes `adopted` wait for `join`: as an external wait where a capture began on it meanwhile
 /// (its graph then waits for the join at each launch; a plain wait for an event recorded
 /// outside the capture would break it), plainly otherwise (CUDA refuses the external wait
 /// outside a capture, as it does when the capture ends between the check and the wait).
-fn join(adopted: &Stream, join: &Event) -> Result<()> {
+fn join(adopted: &Stream, join: &Event) -> Result<Join> {
     if adopted.is_capturing()? {
         match adopted.wait_event_external(join) {
             Err(Error::Cuda(e)) if e.raw() == cuda_pinned_sys::cudaError::cudaErrorIllegalState => {
             }
-            other => return other,
+            other => return other.map(|()| Join::External),
         }
     }
-    adopted.wait_event(join)
+    adopted.wait_event(join).map(|()| Join::Plain)
 }
 
 /// An idle companion of `device` whose last work was seen finished, the first idle one

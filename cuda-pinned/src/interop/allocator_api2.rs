@@ -75,7 +75,7 @@ macro_rules! impl_allocator {
 impl_allocator!(
     CudaHost,
     |this, layout| Some(layout.size()),
-    MemoryKind::HostAlloc(this.flags())
+    MemoryKind::CudaHost(this.flags())
 );
 impl_allocator!(
     Registered,
@@ -85,7 +85,7 @@ impl_allocator!(
 impl_allocator!(
     HostLocked,
     |_this, layout| HostLocked::layout_bytes(layout),
-    MemoryKind::Locked
+    MemoryKind::HostLocked
 );
 impl_allocator!(
     DefaultPinned,

@@ -15,15 +15,15 @@ use crate::memory::flags::HostAllocFlags;
 #[non_exhaustive]
 pub enum MemoryKind {
     /// `cudaHostAlloc` with these flags.
-    HostAlloc(HostAllocFlags),
+    CudaHost(HostAllocFlags),
     /// Memory this crate mapped (huge pages, pre-faulted) and registered with
     /// `cudaHostRegister`.
     Registered,
     /// A caller's memory, registered with `cudaHostRegister` for as long as it is borrowed.
-    UserRegistered,
+    Registration,
     /// `mlock`ed host memory on a machine without CUDA: page-locked, but unknown to any GPU,
     /// so copies from it are staged by the driver like pageable memory.
-    Locked,
+    HostLocked,
     /// Host memory created through CUDA's virtual-memory API (`cuMemCreate`) on a host NUMA
     /// node, in chunks mapped into one reserved range ([`VirtualHost`](crate::VirtualHost)).
     VirtualHost,
@@ -32,17 +32,17 @@ pub enum MemoryKind {
 impl MemoryKind {
     /// Whether a CUDA device can DMA directly from or to this memory.
     pub fn is_cuda_pinned(self) -> bool {
-        !matches!(self, Self::Locked)
+        !matches!(self, Self::HostLocked)
     }
 }
 
 impl fmt::Display for MemoryKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::HostAlloc(flags) => write!(f, "cudaHostAlloc({flags})"),
+            Self::CudaHost(flags) => write!(f, "cudaHostAlloc({flags})"),
             Self::Registered => f.write_str("registered"),
-            Self::UserRegistered => f.write_str("user-registered"),
-            Self::Locked => f.write_str("mlock"),
+            Self::Registration => f.write_str("user-registered"),
+            Self::HostLocked => f.write_str("mlock"),
             Self::VirtualHost => f.write_str("cuMemCreate(host NUMA node)"),
         }
     }

@@ -47,7 +47,7 @@ unsafe impl PinnedAllocator for CudaHost {
         Ok(Allocation::new(
             ptr,
             layout.size(),
-            MemoryKind::HostAlloc(self.flags),
+            MemoryKind::CudaHost(self.flags),
             0,
         ))
     }

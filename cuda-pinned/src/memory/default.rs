@@ -22,8 +22,8 @@ pub struct DefaultPinned;
 #[derive(Debug)]
 enum Backend {
     Registered(Registered),
-    HostAlloc(CudaHost),
-    Locked(HostLocked),
+    CudaHost(CudaHost),
+    HostLocked(HostLocked),
 }
 
 fn backend() -> &'static Backend {
@@ -34,8 +34,8 @@ fn backend() -> &'static Backend {
             Some(Ok(device)) if device.supports_host_registration().unwrap_or(false) => {
                 Backend::Registered(Registered::new())
             }
-            Some(_) => Backend::HostAlloc(CudaHost::new()),
-            None => Backend::Locked(HostLocked::new()),
+            Some(_) => Backend::CudaHost(CudaHost::new()),
+            None => Backend::HostLocked(HostLocked::new()),
         }
     })
 }
@@ -45,8 +45,8 @@ impl DefaultPinned {
     pub(crate) fn layout_bytes(layout: Layout) -> Option<usize> {
         match backend() {
             Backend::Registered(a) => a.layout_bytes(layout),
-            Backend::HostAlloc(_) => Some(layout.size()),
-            Backend::Locked(_) => HostLocked::layout_bytes(layout),
+            Backend::CudaHost(_) => Some(layout.size()),
+            Backend::HostLocked(_) => HostLocked::layout_bytes(layout),
         }
     }
 
@@ -54,8 +54,8 @@ impl DefaultPinned {
     pub fn kind() -> MemoryKind {
         match backend() {
             Backend::Registered(_) => MemoryKind::Registered,
-            Backend::HostAlloc(a) => MemoryKind::HostAlloc(a.flags()),
-            Backend::Locked(_) => MemoryKind::Locked,
+            Backend::CudaHost(a) => MemoryKind::CudaHost(a.flags()),
+            Backend::HostLocked(_) => MemoryKind::HostLocked,
         }
     }
 }
@@ -66,8 +66,8 @@ unsafe impl PinnedAllocator for DefaultPinned {
     fn allocate(&self, layout: Layout) -> Result<Allocation> {
         match backend() {
             Backend::Registered(a) => a.allocate(layout),
-            Backend::HostAlloc(a) => a.allocate(layout),
-            Backend::Locked(a) => a.allocate(layout),
+            Backend::CudaHost(a) => a.allocate(layout),
+            Backend::HostLocked(a) => a.allocate(layout),
         }
     }
 
@@ -76,8 +76,8 @@ unsafe impl PinnedAllocator for DefaultPinned {
         unsafe {
             match backend() {
                 Backend::Registered(a) => a.deallocate(allocation),
-                Backend::HostAlloc(a) => a.deallocate(allocation),
-                Backend::Locked(a) => a.deallocate(allocation),
+                Backend::CudaHost(a) => a.deallocate(allocation),
+                Backend::HostLocked(a) => a.deallocate(allocation),
             }
         }
     }

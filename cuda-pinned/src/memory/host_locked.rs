@@ -45,7 +45,7 @@ unsafe impl PinnedAllocator for HostLocked {
             unsafe { os::unmap(ptr, bytes) };
             return Err(error);
         }
-        Ok(Allocation::new(ptr, bytes, MemoryKind::Locked, 0))
+        Ok(Allocation::new(ptr, bytes, MemoryKind::HostLocked, 0))
     }
 
     unsafe fn deallocate(&self, allocation: Allocation) {

@@ -66,9 +66,9 @@ impl<'a, T> Registration<'a, T> {
         Ok(Self { slice, registered })
     }
 
-    /// Always [`MemoryKind::UserRegistered`].
+    /// Always [`MemoryKind::Registration`].
     pub fn memory_kind(&self) -> MemoryKind {
-        MemoryKind::UserRegistered
+        MemoryKind::Registration
     }
 }
 
@@ -146,9 +146,9 @@ impl<T> RegisteredVec<T> {
         })
     }
 
-    /// Always [`MemoryKind::UserRegistered`].
+    /// Always [`MemoryKind::Registration`].
     pub fn memory_kind(&self) -> MemoryKind {
-        MemoryKind::UserRegistered
+        MemoryKind::Registration
     }
 
     /// Marks the buffer as used by work on `stream` this crate cannot see; see

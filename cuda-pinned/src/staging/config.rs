@@ -13,8 +13,8 @@ pub struct StagingConfig {
     pub chunk_bytes: usize,
     /// Threads that copy, the calling thread included (`threads - 1` workers are started).
     pub threads: usize,
-    /// Chunks in the ring (page-locked memory: `slots × chunk_bytes`).
-    pub slots: usize,
+    /// Chunks in the ring (page-locked memory: `chunks × chunk_bytes`).
+    pub chunks: usize,
     /// Copies up to this size run on the calling thread alone, in pieces of one chunk.
     pub single_thread_bytes: usize,
     /// The smallest piece a larger copy is cut into (about two pieces per thread, smaller at
@@ -53,7 +53,7 @@ impl Default for StagingConfig {
         Self {
             chunk_bytes: 4 << 20,
             threads,
-            slots: 2 * threads,
+            chunks: 2 * threads,
             single_thread_bytes: 256 << 10,
             min_piece_bytes: 512 << 10,
             driver_uploads: vec![0..=(16 << 10), (128 << 10)..=(4 << 20)],

@@ -10,7 +10,7 @@ use super::config::StagingConfig;
 use super::dma::Dma;
 use super::driver_check::MAX_DRIVER_BYTES;
 use super::job::{AbortOnUnwind, Job, PieceGuard, Queue, cut};
-use super::ring::{Address, Ring, Slot, TakenUploadSlot, UploadSlot, UploadSlots, list_with_room};
+use super::ring::{Address, Chunk, Ring, TakenUploadSlot, UploadSlot, UploadSlots, list_with_room};
 use super::{lock, wait};
 use crate::containers::vec::PinnedVec;
 use crate::copy::nontemporal::copy_bytes_streaming;
@@ -55,7 +55,7 @@ pub(crate) struct Engine<D: Dma, A: PinnedAllocator> {
 /// its DMA unknown).
 pub(super) struct Taken<'a, D: Dma> {
     pub(super) shared: &'a Shared<D>,
-    pub(super) slot: Option<Slot<D>>,
+    pub(super) slot: Option<Chunk<D>>,
 }
 
 impl<D: Dma> Taken<'_, D> {
@@ -76,7 +76,7 @@ impl<D: Dma> Drop for Taken<'_, D> {
 
 impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
     pub(crate) fn new(dma: D, config: StagingConfig, allocator: A) -> Result<Self> {
-        if config.chunk_bytes == 0 || config.threads == 0 || config.slots == 0 {
+        if config.chunk_bytes == 0 || config.threads == 0 || config.chunks == 0 {
             return Err(Error::Unsupported(
                 "a staging configuration needs at least one byte per chunk, one thread \
                  and one slot",
@@ -96,7 +96,7 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
         }
         let ring_bytes = config
             .chunk_bytes
-            .checked_mul(config.slots)
+            .checked_mul(config.chunks)
             .ok_or(Error::CapacityOverflow)?;
         let bytes = config
             .upload_slot_bytes
@@ -116,9 +116,9 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
             offset: ring_bytes + i * config.upload_slot_bytes,
             ended: None,
         }));
-        let mut free = list_with_room(config.slots)?;
-        for i in 0..config.slots {
-            free.push_back(Slot {
+        let mut free = list_with_room(config.chunks)?;
+        for i in 0..config.chunks {
+            free.push_back(Chunk {
                 offset: i * config.chunk_bytes,
                 event: dma.event()?,
                 settled: true,
@@ -442,7 +442,7 @@ impl<D: Dma> Shared<D> {
     /// A free chunk, waiting while all are taken: the oldest (the likeliest to have finished
     /// its DMA), or the newest (still in the CPU's caches; for a small copy on one thread,
     /// whose DMA is usually over since small copies are waited for).
-    fn take_slot(&self, newest: bool) -> Result<Slot<D>> {
+    fn take_slot(&self, newest: bool) -> Result<Chunk<D>> {
         let mut ring = lock(&self.ring);
         loop {
             let slot = if newest {
@@ -462,12 +462,12 @@ impl<D: Dma> Shared<D> {
         }
     }
 
-    fn give_back(&self, slot: Slot<D>) {
+    fn give_back(&self, slot: Chunk<D>) {
         lock(&self.ring).free.push_back(slot);
         self.slot_freed.notify_one();
     }
 
-    fn lose(&self, slot: Slot<D>) {
+    fn lose(&self, slot: Chunk<D>) {
         let mut ring = lock(&self.ring);
         ring.live -= 1;
         ring.lost = true;

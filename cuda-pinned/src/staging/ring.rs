@@ -8,7 +8,7 @@ use super::lock;
 use crate::error::{Error, Result};
 
 /// One chunk of the ring (its offset in the ring's memory) and the event after its last DMA.
-pub(super) struct Slot<D: Dma> {
+pub(super) struct Chunk<D: Dma> {
     pub(super) offset: usize,
     pub(super) event: D::Event,
     /// The event is known to have completed (the last piece waited for it): the next piece
@@ -57,7 +57,7 @@ impl<D: Dma> Drop for TakenUploadSlot<'_, D> {
 /// The free chunks, and how many exist: a chunk whose DMA could not be accounted for after a
 /// device error is never reused (and the ring's memory is then leaked, not freed).
 pub(super) struct Ring<D: Dma> {
-    pub(super) free: VecDeque<Slot<D>>,
+    pub(super) free: VecDeque<Chunk<D>>,
     pub(super) live: usize,
     pub(super) lost: bool,
 }

@@ -10,7 +10,7 @@ fn boxes_hold_values_and_free_them() {
     let mut b = PinnedBox::new_in([1u64, 2, 3], allocator.clone()).unwrap();
     b[1] = 20;
     assert_eq!(*b, [1, 20, 3]);
-    assert_eq!(b.memory_kind(), Some(MemoryKind::Locked));
+    assert_eq!(b.memory_kind(), Some(MemoryKind::HostLocked));
     assert_eq!(format!("{b:?}"), "[1, 20, 3]");
     assert_eq!(b.into_inner(), [1, 20, 3]);
     assert_eq!(allocator.live(), 0);

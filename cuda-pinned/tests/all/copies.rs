@@ -94,7 +94,7 @@ fn registers_an_existing_vec_and_a_borrowed_slice() {
     for len in [1usize, 4097, 64 << 20] {
         let data = pattern(len, 9);
         let registered = RegisteredVec::new(data.clone()).unwrap();
-        assert_eq!(registered.memory_kind(), MemoryKind::UserRegistered);
+        assert_eq!(registered.memory_kind(), MemoryKind::Registration);
         let mut device = DeviceBuffer::<u8>::zeroed(len).unwrap();
         let registered = stream
             .copy_to_device(registered, &mut device)

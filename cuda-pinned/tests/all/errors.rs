@@ -23,9 +23,9 @@ fn cuda_kinds_without_cuda_say_so() {
         }
     }
     // The default falls back to mlock-ed memory and says so.
-    assert_eq!(DefaultPinned::kind(), MemoryKind::Locked);
+    assert_eq!(DefaultPinned::kind(), MemoryKind::HostLocked);
     let v = PinnedVec::from_slice(&[1u8, 2, 3]).unwrap();
-    assert_eq!(v.memory_kind(), Some(MemoryKind::Locked));
+    assert_eq!(v.memory_kind(), Some(MemoryKind::HostLocked));
     assert!(matches!(v.device_ptr(), Err(Error::Unsupported(_))));
 }
 

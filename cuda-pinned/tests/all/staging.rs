@@ -72,7 +72,7 @@ fn typed_elements_and_odd_configurations() {
     let config = StagingConfig {
         chunk_bytes: 4096 + 8,
         threads: 3,
-        slots: 2,
+        chunks: 2,
         single_thread_bytes: 0,
         min_piece_bytes: 1000,
         driver_uploads: Vec::new(),

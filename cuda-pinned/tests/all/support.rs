@@ -22,7 +22,7 @@ unsafe impl PinnedAllocator for Backing {
             Ok(Allocation::new(
                 ptr,
                 layout.size(),
-                cuda_pinned::MemoryKind::Locked,
+                cuda_pinned::MemoryKind::HostLocked,
                 0,
             ))
         } else {

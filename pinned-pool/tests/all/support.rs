@@ -58,7 +58,12 @@ unsafe impl PinnedAllocator for Heap {
         )?;
         self.live.fetch_add(1, Ordering::SeqCst);
         self.live_bytes.fetch_add(layout.size(), Ordering::SeqCst);
-        Ok(Allocation::new(ptr, layout.size(), MemoryKind::Locked, 0))
+        Ok(Allocation::new(
+            ptr,
+            layout.size(),
+            MemoryKind::HostLocked,
+            0,
+        ))
     }
 
     unsafe fn deallocate(&self, allocation: Allocation) {

@@ -306,7 +306,7 @@ unsafe impl PinnedAllocator for Counted {
                     requested: layout.size(),
                 },
             )?;
-            Allocation::new(ptr, layout.size(), crate::MemoryKind::Locked, 0)
+            Allocation::new(ptr, layout.size(), crate::MemoryKind::HostLocked, 0)
         } else {
             HostLocked.allocate(layout)?
         };
@@ -327,11 +327,11 @@ unsafe impl PinnedAllocator for Counted {
     }
 }
 
-fn config(chunk_bytes: usize, threads: usize, slots: usize) -> StagingConfig {
+fn config(chunk_bytes: usize, threads: usize, chunks: usize) -> StagingConfig {
     StagingConfig {
         chunk_bytes,
         threads,
-        slots,
+        chunks,
         single_thread_bytes: chunk_bytes,
         min_piece_bytes: 64,
         driver_uploads: Vec::new(),

@@ -216,7 +216,7 @@ fn slots_and_recycled_events_hold_under_several_threads() {
     let allocator = Counted::default();
     let config = StagingConfig {
         threads: 2,
-        slots: 2,
+        chunks: 2,
         ..with_upload_slots(SLOT, 3)
     };
     let engine = Engine::new(fake.clone(), config, allocator.clone()).unwrap();
@@ -317,7 +317,7 @@ unsafe impl PinnedAllocator for Pretend {
         Ok(Allocation::new(
             page,
             layout.size(),
-            crate::MemoryKind::Locked,
+            crate::MemoryKind::HostLocked,
             0,
         ))
     }
