@@ -54,47 +54,15 @@
 //! | `pin_memory_device` / one process per GPU | [`LoaderConfig::device`]: one loader per GPU, sharing a pool |
 //! | `.to(device, non_blocking=True)` | [`DeviceLoader`], [`DeviceBatch::ready_on`] |
 //!
-//! # Design note
+//! # Design
 //!
-//! *Slots.* A batch is made in a slot: one pinned region per field, each with room for a full
-//! batch. `new` pins `workers × prefetch + 2` slots (from a [`pinned_pool::Pool`], the
-//! loader's own or one passed in) and checks them against a fraction of the machine's memory
-//! (pinned pages cannot be swapped out); batches give their slots back when dropped. If the
-//! consumer keeps batches until none is free, a worker pins another slot
-//! ([`LoaderStats::late_slots`]) rather than wait: never a deadlock.
-//!
-//! *Order and prefetch.* The consumer hands each worker up to `prefetch` batches ahead; a
-//! batch goes to whichever worker is free, and an in-order loader delivers them by number.
-//! Dropping an epoch mid-way drops its queued work; workers stop at the next sample.
-//! Persistent workers told to ([`LoaderConfig::prefetch_next_epoch`]) go on into the next
-//! epoch once all of the current one's batches are in the making, so that its first batches
-//! are ready when it starts: with 16 batches an epoch, a pipeline drained at every epoch's
-//! end lost about a third of its batches per second.
-//!
-//! *Writing samples.* A batch is written by the CPU and read by the DMA engine, so large
-//! fields are best written with [`copy_streaming`] (non-temporal stores: the batch's cache
-//! lines are not read in first), as the loader's own collation does: with several workers it
-//! makes more batches per second than `copy_from_slice`.
-//!
-//! *Errors.* A dataset error or panic in a worker is caught and delivered as that batch's
-//! error, naming batch and sample; the worker and the loader go on.
-//!
-//! *Uploads.* [`Assembly::HostCollate`] uploads each field of a host batch with a tracked
-//! async copy into device memory the loader recycles; the host slot goes back to the
-//! workers at once, holding its uploads, and a worker waits for them before refilling it.
-//! [`Assembly::DeviceGather`] skips the host copy: for a dataset already in pinned memory
-//! ([`PinnedSamples`]) the DMA engine copies every sample into place with one
-//! `cudaMemcpyBatchAsync`. Either way the batch's readiness is an event the consumer's
-//! stream waits on, and its device memory is reused only after the consumer's streams have
-//! passed their work on it.
-//!
-//! *Several GPUs.* Give each GPU its own loader, with [`LoaderConfig::device`], its rank in
-//! [`LoaderConfig::shard`] and one shared [`pinned_pool::Pool`]: its workers pin on that
-//! GPU's NUMA node, its stream and device memory are on that GPU, and a consumer's stream of
-//! another device is refused. The `several_gpus` example runs one training thread per GPU.
+//! How the crate works inside, and why: the [`design`] module.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod design {
+    #![doc = include_str!("../docs/design.md")]
+}
 mod arena;
 mod batch;
 mod config;
