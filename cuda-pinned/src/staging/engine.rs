@@ -74,26 +74,50 @@ impl<D: Dma> Drop for Taken<'_, D> {
     }
 }
 
+/// Refuses a configuration the engine cannot work with.
+fn check(config: &StagingConfig) -> Result<()> {
+    if config.chunk_bytes == 0 || config.threads == 0 || config.chunks == 0 {
+        return Err(Error::Unsupported(
+            "a staging configuration needs at least one byte per chunk, one thread and one \
+             chunk",
+        ));
+    }
+    if config.threads > StagingConfig::MAX_THREADS {
+        return Err(Error::Unsupported(
+            "a staging configuration may have at most `StagingConfig::MAX_THREADS` threads",
+        ));
+    }
+    let mut ranges = config.driver_uploads.iter().chain(&config.driver_downloads);
+    if ranges.any(|range| range.start() > range.end() || *range.end() > MAX_DRIVER_BYTES) {
+        return Err(Error::Unsupported(
+            "a staging configuration's driver sizes must each end at or after their start, and \
+             at most at 4 MiB (the largest size at which the driver's paths are checked)",
+        ));
+    }
+    Ok(())
+}
+
+/// Starts the workers, `threads - 1` of them; those that cannot start (or cannot use the
+/// device) leave more work to the others and the callers.
+fn start_workers<D: Dma>(shared: &Arc<Shared<D>>) -> Vec<JoinHandle<()>> {
+    (1..shared.config.threads)
+        .map_while(|index| {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name(format!("pinned-staging-{index}"))
+                .spawn(move || {
+                    if shared.dma.use_device().is_ok() {
+                        shared.work(index);
+                    }
+                })
+                .ok()
+        })
+        .collect()
+}
+
 impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
     pub(crate) fn new(dma: D, config: StagingConfig, allocator: A) -> Result<Self> {
-        if config.chunk_bytes == 0 || config.threads == 0 || config.chunks == 0 {
-            return Err(Error::Unsupported(
-                "a staging configuration needs at least one byte per chunk, one thread \
-                 and one slot",
-            ));
-        }
-        if config.threads > StagingConfig::MAX_THREADS {
-            return Err(Error::Unsupported(
-                "a staging configuration may have at most `StagingConfig::MAX_THREADS` threads",
-            ));
-        }
-        let mut ranges = config.driver_uploads.iter().chain(&config.driver_downloads);
-        if ranges.any(|range| range.start() > range.end() || *range.end() > MAX_DRIVER_BYTES) {
-            return Err(Error::Unsupported(
-                "a staging configuration's driver sizes must each end at or after their start, \
-                 and at most at 4 MiB (the largest size at which the driver's paths are checked)",
-            ));
-        }
+        check(&config)?;
         let ring_bytes = config
             .chunk_bytes
             .checked_mul(config.chunks)
@@ -142,21 +166,7 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
             job_posted: Condvar::new(),
             posts: AtomicUsize::new(0),
         });
-        // Workers that cannot start (or cannot use the device) leave more work to the others
-        // and the callers.
-        let workers = (1..shared.config.threads)
-            .map_while(|index| {
-                let shared = shared.clone();
-                std::thread::Builder::new()
-                    .name(format!("pinned-staging-{index}"))
-                    .spawn(move || {
-                        if shared.dma.use_device().is_ok() {
-                            shared.work(index);
-                        }
-                    })
-                    .ok()
-            })
-            .collect();
+        let workers = start_workers(&shared);
         Ok(Self {
             shared,
             workers,

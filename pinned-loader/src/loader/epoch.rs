@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use super::Loader;
 use super::workers::{Finished, Shared, Stop, Task};
-use crate::batch::HostBatch;
+use crate::batch::{HostBatch, Slot};
 use crate::dataset::Dataset;
 use crate::error::LoaderError;
 
@@ -134,64 +134,11 @@ impl<D: Dataset> Epoch<'_, D> {
         let result = if self.workers() == 0 {
             // No workers: the consumer fills the batch itself.
             let task = self.task(self.delivered);
-            match shared.fill_caught(&task) {
-                Ok(done) => Ok(done),
-                Err(Stop::Failed(error)) => Err(error),
-                Err(Stop::Cancelled) => unreachable!("the consumer holds its own epoch"),
-            }
-            .map(|(slot, len)| (self.delivered, slot, len))
+            fill_here(&shared, &task).map(|(slot, len)| (self.delivered, slot, len))
         } else {
             self.dispatch();
-            let in_order = self.loader.config.in_order;
-            let next = self.delivered;
             let waited = Instant::now();
-            let mut state = shared.state();
-            let wanted = |generation: u64, batch: usize| {
-                generation == self.generation && (!in_order || batch == next)
-            };
-            let found = loop {
-                let position = state
-                    .finished
-                    .iter()
-                    .position(|f| wanted(f.generation, f.batch));
-                if let Some(position) = position {
-                    break Ok(state.finished.swap_remove(position));
-                }
-                if !block {
-                    return None;
-                }
-                if state.live_workers == 0 {
-                    // Every worker stopped: this thread fills the batch itself.
-                    let position = state
-                        .tasks
-                        .iter()
-                        .position(|t| wanted(t.generation, t.batch));
-                    break Err(position.and_then(|p| state.tasks.remove(p)));
-                }
-                state = shared
-                    .done
-                    .wait(state)
-                    .unwrap_or_else(PoisonError::into_inner);
-            };
-            drop(state);
-            let found = match found {
-                Ok(found) => found,
-                Err(Some(task)) => Finished {
-                    generation: task.generation,
-                    batch: task.batch,
-                    result: match shared.fill_caught(&task) {
-                        Ok(done) => Ok(done),
-                        Err(Stop::Failed(error)) => Err(error),
-                        Err(Stop::Cancelled) => unreachable!("the consumer holds its own epoch"),
-                    },
-                },
-                // Neither done nor queued: it was lost with the worker that had it.
-                Err(None) => Finished {
-                    generation: self.generation,
-                    batch: next,
-                    result: Err(LoaderError::WorkerStopped { batch: next }),
-                },
-            };
+            let found = self.wait_for_next(&shared, block)?;
             shared
                 .counters
                 .wait_ns
@@ -214,6 +161,66 @@ impl<D: Dataset> Epoch<'_, D> {
                 home: shared.slots.clone(),
             }
         })))
+    }
+
+    /// The next batch the workers finished (the next in order, unless the loader was told
+    /// otherwise): waited for when `block`, `None` when it is not ready. When every worker
+    /// stopped, this thread fills it.
+    fn wait_for_next(&self, shared: &Shared<D>, block: bool) -> Option<Finished> {
+        let in_order = self.loader.config.in_order;
+        let next = self.delivered;
+        let wanted = |generation: u64, batch: usize| {
+            generation == self.generation && (!in_order || batch == next)
+        };
+        let mut state = shared.state();
+        let task = loop {
+            let position = state
+                .finished
+                .iter()
+                .position(|f| wanted(f.generation, f.batch));
+            if let Some(position) = position {
+                return Some(state.finished.swap_remove(position));
+            }
+            if !block {
+                return None;
+            }
+            if state.live_workers == 0 {
+                // Every worker stopped: this thread fills the batch itself.
+                let position = state
+                    .tasks
+                    .iter()
+                    .position(|t| wanted(t.generation, t.batch));
+                break position.and_then(|p| state.tasks.remove(p));
+            }
+            state = shared
+                .done
+                .wait(state)
+                .unwrap_or_else(PoisonError::into_inner);
+        };
+        drop(state);
+        Some(match task {
+            Some(task) => Finished {
+                generation: task.generation,
+                batch: task.batch,
+                result: fill_here(shared, &task),
+            },
+            // Neither done nor queued: it was lost with the worker that had it.
+            None => Finished {
+                generation: self.generation,
+                batch: next,
+                result: Err(LoaderError::WorkerStopped { batch: next }),
+            },
+        })
+    }
+}
+
+/// Fills `task`'s batch on the consumer's thread, which holds the epoch: no newer generation
+/// can cancel it.
+fn fill_here<D: Dataset>(shared: &Shared<D>, task: &Task) -> Result<(Slot, usize), LoaderError> {
+    match shared.fill_caught(task) {
+        Ok(done) => Ok(done),
+        Err(Stop::Failed(error)) => Err(error),
+        Err(Stop::Cancelled) => unreachable!("the consumer holds its own epoch"),
     }
 }
 
