@@ -64,7 +64,7 @@ pub use memory::default::DefaultPinned;
 pub use memory::flags::{HostAllocFlags, RegisterFlags};
 pub use memory::host_locked::HostLocked;
 pub use memory::registered::Registered;
-pub use memory::registration::{RegisteredVec, Registration};
+pub use memory::registration::{ReadOnlyRegistration, RegisteredVec, Registration};
 pub use memory::virtual_host::VirtualHost;
 
 // Containers.

@@ -350,6 +350,39 @@ pub(crate) fn default_prefault_threads() -> usize {
         .min(16)
 }
 
+/// Whether any of `addr..addr + bytes` lies in a private mapping of a file: the kernel shares
+/// its pages with the page cache until they are written (copy-on-write), and CUDA cannot pin
+/// such pages (a registration of one was seen never to return). Read from
+/// `/proc/self/maps`; `false` where that cannot be read.
+pub(crate) fn in_private_file_mapping(addr: usize, bytes: usize) -> bool {
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        return false;
+    };
+    let end = addr.saturating_add(bytes);
+    maps.lines().any(|line| {
+        private_file_mapping(line).is_some_and(|(start, stop)| start < end && addr < stop)
+    })
+}
+
+/// The range of a line of `/proc/<pid>/maps` if it is a private mapping of a file:
+/// `start-end perms offset dev inode path`, with a path that is a file (not `[heap]` and the
+/// like, nor an anonymous mapping) and `p` in the permissions.
+fn private_file_mapping(line: &str) -> Option<(usize, usize)> {
+    let mut fields = line.split_whitespace();
+    let range = fields.next()?;
+    let perms = fields.next()?;
+    let inode = fields.nth(2)?;
+    let path = fields.next()?;
+    if !perms.ends_with('p') || inode == "0" || path.starts_with('[') {
+        return None;
+    }
+    let (start, stop) = range.split_once('-')?;
+    Some((
+        usize::from_str_radix(start, 16).ok()?,
+        usize::from_str_radix(stop, 16).ok()?,
+    ))
+}
+
 /// Whether every page of `ptr..ptr + bytes` (page-aligned, in a mapping of ours) is resident.
 #[cfg(test)]
 pub(crate) fn resident(ptr: NonNull<u8>, bytes: usize) -> bool {
@@ -365,6 +398,50 @@ mod tests {
     use std::cell::Cell;
 
     use super::*;
+
+    #[test]
+    fn private_file_mappings_are_told_from_the_others() {
+        let line = |perms: &str, inode: &str, path: &str| {
+            format!("7f00a000-7f00c000 {perms} 00000000 fd:01 {inode} {path}")
+        };
+        let file = private_file_mapping(&line("r--p", "1234", "/data/model.bin"));
+        assert_eq!(file, Some((0x7f00_a000, 0x7f00_c000)));
+        assert_eq!(
+            private_file_mapping(&line("rw-s", "1234", "/data/model.bin")),
+            None
+        );
+        assert_eq!(private_file_mapping(&line("rw-p", "0", "")), None);
+        assert_eq!(private_file_mapping(&line("rw-p", "0", "[heap]")), None);
+        assert_eq!(private_file_mapping("garbage"), None);
+    }
+
+    /// A file mapped privately is found, and ordinary heap memory is not.
+    #[test]
+    #[cfg_attr(miri, ignore = "maps a file, which Miri cannot")]
+    fn a_private_file_mapping_of_this_process_is_found() {
+        let path = std::env::temp_dir().join(format!("cow-{}.bin", std::process::id()));
+        std::fs::write(&path, vec![7u8; 64 << 10]).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        use std::os::fd::AsRawFd;
+        // SAFETY: a fresh private read-only mapping of the whole file, unmapped below.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                64 << 10,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(map, libc::MAP_FAILED);
+        assert!(in_private_file_mapping(map as usize + 100, 10));
+        let heap = vec![0u8; 1 << 20];
+        assert!(!in_private_file_mapping(heap.as_ptr() as usize, heap.len()));
+        // SAFETY: mapped above, unused afterwards.
+        unsafe { libc::munmap(map, 64 << 10) };
+        let _ = std::fs::remove_file(path);
+    }
 
     thread_local! {
         /// Makes `spawn` fail on this thread, as under `RLIMIT_NPROC`.

@@ -165,12 +165,21 @@ impl Device {
         self.flag(cudaDeviceAttr::cudaDevAttrHostRegisterSupported)
     }
 
+    /// Whether the device can use memory registered read-only
+    /// ([`ReadOnlyRegistration`](crate::ReadOnlyRegistration)).
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error from `cudaDeviceGetAttribute`.
+    pub fn supports_read_only_registration(self) -> Result<bool> {
+        self.flag(cudaDeviceAttr::cudaDevAttrHostRegisterReadOnlySupported)
+    }
+
     /// Whether the device can use [`VirtualHost`](crate::VirtualHost) memory.
     ///
-    /// Whether the device can use page-locked host memory created through CUDA's
-    /// virtual-memory API on a host NUMA node ([`VirtualHost`](crate::VirtualHost)): the
-    /// device's attribute says so or, where the runtime does not know the attribute, the
-    /// driver gives a granularity for such memory.
+    /// The device's attribute says so or, where the runtime does not know the attribute, the
+    /// driver gives a granularity for such memory (page-locked host memory created through
+    /// CUDA's virtual-memory API on a host NUMA node).
     ///
     /// # Errors
     ///

@@ -5,16 +5,23 @@ use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 
 use crate::containers::block::StreamUses;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::gpu::stream::Stream;
 use crate::memory::allocator::MemoryKind;
 use crate::memory::flags::RegisterFlags;
 
-/// Registers `bytes` at `ptr`; `None` for an empty range (nothing to register).
+/// Registers `bytes` at `ptr`; `None` for an empty range (nothing to register). Memory CUDA
+/// cannot pin is refused before the driver is asked.
 fn register(ptr: *mut u8, bytes: usize, flags: RegisterFlags) -> Result<Option<NonNull<u8>>> {
     let Some(ptr) = NonNull::new(ptr).filter(|_| bytes > 0) else {
         return Ok(None);
     };
+    if crate::os::in_private_file_mapping(ptr.as_ptr() as usize, bytes) {
+        return Err(Error::Unsupported(
+            "registering memory of a private (copy-on-write) file mapping, which CUDA cannot \
+             pin (the call may never return): read the file into page-locked memory instead",
+        ));
+    }
     // SAFETY: the callers hold the memory (a unique borrow or an owned `Vec`) for as long as
     // the registration lives, and unregister it before giving the memory up; or, for a
     // `Registration` forgotten with `mem::forget`, never: the driver then keeps the pages
@@ -98,6 +105,75 @@ impl<T> DerefMut for Registration<'_, T> {
 }
 
 impl<T: fmt::Debug> fmt::Debug for Registration<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.slice.iter()).finish()
+    }
+}
+
+/// A caller's slice, registered read-only (`cudaHostRegisterReadOnly`) for as long as it is
+/// borrowed: for memory the device only reads.
+///
+/// Blocking uploads from it ([`DeviceBuffer::copy_from_host`](crate::DeviceBuffer::copy_from_host))
+/// run at pinned speed. It needs a device that supports read-only registration
+/// ([`Device::supports_read_only_registration`](crate::Device::supports_read_only_registration)).
+/// As with [`Registration`], memory of a private file mapping is refused, and forgetting it
+/// leaves its pages locked.
+///
+/// # Examples
+///
+/// ```no_run
+/// use cuda_pinned::{DeviceBuffer, ReadOnlyRegistration};
+/// let weights = vec![0.5f32; 1 << 24];
+/// let pinned = ReadOnlyRegistration::new(&weights)?;
+/// let mut on_device = DeviceBuffer::<f32>::zeroed(pinned.len())?;
+/// on_device.copy_from_host(&pinned)?;
+/// # Ok::<(), cuda_pinned::Error>(())
+/// ```
+pub struct ReadOnlyRegistration<'a, T> {
+    slice: &'a [T],
+    registered: Option<NonNull<u8>>,
+}
+
+impl<'a, T> ReadOnlyRegistration<'a, T> {
+    /// Registers `slice` read-only (and portable).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unsupported`](crate::Error::Unsupported) for memory of a private file mapping;
+    /// [`Error::Unavailable`](crate::Error::Unavailable) without CUDA, or the CUDA error.
+    pub fn new(slice: &'a [T]) -> Result<Self> {
+        let flags = RegisterFlags::PORTABLE | RegisterFlags::READ_ONLY;
+        // Read-only registration never writes through the pointer.
+        let registered = register(slice.as_ptr().cast_mut().cast(), size_of_val(slice), flags)?;
+        Ok(Self { slice, registered })
+    }
+
+    /// Always [`MemoryKind::Registration`].
+    pub fn memory_kind(&self) -> MemoryKind {
+        MemoryKind::Registration
+    }
+}
+
+impl<T> Drop for ReadOnlyRegistration<'_, T> {
+    fn drop(&mut self) {
+        if let Some(ptr) = self.registered {
+            // SAFETY: registered in `new`; only blocking copies used it, and they finished
+            // before returning.
+            let _ = crate::context::on_current_device(|| unsafe {
+                crate::raw::memory::host_unregister(ptr)
+            });
+        }
+    }
+}
+
+impl<T> Deref for ReadOnlyRegistration<'_, T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        self.slice
+    }
+}
+
+impl<T: fmt::Debug> fmt::Debug for ReadOnlyRegistration<'_, T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_list().entries(self.slice.iter()).finish()
     }

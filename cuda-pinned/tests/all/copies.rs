@@ -394,3 +394,20 @@ fn memory_registered_in_chunks_copies_as_one_buffer() {
             .is_err()
     );
 }
+
+/// A slice registered read-only uploads at pinned speed and arrives intact.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_read_only_registration_uploads_intact() {
+    let device = cuda_pinned::Device::current().unwrap();
+    if !device.supports_read_only_registration().unwrap() {
+        return; // nothing to check on this device
+    }
+    let data = pattern(8 << 20, 5);
+    let pinned = cuda_pinned::ReadOnlyRegistration::new(&data).unwrap();
+    assert_eq!(pinned.memory_kind(), MemoryKind::Registration);
+    let mut on_device = DeviceBuffer::<u8>::zeroed(data.len()).unwrap();
+    on_device.copy_from_host(&pinned).unwrap();
+    drop(pinned);
+    assert!(on_device.to_vec().unwrap() == data);
+}

@@ -202,3 +202,70 @@ fn streams_events_and_device_memory_without_cuda_say_so() {
     unavailable(cuda_pinned::DeviceBuffer::<u8>::zeroed(16).map(drop));
     unavailable(cuda_pinned::Stager::new().map(drop));
 }
+
+/// A private (copy-on-write) mapping of a file of `bytes` bytes; unmapped on drop.
+struct FileMapping {
+    ptr: *mut u8,
+    bytes: usize,
+    path: std::path::PathBuf,
+}
+
+impl FileMapping {
+    fn new(bytes: usize, writable: bool) -> Self {
+        use std::os::fd::AsRawFd;
+        let path = std::env::temp_dir().join(format!(
+            "cuda-pinned-cow-{}-{bytes}-{writable}.bin",
+            std::process::id()
+        ));
+        std::fs::write(&path, vec![3u8; bytes]).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        let prot = libc::PROT_READ | if writable { libc::PROT_WRITE } else { 0 };
+        // SAFETY: a fresh private mapping of the whole file, unmapped in `drop`.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                bytes,
+                prot,
+                libc::MAP_PRIVATE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(ptr, libc::MAP_FAILED);
+        Self {
+            ptr: ptr.cast(),
+            bytes,
+            path,
+        }
+    }
+}
+
+impl Drop for FileMapping {
+    fn drop(&mut self) {
+        // SAFETY: mapped in `new`; nothing borrows it any more.
+        unsafe { libc::munmap(self.ptr.cast(), self.bytes) };
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Memory of a private file mapping, which CUDA cannot pin (a registration of 94 MB of one
+/// never returned), is refused with a clear error before the driver is asked: with CUDA or
+/// without, read-only or not.
+#[test]
+#[cfg_attr(miri, ignore = "maps a file, which Miri cannot")]
+fn a_copy_on_write_file_mapping_is_refused_before_the_driver_is_asked() {
+    let bytes = 96 << 20;
+    let mapping = FileMapping::new(bytes, true);
+    // SAFETY: the mapping is readable and writable for `bytes` and outlives the slice.
+    let slice = unsafe { std::slice::from_raw_parts_mut(mapping.ptr, bytes) };
+    let refused = cuda_pinned::Registration::new(slice).map(drop);
+    assert!(
+        matches!(refused, Err(Error::Unsupported(why)) if why.contains("copy-on-write")),
+        "{refused:?}"
+    );
+    let mapping = FileMapping::new(1 << 20, false);
+    // SAFETY: the mapping is readable for its length and outlives the slice.
+    let slice = unsafe { std::slice::from_raw_parts(mapping.ptr, 1 << 20) };
+    let refused = cuda_pinned::ReadOnlyRegistration::new(slice).map(drop);
+    assert!(matches!(refused, Err(Error::Unsupported(_))), "{refused:?}");
+}
