@@ -133,7 +133,7 @@ pub struct Report {
     /// The date of the run, `YYYY-MM-DD`.
     #[serde(default)]
     pub date: String,
-    /// The commit the tool was built from (see [`crate::context::COMMIT`]).
+    /// The commit the tool was built from, `-dirty` when the tree was (the build script's).
     #[serde(default)]
     pub commit: String,
     /// The command line as run.
