@@ -162,43 +162,9 @@ struct Pinner {
 impl Pinner {
     /// The thread: pins a block for the first slot short of its target, until told to stop.
     fn run<B: PinnedAllocator>(&self, backend: &B) {
-        loop {
-            let slot = {
-                let mut central = self.central.lock();
-                loop {
-                    let ahead = &mut central.ahead;
-                    if ahead.stop {
-                        return;
-                    }
-                    if let Some(slot) = ahead.short() {
-                        ahead.pinning_bytes = class_size(slot);
-                        break slot;
-                    }
-                    ahead.sleeping = true;
-                    self.wake.wait(&mut central);
-                    central.ahead.sleeping = false;
-                }
-            };
+        while let Some(slot) = self.next_short() {
             let size = class_size(slot);
-            let pinned_block = count(&self.pinned, size, self.limit).and_then(|()| {
-                let layout = std::alloc::Layout::from_size_align(size, PAGE)
-                    .map_err(|_| Error::CapacityOverflow);
-                // A panicking backend is an error like any other: the thread goes on, and
-                // the count is given back.
-                let block = layout.and_then(|layout| {
-                    std::panic::catch_unwind(AssertUnwindSafe(|| backend.allocate(layout)))
-                        .unwrap_or_else(|payload| {
-                            // Leaked, not dropped: a payload's own drop may panic, and the
-                            // thread must go on (and give the count back, below).
-                            std::mem::forget(payload);
-                            Err(Error::Unsupported("the backend panicked"))
-                        })
-                });
-                if block.is_err() {
-                    self.pinned.fetch_sub(size, Ordering::Relaxed);
-                }
-                block
-            });
+            let pinned_block = self.pin(backend, size);
             let mut central = self.central.lock();
             let ahead = &mut central.ahead;
             ahead.pinning_bytes = 0;
@@ -216,22 +182,7 @@ impl Pinner {
                 Ok(block) => {
                     // The target fell while the block was being pinned: it is not wanted.
                     drop(central);
-                    let released = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                        // SAFETY: pinned above from the backend and never handed out.
-                        unsafe { backend.deallocate(block) }
-                    }));
-                    if let Err(payload) = released {
-                        std::mem::forget(payload);
-                        // Whether the block was freed is unknown: its bytes stay counted
-                        // (the cap errs on the safe side), and the thread goes on.
-                        let ahead = &mut self.central.lock().ahead;
-                        ahead.error.get_or_insert(Error::Unsupported(
-                            "the backend panicked releasing a block pinned ahead",
-                        ));
-                        ahead.failures += 1;
-                    } else {
-                        self.pinned.fetch_sub(size, Ordering::Relaxed);
-                    }
+                    self.release_unwanted(backend, block, size);
                 }
                 Err(error) => {
                     ahead.error.get_or_insert(error);
@@ -239,6 +190,67 @@ impl Pinner {
                     ahead.stalled[slot] = true;
                 }
             }
+        }
+    }
+
+    /// The next slot short of its target (its bytes then being pinned), waiting until there
+    /// is one; `None` once told to stop.
+    fn next_short(&self) -> Option<usize> {
+        let mut central = self.central.lock();
+        loop {
+            let ahead = &mut central.ahead;
+            if ahead.stop {
+                return None;
+            }
+            if let Some(slot) = ahead.short() {
+                ahead.pinning_bytes = class_size(slot);
+                return Some(slot);
+            }
+            ahead.sleeping = true;
+            self.wake.wait(&mut central);
+            central.ahead.sleeping = false;
+        }
+    }
+
+    /// A block of `size` bytes from `backend`, counted against the cap first (and given back
+    /// to it on failure). A panicking backend is an error like any other: the thread goes on.
+    fn pin<B: PinnedAllocator>(&self, backend: &B, size: usize) -> Result<Allocation, Error> {
+        count(&self.pinned, size, self.limit)?;
+        let layout =
+            std::alloc::Layout::from_size_align(size, PAGE).map_err(|_| Error::CapacityOverflow);
+        let block = layout.and_then(|layout| {
+            std::panic::catch_unwind(AssertUnwindSafe(|| backend.allocate(layout))).unwrap_or_else(
+                |payload| {
+                    // Leaked, not dropped: a payload's own drop may panic, and the thread must
+                    // go on (and give the count back, below).
+                    std::mem::forget(payload);
+                    Err(Error::Unsupported("the backend panicked"))
+                },
+            )
+        });
+        if block.is_err() {
+            self.pinned.fetch_sub(size, Ordering::Relaxed);
+        }
+        block
+    }
+
+    /// Gives a block pinned for a target that fell meanwhile back to `backend`. Should the
+    /// backend panic, whether the block was freed is unknown: its bytes stay counted (the cap
+    /// errs on the safe side), the failure is reported, and the thread goes on.
+    fn release_unwanted<B: PinnedAllocator>(&self, backend: &B, block: Allocation, size: usize) {
+        let released = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            // SAFETY: pinned by this thread from the backend and never handed out.
+            unsafe { backend.deallocate(block) }
+        }));
+        if let Err(payload) = released {
+            std::mem::forget(payload);
+            let ahead = &mut self.central.lock().ahead;
+            ahead.error.get_or_insert(Error::Unsupported(
+                "the backend panicked releasing a block pinned ahead",
+            ));
+            ahead.failures += 1;
+        } else {
+            self.pinned.fetch_sub(size, Ordering::Relaxed);
         }
     }
 }

@@ -319,20 +319,7 @@ impl Stream {
         direction: Direction,
     ) -> Result<Transfer<B>> {
         let (host_ptr, len) = host.host_parts();
-        if let Some(range) = tracked
-            && range.len != len
-        {
-            return Err(Error::LengthMismatch {
-                host: len,
-                device: range.len,
-            });
-        }
-        let bytes = len
-            .checked_mul(size_of::<B::Elem>())
-            .ok_or(Error::CapacityOverflow)?;
-        if let Some(range) = tracked {
-            range.check_stream(self)?;
-        }
+        let bytes = check_sizes::<B::Elem>(self, len, tracked)?;
         let (dst, src) = match direction {
             Direction::HostToDevice => (device as *mut _, host_ptr.cast_const().cast()),
             _ => (host_ptr.cast(), device as *const _),
@@ -372,24 +359,49 @@ impl Stream {
                 }
             }
         });
-        match (queued, ended) {
-            (Ok(event), _) => Ok(Transfer {
-                buffer: ManuallyDrop::new(host),
-                event,
-            }),
-            (Err(error), Some(event)) => {
-                // Queued with its event, then taken by a capture or not joined back to the
-                // stream: the buffer goes when the event says so (never, for an event a
-                // capture took: waiting for it fails).
-                host.release_after(PendingUses::from_event(event));
-                Err(error)
+        finish(host, queued, ended, leak)
+    }
+}
+
+/// The copy's bytes, after checking the lengths and that a tracked device range belongs to
+/// `stream`'s device.
+fn check_sizes<T>(stream: &Stream, len: usize, tracked: Option<DeviceRange<'_>>) -> Result<usize> {
+    if let Some(range) = tracked {
+        if range.len != len {
+            return Err(Error::LengthMismatch {
+                host: len,
+                device: range.len,
+            });
+        }
+        range.check_stream(stream)?;
+    }
+    len.checked_mul(size_of::<T>())
+        .ok_or(Error::CapacityOverflow)
+}
+
+/// The transfer of a queued copy, or the error, with `host` kept until nothing can use it:
+/// released after the copy's event where one was recorded (never, for an event a capture
+/// took: waiting for it fails), leaked where the copy was queued and its end is unknown.
+fn finish<B: HostBuffer>(
+    host: B,
+    queued: Result<Arc<Event>>,
+    ended: Option<Arc<Event>>,
+    leak: bool,
+) -> Result<Transfer<B>> {
+    match (queued, ended) {
+        (Ok(event), _) => Ok(Transfer {
+            buffer: ManuallyDrop::new(host),
+            event,
+        }),
+        (Err(error), Some(event)) => {
+            host.release_after(PendingUses::from_event(event));
+            Err(error)
+        }
+        (Err(error), None) => {
+            if leak {
+                std::mem::forget(host);
             }
-            (Err(error), None) => {
-                if leak {
-                    std::mem::forget(host);
-                }
-                Err(error)
-            }
+            Err(error)
         }
     }
 }

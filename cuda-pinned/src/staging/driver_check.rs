@@ -72,21 +72,58 @@ fn check(device: Device) -> Result<DriverPaths> {
     let original: Vec<u8> = (0..total).map(|i| (i % 251) as u8 + 1).collect();
     let mut source = original.clone();
     let mut back = vec![0u8; total];
-    let hold = |stream: &Stream| -> Result<Arc<AtomicBool>> {
-        let over = Arc::new(AtomicBool::new(false));
-        let flag = over.clone();
-        stream.launch_host_fn(move || {
-            std::thread::sleep(HOLD);
-            flag.store(true, Ordering::Release);
-        })?;
-        Ok(over)
-    };
+    // SAFETY: `source` and `memory` outlive the work on the stream: it is waited for below,
+    // or both are leaked; nothing else uses `memory`.
+    let uploaded = unsafe { upload_each(&stream, &memory, &mut source, &offsets) };
+    let filled_on_return = uploaded.and_then(|()| {
+        // SAFETY: as above, for `back`.
+        unsafe { download_each(&stream, &memory, &mut back, &original, &offsets) }
+    });
+    if let Err(error) = stream.synchronize() {
+        // The copies may still run: their memory must stay.
+        std::mem::forget((source, back, memory));
+        return Err(error);
+    }
+    let filled_on_return = filled_on_return?;
+    // `back` holds what the uploads delivered.
+    let uploads = back == original;
+    Ok(DriverPaths {
+        uploads,
+        downloads: uploads && filled_on_return,
+    })
+}
+
+/// Holds `stream` back for a while (a host function that sleeps); the flag is raised when
+/// the hold is over.
+fn hold(stream: &Stream) -> Result<Arc<AtomicBool>> {
+    let over = Arc::new(AtomicBool::new(false));
+    let flag = over.clone();
+    stream.launch_host_fn(move || {
+        std::thread::sleep(HOLD);
+        flag.store(true, Ordering::Release);
+    })?;
+    Ok(over)
+}
+
+/// Uploads each `(offset, bytes)` piece of `source` behind a hold, through the driver's own
+/// call, and zeroes the piece as soon as the call returns: a call that had not read it yet
+/// delivers zeros.
+///
+/// # Safety
+///
+/// - `source` and `memory` outlive the work queued on `stream`; the pieces lie in both.
+unsafe fn upload_each(
+    stream: &Stream,
+    memory: &DeviceBuffer<u8>,
+    source: &mut [u8],
+    offsets: &[(usize, usize)],
+) -> Result<()> {
     let mut uploaded = Ok(());
-    for &(offset, bytes) in &offsets {
+    for &(offset, bytes) in offsets {
         uploaded = uploaded.and_then(|()| {
-            hold(&stream)?;
-            // SAFETY: `source` and `memory` outlive the work on the stream (waited for
-            // below, or both leaked); nothing else uses `memory`.
+            hold(stream)?;
+            // SAFETY: the piece lies in `source` and `memory`, which outlive the copy (the
+            // caller's promise); nothing else uses `memory`.
             unsafe {
                 crate::raw::copy::copy_once(
                     (memory.as_raw() + offset as u64) as *mut std::ffi::c_void,
@@ -101,39 +138,42 @@ fn check(device: Device) -> Result<DriverPaths> {
         // SAFETY: the range lies in `source`, which is live.
         unsafe { std::ptr::write_bytes(source.as_mut_ptr().add(offset), 0, bytes) };
     }
-    let filled_on_return = uploaded.and_then(|()| {
-        let mut filled = true;
-        for &(offset, bytes) in &offsets {
-            let held = hold(&stream)?;
-            // SAFETY: as above, for `back`.
-            unsafe {
-                crate::raw::copy::copy_once(
-                    back.as_mut_ptr().add(offset).cast(),
-                    (memory.as_raw() + offset as u64) as *const std::ffi::c_void,
-                    bytes,
-                    Direction::DeviceToHost,
-                    stream.as_raw(),
-                )
-            }?;
-            let waited = held.load(Ordering::Acquire);
-            // Read as the DMA may still write it (if the call did not wait for it).
-            // SAFETY: `back` is live and `total` bytes long; bytes are read one at a time.
-            let seen = (offset..offset + bytes)
-                .all(|i| unsafe { back.as_ptr().add(i).read_volatile() } == original[i]);
-            filled &= waited && seen;
-        }
-        Ok(filled)
-    });
-    if let Err(error) = stream.synchronize() {
-        // The copies may still run: their memory must stay.
-        std::mem::forget((source, back, memory));
-        return Err(error);
+    uploaded
+}
+
+/// Downloads each piece into `back` behind a hold, through the driver's own call, and says
+/// whether every call returned after its hold with its piece filled (as `original`).
+///
+/// # Safety
+///
+/// - `back` and `memory` outlive the work queued on `stream`; the pieces lie in both.
+unsafe fn download_each(
+    stream: &Stream,
+    memory: &DeviceBuffer<u8>,
+    back: &mut [u8],
+    original: &[u8],
+    offsets: &[(usize, usize)],
+) -> Result<bool> {
+    let mut filled = true;
+    for &(offset, bytes) in offsets {
+        let held = hold(stream)?;
+        // SAFETY: the piece lies in `back` and `memory`, which outlive the copy (the caller's
+        // promise).
+        unsafe {
+            crate::raw::copy::copy_once(
+                back.as_mut_ptr().add(offset).cast(),
+                (memory.as_raw() + offset as u64) as *const std::ffi::c_void,
+                bytes,
+                Direction::DeviceToHost,
+                stream.as_raw(),
+            )
+        }?;
+        let waited = held.load(Ordering::Acquire);
+        // Read as the DMA may still write it (if the call did not wait for it).
+        // SAFETY: the piece lies in `back`, which is live; bytes are read one at a time.
+        let seen = (offset..offset + bytes)
+            .all(|i| unsafe { back.as_ptr().add(i).read_volatile() } == original[i]);
+        filled &= waited && seen;
     }
-    let filled_on_return = filled_on_return?;
-    // `back` holds what the uploads delivered.
-    let uploads = back == original;
-    Ok(DriverPaths {
-        uploads,
-        downloads: uploads && filled_on_return,
-    })
+    Ok(filled)
 }

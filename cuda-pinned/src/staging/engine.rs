@@ -400,41 +400,12 @@ impl<D: Dma> Shared<D> {
         let host = job.host.0.wrapping_add(offset);
         let chunk = self.base.0.wrapping_add(slot.offset);
         let device = job.device + offset as u64;
-        let moved = match job.direction {
-            Direction::HostToDevice => {
-                // SAFETY: the caller of `run` keeps the host range readable until every
-                // piece has finished; the chunk is this thread's alone (taken from the free
-                // list) and its previous DMA is over; both are `bytes` long and disjoint.
-                unsafe { std::ptr::copy_nonoverlapping(host.cast_const(), chunk, bytes) };
-                // SAFETY: the chunk stays allocated and untouched until its event, recorded
-                // next, has completed; the device range is valid per `run`'s contract.
-                unsafe {
-                    self.dma
-                        .queue(&job.stream, chunk, device, bytes, job.direction)
-                }
-                .and_then(|()| self.dma.record(&slot.event, &job.stream))
-            }
-            Direction::DeviceToHost => {
-                // SAFETY: as above; the chunk is written by the DMA only.
-                unsafe {
-                    self.dma
-                        .queue(&job.stream, chunk, device, bytes, job.direction)
-                }
-                .and_then(|()| self.dma.record(&slot.event, &job.stream))
-                .and_then(|()| self.dma.wait(&slot.event))
-                .map(|()| {
-                    // SAFETY: the DMA into the chunk has finished; the host range is
-                    // writable and this piece's alone until every piece has finished.
-                    unsafe {
-                        if self.config.streaming_stores {
-                            copy_bytes_streaming(chunk.cast_const(), host, bytes);
-                        } else {
-                            std::ptr::copy_nonoverlapping(chunk.cast_const(), host, bytes);
-                        }
-                    }
-                })
-            }
-        };
+        // SAFETY: the caller of `run` keeps the host range valid (read for uploads, written
+        // for downloads, this piece's alone) until every piece has finished; the chunk is this
+        // thread's alone (taken from the free list), its previous DMA is over, and it stays
+        // allocated until its event has completed; the device range is valid per `run`'s
+        // contract; both sides are `bytes` long and disjoint.
+        let moved = unsafe { self.move_piece(job, &slot.event, chunk, host, device, bytes) };
         match moved {
             Ok(()) => taken.give_back(),
             Err(error) => {
@@ -445,6 +416,61 @@ impl<D: Dma> Shared<D> {
                     taken.give_back();
                 }
                 job.fail(error);
+            }
+        }
+    }
+
+    /// Moves one piece between the host range at `host` and the device at `device` through
+    /// `chunk`, whose DMA `event` records: host → chunk → device, or device → chunk (waited
+    /// for) → host.
+    ///
+    /// # Safety
+    ///
+    /// - `host` is valid for `bytes` (read for an upload, written for a download) and this
+    ///   piece's alone until the job's pieces have all finished;
+    /// - `chunk` is `bytes` of the ring that only this thread uses, its previous DMA over,
+    ///   and it stays allocated and untouched until `event` has completed;
+    /// - `device` is device memory valid for the copy until it has finished.
+    unsafe fn move_piece(
+        &self,
+        job: &Job<D>,
+        event: &D::Event,
+        chunk: *mut u8,
+        host: *mut u8,
+        device: u64,
+        bytes: usize,
+    ) -> Result<()> {
+        match job.direction {
+            Direction::HostToDevice => {
+                // SAFETY: both are `bytes` long, disjoint, and ours (the contract).
+                unsafe { std::ptr::copy_nonoverlapping(host.cast_const(), chunk, bytes) };
+                // SAFETY: the chunk stays untouched until its event, recorded next, has
+                // completed; the device range is valid (the contract).
+                unsafe {
+                    self.dma
+                        .queue(&job.stream, chunk, device, bytes, job.direction)
+                }
+                .and_then(|()| self.dma.record(event, &job.stream))
+            }
+            Direction::DeviceToHost => {
+                // SAFETY: as above; the chunk is written by the DMA only.
+                unsafe {
+                    self.dma
+                        .queue(&job.stream, chunk, device, bytes, job.direction)
+                }
+                .and_then(|()| self.dma.record(event, &job.stream))
+                .and_then(|()| self.dma.wait(event))
+                .map(|()| {
+                    // SAFETY: the DMA into the chunk has finished; the host range is
+                    // writable and this piece's alone (the contract).
+                    unsafe {
+                        if self.config.streaming_stores {
+                            copy_bytes_streaming(chunk.cast_const(), host, bytes);
+                        } else {
+                            std::ptr::copy_nonoverlapping(chunk.cast_const(), host, bytes);
+                        }
+                    }
+                })
             }
         }
     }
