@@ -113,7 +113,21 @@ pub fn run(quick: bool, progress: &mut Progress) -> Vec<Section> {
     let cuda = cuda_pinned::is_available();
     let batches = if quick { 400 } else { 3_000 };
     let reps = if quick { 3 } else { 5 };
-    let mut section = Section::new(
+    let mut section = loader_section(cuda);
+    // Written as the guide recommends, with non-temporal stores.
+    let images = Arc::new(Images::new(true));
+    collate_rows(&images, batches, reps, cuda, progress, &mut section);
+    if cuda {
+        device_rows(&images, batches, reps, progress, &mut section);
+    }
+    progress.step("loader, host memcpy");
+    memcpy_and_notes(batches, reps, &mut section);
+    vec![section]
+}
+
+/// The section's title and columns, kept apart so `run` reads as the order of measurements.
+fn loader_section(cuda: bool) -> Section {
+    Section::new(
         "loader",
         &format!(
             "Loader: {BATCH} x 3x224x224 u8 + {BATCH} i64 per batch, random from {IMAGES} \
@@ -139,67 +153,77 @@ pub fn run(quick: bool, progress: &mut Progress) -> Vec<Section> {
             "upload GB/s",
             "CPU cores busy",
         ],
-    );
-    // Written as the guide recommends, with non-temporal stores.
-    let images = Arc::new(Images::new(true));
-    let row = |name: String, runs: Vec<Result<Run, LoaderError>>, section: &mut Section| {
-        let runs: Vec<Run> = match runs.into_iter().collect() {
-            Ok(runs) => runs,
-            Err(e) => {
-                section.notes.push(format!("{name}: {e}"));
-                return;
-            }
-        };
-        let steady = Spread::of(runs.iter().map(|r| r.steady).collect());
-        let mut cells = vec![Value::Text(name)];
-        cells.extend(steady.cells(0));
-        for figure in [|r: &Run| r.whole, |r: &Run| r.first] {
-            cells.push(Value::Num(
-                Spread::of(runs.iter().map(figure).collect()).median,
-                0,
-            ));
+    )
+}
+
+/// Adds one mode's row from its runs, or a note if a run failed; shared by every loader mode.
+fn push_row(name: String, runs: Vec<Result<Run, LoaderError>>, section: &mut Section) {
+    let runs: Vec<Run> = match runs.into_iter().collect() {
+        Ok(runs) => runs,
+        Err(e) => {
+            section.notes.push(format!("{name}: {e}"));
+            return;
         }
-        cells.push(Value::Num(steady.median * BATCH_BYTES / 1e9, 1));
-        cells.push(Value::Num(
-            Spread::of(runs.iter().map(|r| r.construction_ms).collect()).median,
-            1,
-        ));
-        cells.push(Value::Int(
-            runs.iter().map(|r| r.late_slots).max().unwrap_or(0),
-        ));
-        for figure in [
-            |r: &Run| r.fill_ms,
-            |r: &Run| r.waited,
-            |r: &Run| r.upload,
-            |r: &Run| r.cores,
-        ] {
-            cells.push(Value::Num(
-                Spread::of(runs.iter().map(figure).collect()).median,
-                2,
-            ));
-        }
-        section.row(cells);
     };
+    let steady = Spread::of(runs.iter().map(|r| r.steady).collect());
+    let mut cells = vec![Value::Text(name)];
+    cells.extend(steady.cells(0));
+    for figure in [|r: &Run| r.whole, |r: &Run| r.first] {
+        cells.push(Value::Num(
+            Spread::of(runs.iter().map(figure).collect()).median,
+            0,
+        ));
+    }
+    cells.push(Value::Num(steady.median * BATCH_BYTES / 1e9, 1));
+    cells.push(Value::Num(
+        Spread::of(runs.iter().map(|r| r.construction_ms).collect()).median,
+        1,
+    ));
+    cells.push(Value::Int(
+        runs.iter().map(|r| r.late_slots).max().unwrap_or(0),
+    ));
+    for figure in [
+        |r: &Run| r.fill_ms,
+        |r: &Run| r.waited,
+        |r: &Run| r.upload,
+        |r: &Run| r.cores,
+    ] {
+        cells.push(Value::Num(
+            Spread::of(runs.iter().map(figure).collect()).median,
+            2,
+        ));
+    }
+    section.row(cells);
+}
+
+/// The host-collate loader's configuration, the same for every host-collate row.
+fn collate_config(workers: usize, rep: usize) -> LoaderConfig {
     // Workers that persist begin each epoch's first batches while the last ones of the
     // epoch before are consumed: epochs here are 16 batches, and a pipeline drained at each
     // epoch's end lost about a third of the batches per second.
-    let config = |workers: usize, rep: usize| {
-        LoaderConfig::new(BATCH)
-            .workers(workers)
-            .shuffle(rep as u64)
-            .persistent_workers(true)
-            .prefetch_next_epoch(true)
-    };
+    LoaderConfig::new(BATCH)
+        .workers(workers)
+        .shuffle(rep as u64)
+        .persistent_workers(true)
+        .prefetch_next_epoch(true)
+}
+
+/// Measures host collate by worker count, then plain against streaming stores; these rows
+/// run with or without CUDA.
+fn collate_rows(
+    images: &Arc<Images>,
+    batches: usize,
+    reps: usize,
+    cuda: bool,
+    progress: &mut Progress,
+    section: &mut Section,
+) {
     for workers in worker_counts() {
         progress.step(&format!("loader, {workers} workers"));
         let runs = (0..reps)
-            .map(|rep| collate_run(images.clone(), config(workers, rep), batches, cuda))
+            .map(|rep| collate_run(images.clone(), collate_config(workers, rep), batches, cuda))
             .collect();
-        row(
-            format!("host collate, {workers} workers"),
-            runs,
-            &mut section,
-        );
+        push_row(format!("host collate, {workers} workers"), runs, section);
     }
     // Plain stores into the batch against non-temporal ones, run for run: the batch is read
     // next by the DMA engine, not the CPU.
@@ -209,59 +233,76 @@ pub fn run(quick: bool, progress: &mut Progress) -> Vec<Section> {
     for rep in 0..reps {
         plain.push(collate_run(
             plain_images.clone(),
-            config(8, rep),
+            collate_config(8, rep),
             batches,
             cuda,
         ));
-        streaming.push(collate_run(images.clone(), config(8, rep), batches, cuda));
+        streaming.push(collate_run(
+            images.clone(),
+            collate_config(8, rep),
+            batches,
+            cuda,
+        ));
     }
     drop(plain_images);
-    row(
+    push_row(
         "host collate, 8 workers, copy_from_slice (alternating)".into(),
         plain,
-        &mut section,
+        section,
     );
-    row(
+    push_row(
         "host collate, 8 workers, copy_streaming (alternating)".into(),
         streaming,
-        &mut section,
+        section,
     );
-    if cuda {
-        progress.step("loader, device gather");
-        match PinnedSamples::from_dataset(&*images) {
-            Ok(pinned) => {
-                let pinned = Arc::new(pinned);
-                let runs = (0..reps)
-                    .map(|rep| gather_run(pinned.clone(), batches, rep as u64))
-                    .collect();
-                row("device gather".into(), runs, &mut section);
-            }
-            Err(e) => section.notes.push(format!("device gather: {e}")),
+}
+
+/// Measures device gather and the one-contiguous-copy reference; these need CUDA.
+fn device_rows(
+    images: &Arc<Images>,
+    batches: usize,
+    reps: usize,
+    progress: &mut Progress,
+    section: &mut Section,
+) {
+    progress.step("loader, device gather");
+    match PinnedSamples::from_dataset(&**images) {
+        Ok(pinned) => {
+            let pinned = Arc::new(pinned);
+            let runs = (0..reps)
+                .map(|rep| gather_run(pinned.clone(), batches, rep as u64))
+                .collect();
+            push_row("device gather".into(), runs, section);
         }
-        progress.step("loader, contiguous copy");
-        match contiguous_copies(batches, reps) {
-            Ok(spread) => {
-                let mut cells = vec![Value::Text(
-                    "one contiguous copy per batch (reference)".into(),
-                )];
-                cells.extend(spread.cells(0));
-                cells.extend([
-                    Value::Missing,
-                    Value::Missing,
-                    Value::Num(spread.median * BATCH_BYTES / 1e9, 1),
-                    Value::Missing,
-                    Value::Missing,
-                    Value::Missing,
-                    Value::Missing,
-                    Value::Missing,
-                    Value::Missing,
-                ]);
-                section.row(cells);
-            }
-            Err(e) => section.notes.push(format!("contiguous copy: {e}")),
-        }
+        Err(e) => section.notes.push(format!("device gather: {e}")),
     }
-    progress.step("loader, host memcpy");
+    progress.step("loader, contiguous copy");
+    match contiguous_copies(batches, reps) {
+        Ok(spread) => {
+            let mut cells = vec![Value::Text(
+                "one contiguous copy per batch (reference)".into(),
+            )];
+            cells.extend(spread.cells(0));
+            cells.extend([
+                Value::Missing,
+                Value::Missing,
+                Value::Num(spread.median * BATCH_BYTES / 1e9, 1),
+                Value::Missing,
+                Value::Missing,
+                Value::Missing,
+                Value::Missing,
+                Value::Missing,
+                Value::Missing,
+            ]);
+            section.row(cells);
+        }
+        Err(e) => section.notes.push(format!("contiguous copy: {e}")),
+    }
+}
+
+/// Measures the host's memcpy bandwidth and writes the notes under the table; the memcpy
+/// figure is only ever a note, never a row.
+fn memcpy_and_notes(batches: usize, reps: usize, section: &mut Section) {
     let [memcpy, streaming] = host_memcpy(reps);
     let best = memcpy.median.max(streaming.median);
     section.notes.push(format!(
@@ -284,7 +325,6 @@ pub fn run(quick: bool, progress: &mut Progress) -> Vec<Section> {
          hand-written on this API 3,928 steady, 1,207 over its first 300; the link ~5,700"
             .into(),
     );
-    vec![section]
 }
 
 /// Device work for each step: the consumer's stream rewrites a scratch buffer.
