@@ -241,93 +241,109 @@ fn small_uploads(stager: &Stager, section: &mut Section, progress: &mut Progress
         },
         DefaultPinned,
     )?;
-    let mut lines = Vec::new();
-    for bytes in [4 << 10, 16 << 10, 64 << 10] {
-        let source = vec![0x5Au8; bytes];
-        let mut device = DeviceBuffer::<u8>::zeroed(bytes)?;
-        let address = device.as_raw();
-        let tracked = || -> Result<()> {
-            let mut memory_type = u32::MAX;
-            let mut attribute = CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE;
-            let mut data = [(&raw mut memory_type).cast::<c_void>()];
-            // SAFETY: one attribute, whose value `data` points to; `source` and the device
-            // buffer hold `bytes` and outlive the copy, which is waited for; the event and
-            // the stream are live and of the current device.
-            let statuses = unsafe {
-                [
-                    lookup(1, &mut attribute, data.as_mut_ptr(), source.as_ptr() as u64),
-                    upload(
-                        address,
-                        source.as_ptr().cast(),
-                        bytes,
-                        stream.as_raw().cast(),
-                    ),
-                    record(event.0.cast(), stream.as_raw().cast()),
-                    wait(event.0.cast()),
-                ]
-            };
-            if statuses.iter().all(|s| *s == CUresult::CUDA_SUCCESS) && memory_type == 0 {
-                Ok(())
-            } else {
-                Err(Error::Unsupported("a tracked driver upload failed"))
-            }
+    let tracked = |source: &[u8], address: u64| -> Result<()> {
+        let mut memory_type = u32::MAX;
+        let mut attribute = CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE;
+        let mut data = [(&raw mut memory_type).cast::<c_void>()];
+        // SAFETY: one attribute, whose value `data` points to; `source` and the device
+        // buffer hold `bytes` and outlive the copy, which is waited for; the event and
+        // the stream are live and of the current device.
+        let statuses = unsafe {
+            [
+                lookup(1, &mut attribute, data.as_mut_ptr(), source.as_ptr() as u64),
+                upload(
+                    address,
+                    source.as_ptr().cast(),
+                    source.len(),
+                    stream.as_raw().cast(),
+                ),
+                record(event.0.cast(), stream.as_raw().cast()),
+                wait(event.0.cast()),
+            ]
         };
-        let calls = calls_per_rep(bytes);
-        let mut ns = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
-        for rep in 0..=15 {
-            let times = [
-                timed_calls(calls, || {
-                    // SAFETY: the buffers hold `bytes` and outlive the call, which waits.
-                    unsafe {
-                        raw(
-                            &stream,
-                            source.as_ptr().cast_mut(),
-                            address,
-                            bytes,
-                            Direction::HostToDevice,
-                        )
-                    }
-                })?,
-                timed_calls(calls, tracked)?,
-                timed_calls(calls, || {
-                    stager.copy_to_device(&stream, &source, &mut device)?.wait()
-                })?,
-                timed_calls(calls, || {
-                    without_slots
-                        .copy_to_device(&stream, &source, &mut device)?
-                        .wait()
-                })?,
-            ];
-            if rep > 0 {
-                for (n, t) in ns.iter_mut().zip(times) {
-                    n.push(t * 1e9);
+        if statuses.iter().all(|s| *s == CUresult::CUDA_SUCCESS) && memory_type == 0 {
+            Ok(())
+        } else {
+            Err(Error::Unsupported("a tracked driver upload failed"))
+        }
+    };
+    let lines = [4 << 10, 16 << 10, 64 << 10]
+        .into_iter()
+        .map(|bytes| small_upload_line(bytes, [stager, &without_slots], &stream, &tracked))
+        .collect::<Result<Vec<_>>>()?;
+    small_uploads_note(&lines, section);
+    Ok(())
+}
+
+/// One size of [`small_uploads`], measured 15 runs (after one unmeasured) and written as one
+/// part of the note; `tracked` is the least tracked copy of a source to a device address.
+fn small_upload_line(
+    bytes: usize,
+    [stager, without_slots]: [&Stager; 2],
+    stream: &Stream,
+    tracked: &dyn Fn(&[u8], u64) -> Result<()>,
+) -> Result<String> {
+    let source = vec![0x5Au8; bytes];
+    let mut device = DeviceBuffer::<u8>::zeroed(bytes)?;
+    let address = device.as_raw();
+    let calls = calls_per_rep(bytes);
+    let mut ns = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+    for rep in 0..=15 {
+        let times = [
+            timed_calls(calls, || {
+                // SAFETY: the buffers hold `bytes` and outlive the call, which waits.
+                unsafe {
+                    raw(
+                        stream,
+                        source.as_ptr().cast_mut(),
+                        address,
+                        bytes,
+                        Direction::HostToDevice,
+                    )
                 }
+            })?,
+            timed_calls(calls, || tracked(&source, address))?,
+            timed_calls(calls, || {
+                stager.copy_to_device(stream, &source, &mut device)?.wait()
+            })?,
+            timed_calls(calls, || {
+                without_slots
+                    .copy_to_device(stream, &source, &mut device)?
+                    .wait()
+            })?,
+        ];
+        if rep > 0 {
+            for (n, t) in ns.iter_mut().zip(times) {
+                n.push(t * 1e9);
             }
         }
-        let [plain, floor, staged, unslotted] = ns.map(Spread::of);
-        lines.push(format!(
-            "{}: cudaMemcpyAsync {:.0}, least tracked {:.0}, staged {:.0} / {:.0} / {:.0} \
-             ({:.3}× cudaMemcpyAsync, {:.3}× least tracked), without upload slots {:.0} \
-             ({:.3}× cudaMemcpyAsync)",
-            size_label(bytes as u64),
-            plain.median,
-            floor.median,
-            staged.min,
-            staged.median,
-            staged.max,
-            plain.median / staged.median,
-            floor.median / staged.median,
-            unslotted.median,
-            plain.median / unslotted.median,
-        ));
     }
+    let [plain, floor, staged, unslotted] = ns.map(Spread::of);
+    Ok(format!(
+        "{}: cudaMemcpyAsync {:.0}, least tracked {:.0}, staged {:.0} / {:.0} / {:.0} \
+         ({:.3}× cudaMemcpyAsync, {:.3}× least tracked), without upload slots {:.0} \
+         ({:.3}× cudaMemcpyAsync)",
+        size_label(bytes as u64),
+        plain.median,
+        floor.median,
+        staged.min,
+        staged.median,
+        staged.max,
+        plain.median / staged.median,
+        floor.median / staged.median,
+        unslotted.median,
+        plain.median / unslotted.median,
+    ))
+}
+
+/// The note under the table that gathers [`small_upload_line`]'s parts.
+fn small_uploads_note(lines: &[String], section: &mut Section) {
     section.notes.push(format!(
         "small uploads, ns per call, medians of 15 runs (staged min / median / max); least \
          tracked = one pointer lookup, the driver's call, one event; without upload slots = \
          the driver's path or the ring: {}",
         lines.join("; ")
     ));
-    Ok(())
 }
 
 /// What a small download into ordinary memory costs, in ns per call: the driver's path as the
@@ -489,30 +505,13 @@ fn both_ways(
     let (mut locked, mut staged) = (Vec::new(), Vec::new());
     for rep in 0..=reps {
         let l = timed(|| {
-            // Addresses cross to the upload thread as integers (raw pointers are not `Send`).
-            let source = pinned_source.as_mut_ptr() as usize;
-            let sink = pinned_sink.as_mut_ptr();
-            let (device_in, device_out) = (device_in.as_raw(), device_out.as_raw());
-            let up = &up;
-            std::thread::scope(|scope| {
-                let upload = scope.spawn(move || {
-                    // SAFETY: the buffers hold `bytes` and outlive the call, which waits.
-                    unsafe {
-                        raw(
-                            up,
-                            source as *mut u8,
-                            device_in,
-                            bytes,
-                            Direction::HostToDevice,
-                        )
-                    }
-                });
-                let download =
-                    // SAFETY: the buffers hold `bytes` and outlive the call, which waits.
-                    unsafe { raw(&down, sink, device_out, bytes, Direction::DeviceToHost) };
-                upload.join().expect("the upload thread")?;
-                download
-            })
+            locked_both_ways(
+                [&up, &down],
+                &mut pinned_source,
+                &mut pinned_sink,
+                [&device_in, &device_out],
+                bytes,
+            )
         })?;
         let s = timed(|| {
             std::thread::scope(|scope| {
@@ -528,9 +527,48 @@ fn both_ways(
             staged.push(gbps(2 * bytes, s));
         }
     }
-    let (locked, staged) = (Spread::of(locked), Spread::of(staged));
+    section.row(both_row(bytes, Spread::of(locked), Spread::of(staged)));
+    Ok(())
+}
+
+/// One copy each way at once from page-locked memory, the upload on a thread of its own;
+/// separate so the timed closure in [`both_ways`] stays one call.
+fn locked_both_ways(
+    [up, down]: [&Stream; 2],
+    pinned_source: &mut PinnedVec<u8, Registered>,
+    pinned_sink: &mut PinnedVec<u8, Registered>,
+    [device_in, device_out]: [&DeviceBuffer<u8>; 2],
+    bytes: usize,
+) -> Result<()> {
+    // Addresses cross to the upload thread as integers (raw pointers are not `Send`).
+    let source = pinned_source.as_mut_ptr() as usize;
+    let sink = pinned_sink.as_mut_ptr();
+    let (device_in, device_out) = (device_in.as_raw(), device_out.as_raw());
+    std::thread::scope(|scope| {
+        let upload = scope.spawn(move || {
+            // SAFETY: the buffers hold `bytes` and outlive the call, which waits.
+            unsafe {
+                raw(
+                    up,
+                    source as *mut u8,
+                    device_in,
+                    bytes,
+                    Direction::HostToDevice,
+                )
+            }
+        });
+        let download =
+            // SAFETY: the buffers hold `bytes` and outlive the call, which waits.
+            unsafe { raw(down, sink, device_out, bytes, Direction::DeviceToHost) };
+        upload.join().expect("the upload thread")?;
+        download
+    })
+}
+
+/// The "both" row, which has no driver figure: kept apart from the measurement loop.
+fn both_row(bytes: usize, locked: Spread, staged: Spread) -> Vec<Value> {
     let [min, median, max] = staged.cells(2);
-    section.row(vec![
+    vec![
         Value::Text("both".into()),
         Value::Text(size_label(bytes as u64)),
         Value::Missing,
@@ -540,8 +578,7 @@ fn both_ways(
         max,
         Value::Num(100.0 * staged.median / locked.median, 1),
         Value::Missing,
-    ]);
-    Ok(())
+    ]
 }
 
 /// Where the defaults come from: 1 GiB each way with other chunk sizes, thread counts and
@@ -549,11 +586,38 @@ fn both_ways(
 fn sweep(section: &mut Section, progress: &mut Progress) -> Result<()> {
     progress.step("staged sweep");
     let stream = Stream::new()?;
-    let cores = std::thread::available_parallelism().map_or(16, |n| n.get());
     let bytes = 1 << 30;
     let source = vec![3u8; bytes];
     let mut sink = vec![4u8; bytes];
     let mut device = DeviceBuffer::<u8>::zeroed(bytes)?;
+    sweep_configs(&stream, &source, &mut sink, &mut device, section)?;
+    for bytes in [
+        4 << 10,
+        16 << 10,
+        64 << 10,
+        128 << 10,
+        256 << 10,
+        512 << 10,
+        1 << 20,
+        2 << 20,
+        4 << 20,
+        8 << 20,
+    ] {
+        sweep_size(&stream, bytes, section)?;
+    }
+    Ok(())
+}
+
+/// The sweep's 1 GiB part: one note per ring configuration (chunk size, threads, ring depth,
+/// smallest piece, store kind) that fits this machine's cores.
+fn sweep_configs(
+    stream: &Stream,
+    source: &[u8],
+    sink: &mut [u8],
+    device: &mut DeviceBuffer<u8>,
+    section: &mut Section,
+) -> Result<()> {
+    let cores = std::thread::available_parallelism().map_or(16, |n| n.get());
     // (chunk, threads, chunks in the ring, smallest piece, streaming stores)
     let configs = [
         (4 << 20, 8, 16, 1 << 20, true),
@@ -580,7 +644,7 @@ fn sweep(section: &mut Section, progress: &mut Progress) -> Result<()> {
             ..StagingConfig::default()
         };
         let stager = Stager::with_config_in(config, DefaultPinned)?;
-        let [up, down] = round_trips(&stager, &stream, &source, &mut sink, &mut device, 3)?;
+        let [up, down] = round_trips(&stager, stream, source, sink, device, 3)?;
         section.notes.push(format!(
             "sweep 1 GiB: chunk {:>7} × {slots:>2}, {threads:>2} threads, pieces from {:>7}, \
              {}: H2D {up:6.2} GB/s, D2H {down:6.2} GB/s",
@@ -593,92 +657,101 @@ fn sweep(section: &mut Section, progress: &mut Progress) -> Result<()> {
             }
         ));
     }
-    for bytes in [
-        4 << 10,
-        16 << 10,
-        64 << 10,
-        128 << 10,
-        256 << 10,
-        512 << 10,
-        1 << 20,
-        2 << 20,
-        4 << 20,
-        8 << 20,
-    ] {
-        let source = vec![3u8; bytes];
-        let mut sink = vec![4u8; bytes];
-        let mut device = DeviceBuffer::<u8>::zeroed(bytes)?;
-        let mut line = format!("sweep {:>7}:", size_label(bytes as u64));
-        let ring_only = StagingConfig {
-            driver_uploads: Vec::new(),
-            driver_downloads: Vec::new(),
-            upload_slots: 0,
-            ..StagingConfig::default()
-        };
-        let variants = [
-            (
-                "ring, one thread",
-                StagingConfig {
-                    single_thread_bytes: usize::MAX,
-                    ..ring_only.clone()
-                },
-            ),
-            ("ring", ring_only.clone()),
-            (
-                "ring from 256 KiB pieces",
-                StagingConfig {
-                    single_thread_bytes: 0,
-                    min_piece_bytes: 256 << 10,
-                    ..ring_only
-                },
-            ),
-            ("defaults", StagingConfig::default()),
-        ];
-        for (name, config) in variants {
-            let stager = Stager::with_config_in(config, DefaultPinned)?;
-            let [up, down] = round_trips(&stager, &stream, &source, &mut sink, &mut device, 30)?;
-            line += &format!(" {name} H2D {up:6.2} D2H {down:6.2};");
-        }
-        let mut rates = [Vec::new(), Vec::new()];
-        for _ in 0..30 {
-            let host = sink.as_mut_ptr();
-            rates[0].push(gbps(
-                bytes,
-                timed(|| {
-                    // SAFETY: the buffers hold `bytes` and outlive the call, which waits.
-                    unsafe {
-                        raw(
-                            &stream,
-                            source.as_ptr().cast_mut(),
-                            device.as_raw(),
-                            bytes,
-                            Direction::HostToDevice,
-                        )
-                    }
-                })?,
-            ));
-            rates[1].push(gbps(
-                bytes,
-                timed(|| {
-                    // SAFETY: the buffers hold `bytes` and outlive the call, which waits.
-                    unsafe {
-                        raw(
-                            &stream,
-                            host,
-                            device.as_raw(),
-                            bytes,
-                            Direction::DeviceToHost,
-                        )
-                    }
-                })?,
-            ));
-        }
-        let [up, down] = rates.map(|r| Spread::of(r).median);
-        section
-            .notes
-            .push(format!("{line} driver H2D {up:6.2} D2H {down:6.2} (GB/s)"));
-    }
     Ok(())
+}
+
+/// One small size of the sweep, one note: the ring on one thread, spread over the workers,
+/// from smaller pieces, the defaults, and the driver's own path.
+fn sweep_size(stream: &Stream, bytes: usize, section: &mut Section) -> Result<()> {
+    let source = vec![3u8; bytes];
+    let mut sink = vec![4u8; bytes];
+    let mut device = DeviceBuffer::<u8>::zeroed(bytes)?;
+    let mut line = format!("sweep {:>7}:", size_label(bytes as u64));
+    for (name, config) in sweep_variants() {
+        let stager = Stager::with_config_in(config, DefaultPinned)?;
+        let [up, down] = round_trips(&stager, stream, &source, &mut sink, &mut device, 30)?;
+        line += &format!(" {name} H2D {up:6.2} D2H {down:6.2};");
+    }
+    let [up, down] = driver_round_trips(stream, &source, &mut sink, &device)?;
+    section
+        .notes
+        .push(format!("{line} driver H2D {up:6.2} D2H {down:6.2} (GB/s)"));
+    Ok(())
+}
+
+/// The stager configurations each small size of the sweep is measured with, by name.
+fn sweep_variants() -> [(&'static str, StagingConfig); 4] {
+    let ring_only = StagingConfig {
+        driver_uploads: Vec::new(),
+        driver_downloads: Vec::new(),
+        upload_slots: 0,
+        ..StagingConfig::default()
+    };
+    [
+        (
+            "ring, one thread",
+            StagingConfig {
+                single_thread_bytes: usize::MAX,
+                ..ring_only.clone()
+            },
+        ),
+        ("ring", ring_only.clone()),
+        (
+            "ring from 256 KiB pieces",
+            StagingConfig {
+                single_thread_bytes: 0,
+                min_piece_bytes: 256 << 10,
+                ..ring_only
+            },
+        ),
+        ("defaults", StagingConfig::default()),
+    ]
+}
+
+/// Median GB/s of 30 raw driver uploads and downloads of `source` / `sink`, for the sweep's
+/// last column; unlike [`round_trips`] it has no warm-up and no stager.
+fn driver_round_trips(
+    stream: &Stream,
+    source: &[u8],
+    sink: &mut [u8],
+    device: &DeviceBuffer<u8>,
+) -> Result<[f64; 2]> {
+    let bytes = source.len();
+    let mut rates = [Vec::new(), Vec::new()];
+    for _ in 0..30 {
+        let host = sink.as_mut_ptr();
+        rates[0].push(gbps(
+            bytes,
+            timed(|| {
+                // SAFETY: the buffers hold `bytes` and outlive the call, which waits.
+                unsafe {
+                    raw(
+                        stream,
+                        source.as_ptr().cast_mut(),
+                        device.as_raw(),
+                        bytes,
+                        Direction::HostToDevice,
+                    )
+                }
+            })?,
+        ));
+        rates[1].push(gbps(
+            bytes,
+            timed(|| {
+                // SAFETY: the buffers hold `bytes` and outlive the call, which waits.
+                unsafe {
+                    raw(
+                        stream,
+                        host,
+                        device.as_raw(),
+                        bytes,
+                        Direction::DeviceToHost,
+                    )
+                }
+            })?,
+        ));
+    }
+    Ok(rates.map(|r| Spread::of(r).median))
 }
 
 /// Median GB/s of `reps` uploads and downloads of `source` / `sink` (after one warm-up).
@@ -719,28 +792,7 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
     let made = Instant::now();
     drop(Stager::new()?);
     let second = made.elapsed();
-    let mut section = Section::new(
-        "staged",
-        &format!(
-            "Copies from / into ordinary memory (host-timed, call to arrival; median GB/s; copies \
-             under 4 MiB timed in runs of up to 64): the driver's path, page-locked memory, and \
-             the staging ring ({} threads, {} chunks of {})",
-            stager.config().threads,
-            stager.config().chunks,
-            size_label(stager.config().chunk_bytes as u64)
-        ),
-        &[
-            "direction",
-            "size",
-            "driver",
-            "pinned",
-            "staged min",
-            "staged median",
-            "staged max",
-            "% of pinned",
-            "× driver",
-        ],
-    );
+    let mut section = staged_section(&stager);
     let taken = |on: bool| if on { "taken" } else { "not taken" };
     section.notes.push(format!(
         "the driver's own path (checked on this device as the first stager was made): uploads \
@@ -765,4 +817,30 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
         sweep(&mut section, progress)?;
     }
     Ok(section)
+}
+
+/// The section's title (which names the stager's ring) and columns, apart from `run`'s steps.
+fn staged_section(stager: &Stager) -> Section {
+    Section::new(
+        "staged",
+        &format!(
+            "Copies from / into ordinary memory (host-timed, call to arrival; median GB/s; copies \
+             under 4 MiB timed in runs of up to 64): the driver's path, page-locked memory, and \
+             the staging ring ({} threads, {} chunks of {})",
+            stager.config().threads,
+            stager.config().chunks,
+            size_label(stager.config().chunk_bytes as u64)
+        ),
+        &[
+            "direction",
+            "size",
+            "driver",
+            "pinned",
+            "staged min",
+            "staged median",
+            "staged max",
+            "% of pinned",
+            "× driver",
+        ],
+    )
 }
