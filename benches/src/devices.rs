@@ -96,24 +96,54 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
             "% of alone",
         ],
     );
-    // The first cells of a device's row: which GPU, its node, where the memory was, which run.
-    let head = |device: Device, memory: String, run: &str| {
-        vec![
-            Value::Int(device.ordinal() as u64),
-            Value::Text(
-                device
-                    .nearest_numa_node()
-                    .map_or("-".to_owned(), |n| n.to_string()),
-            ),
-            Value::Text(memory),
-            Value::Text(run.into()),
-        ]
-    };
-    // Per device: the median copy (device clock), and all its bytes over the whole run (host
-    // clock, gaps between copies included, as the aggregate below is taken).
+    let alone = alone_rows(&devices, bytes, reps, &mut section, progress)?;
+    together_rows(&devices, &alone, bytes, reps, &mut section, progress)?;
+    if nodes.len() > 1 {
+        node_rows(&devices, &nodes, bytes, reps, &mut section, progress);
+    } else {
+        section.notes.push(
+            "One NUMA node here: memory on another node than the GPU's could not be measured."
+                .into(),
+        );
+    }
+    Ok(section)
+}
+
+/// The first cells of a device's row: which GPU, its node, where the memory was, which run.
+fn head(device: Device, memory: String, run: &str) -> Vec<Value> {
+    vec![
+        Value::Int(device.ordinal() as u64),
+        Value::Text(
+            device
+                .nearest_numa_node()
+                .map_or("-".to_owned(), |n| n.to_string()),
+        ),
+        Value::Text(memory),
+        Value::Text(run.into()),
+    ]
+}
+
+/// What each device measured alone, for the "together" rows to compare against.
+struct Alone {
+    /// Per device, the median copy (device clock).
+    medians: Vec<f64>,
+    /// Per device, all its bytes over the whole run (host clock, gaps between copies
+    /// included, as the aggregate is taken).
+    host_rates: Vec<f64>,
+}
+
+/// Each device alone from memory on its own node, one row each; returns what the
+/// "together" rows are compared with.
+fn alone_rows(
+    devices: &[Device],
+    bytes: usize,
+    reps: usize,
+    section: &mut Section,
+    progress: &mut Progress,
+) -> Result<Alone> {
     let mut alone_medians = Vec::new();
     let mut alone_host_rates = Vec::new();
-    for &device in &devices {
+    for &device in devices {
         progress.step(&format!("device {} alone", device.ordinal()));
         let (gbps, seconds) = alone(device, Registered::new(), bytes, reps)?;
         let spread = Spread::of(gbps);
@@ -124,7 +154,22 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
         row.push(Value::Missing);
         section.row(row);
     }
+    Ok(Alone {
+        medians: alone_medians,
+        host_rates: alone_host_rates,
+    })
+}
 
+/// All devices at once, one row each and the aggregate row, with the notes on how the
+/// aggregate is taken.
+fn together_rows(
+    devices: &[Device],
+    alone: &Alone,
+    bytes: usize,
+    reps: usize,
+    section: &mut Section,
+    progress: &mut Progress,
+) -> Result<()> {
     progress.step("all devices at once");
     let start = Barrier::new(devices.len());
     let together: Vec<Result<(Vec<f64>, f64)>> = std::thread::scope(|scope| {
@@ -141,7 +186,7 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
             .collect()
     });
     let mut slowest = 0.0f64;
-    for ((&device, result), alone) in devices.iter().zip(together).zip(&alone_medians) {
+    for ((&device, result), alone) in devices.iter().zip(together).zip(&alone.medians) {
         let (gbps, seconds) = result?;
         slowest = slowest.max(seconds);
         let spread = Spread::of(gbps);
@@ -151,7 +196,7 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
         section.row(row);
     }
     let aggregate = stats::gbps(devices.len() * reps * bytes, slowest);
-    let sum_alone: f64 = alone_host_rates.iter().sum();
+    let sum_alone: f64 = alone.host_rates.iter().sum();
     section.row(vec![
         Value::Text("all".into()),
         Value::Missing,
@@ -173,32 +218,36 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
             .notes
             .push("One GPU here: \"together\" is the same GPU run again.".into());
     }
+    Ok(())
+}
 
-    if nodes.len() > 1 {
-        for &device in &devices {
-            for &node in &nodes {
-                progress.step(&format!("device {} from node {node}", device.ordinal()));
-                let measured =
-                    alone(device, Registered::new().node(node), bytes, reps).map(|(gbps, _)| gbps);
-                let mut row = head(device, format!("node {node}"), "alone");
-                match measured {
-                    Ok(gbps) => row.extend(Spread::of(gbps).cells(1)),
-                    Err(e) => {
-                        section
-                            .notes
-                            .push(format!("device {device:?} from node {node}: {e}"));
-                        row.extend([Value::Missing, Value::Missing, Value::Missing]);
-                    }
+/// Each device alone from memory on every NUMA node in turn (only where there are several);
+/// a node that fails gets a note and an empty row.
+fn node_rows(
+    devices: &[Device],
+    nodes: &[u32],
+    bytes: usize,
+    reps: usize,
+    section: &mut Section,
+    progress: &mut Progress,
+) {
+    for &device in devices {
+        for &node in nodes {
+            progress.step(&format!("device {} from node {node}", device.ordinal()));
+            let measured =
+                alone(device, Registered::new().node(node), bytes, reps).map(|(gbps, _)| gbps);
+            let mut row = head(device, format!("node {node}"), "alone");
+            match measured {
+                Ok(gbps) => row.extend(Spread::of(gbps).cells(1)),
+                Err(e) => {
+                    section
+                        .notes
+                        .push(format!("device {device:?} from node {node}: {e}"));
+                    row.extend([Value::Missing, Value::Missing, Value::Missing]);
                 }
-                row.push(Value::Missing);
-                section.row(row);
             }
+            row.push(Value::Missing);
+            section.row(row);
         }
-    } else {
-        section.notes.push(
-            "One NUMA node here: memory on another node than the GPU's could not be measured."
-                .into(),
-        );
     }
-    Ok(section)
 }
