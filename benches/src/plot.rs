@@ -76,35 +76,127 @@ fn panel(svg: &mut String, left: f64, title: &str, y_label: &str, lines: &[Serie
         );
         return;
     }
-    let fy = |y: f64| if log_y { y.log10() } else { y };
-    let (x_min, x_max) = points.iter().fold((f64::MAX, f64::MIN), |(a, b), &(x, _)| {
-        (a.min(x.log2()), b.max(x.log2()))
-    });
-    let (mut y_min, mut y_max) = points.iter().fold((f64::MAX, f64::MIN), |(a, b), &(_, y)| {
-        (a.min(fy(y)), b.max(fy(y)))
-    });
-    if log_y {
-        (y_min, y_max) = (y_min.floor(), y_max.ceil());
-    } else {
-        (y_min, y_max) = (0.0, (y_max * 1.1).max(1.0));
+    let frame = Frame::new(left, &points, log_y);
+    axes(svg, &frame, left, y_label);
+    draw_lines(svg, &frame, lines);
+}
+
+/// A panel's plotting area and the ranges its axes cover: what maps a point to SVG
+/// coordinates, shared by the axes and the lines.
+struct Frame {
+    log_y: bool,
+    x_min: f64,
+    x_max: f64,
+    x_span: f64,
+    y_min: f64,
+    y_span: f64,
+    plot_l: f64,
+    plot_r: f64,
+    plot_t: f64,
+    plot_b: f64,
+}
+
+impl Frame {
+    /// Fits the axes to `points` (none of them empty) in the panel at offset `left`.
+    fn new(left: f64, points: &[(f64, f64)], log_y: bool) -> Self {
+        let fy = |y: f64| if log_y { y.log10() } else { y };
+        let (x_min, x_max) = points.iter().fold((f64::MAX, f64::MIN), |(a, b), &(x, _)| {
+            (a.min(x.log2()), b.max(x.log2()))
+        });
+        let (mut y_min, mut y_max) = points.iter().fold((f64::MAX, f64::MIN), |(a, b), &(_, y)| {
+            (a.min(fy(y)), b.max(fy(y)))
+        });
+        if log_y {
+            (y_min, y_max) = (y_min.floor(), y_max.ceil());
+        } else {
+            (y_min, y_max) = (0.0, (y_max * 1.1).max(1.0));
+        }
+        let x_span = (x_max - x_min).max(1.0);
+        let y_span = (y_max - y_min).max(1e-9);
+        let (plot_l, plot_r, plot_t, plot_b) =
+            (left + MARGIN, left + PANEL_W - 20.0, 40.0, PANEL_H - 40.0);
+        Self {
+            log_y,
+            x_min,
+            x_max,
+            x_span,
+            y_min,
+            y_span,
+            plot_l,
+            plot_r,
+            plot_t,
+            plot_b,
+        }
     }
-    let x_span = (x_max - x_min).max(1.0);
-    let y_span = (y_max - y_min).max(1e-9);
-    let (plot_l, plot_r, plot_t, plot_b) =
-        (left + MARGIN, left + PANEL_W - 20.0, 40.0, PANEL_H - 40.0);
-    let sx = |x: f64| plot_l + (x.log2() - x_min) / x_span * (plot_r - plot_l);
-    let sy = |y: f64| plot_b - (fy(y) - y_min) / y_span * (plot_b - plot_t);
+
+    /// A y value on the axis's scale (log10 on a log axis).
+    fn fy(&self, y: f64) -> f64 {
+        if self.log_y { y.log10() } else { y }
+    }
+
+    /// The SVG x of a size in bytes.
+    fn sx(&self, x: f64) -> f64 {
+        self.plot_l + (x.log2() - self.x_min) / self.x_span * (self.plot_r - self.plot_l)
+    }
+
+    /// The SVG y of a value.
+    fn sy(&self, y: f64) -> f64 {
+        self.plot_b - (self.fy(y) - self.y_min) / self.y_span * (self.plot_b - self.plot_t)
+    }
+}
+
+/// The plotting area's border, ticks, grid and axis labels, drawn before the lines so these
+/// lie on top.
+fn axes(svg: &mut String, frame: &Frame, left: f64, y_label: &str) {
+    let &Frame {
+        plot_l,
+        plot_r,
+        plot_t,
+        plot_b,
+        ..
+    } = frame;
     let _ = writeln!(
         svg,
         r##"<rect x="{plot_l}" y="{plot_t}" width="{}" height="{}" fill="none" stroke="#999"/>"##,
         plot_r - plot_l,
         plot_b - plot_t
     );
+    ticks(svg, frame);
+    let _ = writeln!(
+        svg,
+        r#"<text x="{}" y="{}" font-size="12" text-anchor="middle" transform="rotate(-90 {} {})">{y_label}</text>"#,
+        left + 14.0,
+        (plot_t + plot_b) / 2.0,
+        left + 14.0,
+        (plot_t + plot_b) / 2.0
+    );
+    let _ = writeln!(
+        svg,
+        r#"<text x="{}" y="{}" font-size="12" text-anchor="middle">size</text>"#,
+        (plot_l + plot_r) / 2.0,
+        PANEL_H - 8.0
+    );
+}
+
+/// The x ticks (sizes) and the y gridlines with their labels, in the frame's scales.
+fn ticks(svg: &mut String, frame: &Frame) {
+    let &Frame {
+        log_y,
+        x_min,
+        x_max,
+        y_min,
+        y_span,
+        plot_l,
+        plot_r,
+        plot_t,
+        plot_b,
+        ..
+    } = frame;
     // x ticks at every power of four.
     let mut tick = x_min.ceil() as i32;
     while f64::from(tick) <= x_max {
         if tick % 2 == 0 {
-            let x = sx(2f64.powi(tick));
+            let x = frame.sx(2f64.powi(tick));
             let _ = writeln!(
                 svg,
                 r##"<line x1="{x}" y1="{plot_b}" x2="{x}" y2="{}" stroke="#999"/><text x="{x}" y="{}" font-size="11" text-anchor="middle">{}</text>"##,
@@ -131,20 +223,11 @@ fn panel(svg: &mut String, left: f64, title: &str, y_label: &str, lines: &[Serie
             y + 4.0
         );
     }
-    let _ = writeln!(
-        svg,
-        r#"<text x="{}" y="{}" font-size="12" text-anchor="middle" transform="rotate(-90 {} {})">{y_label}</text>"#,
-        left + 14.0,
-        (plot_t + plot_b) / 2.0,
-        left + 14.0,
-        (plot_t + plot_b) / 2.0
-    );
-    let _ = writeln!(
-        svg,
-        r#"<text x="{}" y="{}" font-size="12" text-anchor="middle">size</text>"#,
-        (plot_l + plot_r) / 2.0,
-        PANEL_H - 8.0
-    );
+}
+
+/// One polyline with its points and a legend entry per series, in the series' order.
+fn draw_lines(svg: &mut String, frame: &Frame, lines: &[Series]) {
+    let (log_y, plot_l, plot_t) = (frame.log_y, frame.plot_l, frame.plot_t);
     for (i, (name, pts)) in lines.iter().enumerate() {
         let color = COLORS[i % COLORS.len()];
         let mut pts: Vec<(f64, f64)> = pts
@@ -155,7 +238,7 @@ fn panel(svg: &mut String, left: f64, title: &str, y_label: &str, lines: &[Serie
         pts.sort_by(|a, b| a.0.total_cmp(&b.0));
         let path: Vec<String> = pts
             .iter()
-            .map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y)))
+            .map(|&(x, y)| format!("{:.1},{:.1}", frame.sx(x), frame.sy(y)))
             .collect();
         let _ = writeln!(
             svg,
@@ -166,8 +249,8 @@ fn panel(svg: &mut String, left: f64, title: &str, y_label: &str, lines: &[Serie
             let _ = writeln!(
                 svg,
                 r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{color}"/>"#,
-                sx(x),
-                sy(y)
+                frame.sx(x),
+                frame.sy(y)
             );
         }
         let ly = plot_t + 14.0 + 15.0 * i as f64;
