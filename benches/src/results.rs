@@ -74,6 +74,15 @@ fn cell(text: &str) -> String {
 /// `RESULTS.md` for `report`, read from the record file named `record`.
 pub fn results_md(report: &Report, record: &str) -> String {
     let mut out = String::new();
+    write_header(&mut out, report, record);
+    let rows = rows(report);
+    write_goals(&mut out, report, &rows);
+    write_gaps(&mut out, &rows);
+    out
+}
+
+/// The title, the run's particulars and the machine table: everything above the goals.
+fn write_header(out: &mut String, report: &Report, record: &str) {
     let device = report
         .machine
         .iter()
@@ -103,14 +112,17 @@ pub fn results_md(report: &Report, record: &str) -> String {
             report.machine.len() - FACTS
         );
     }
+}
+
+/// The table of goals, one row per goal with whether it is met.
+fn write_goals(out: &mut String, report: &Report, rows: &[Row]) {
     let _ = writeln!(
         out,
         "\n## Against the goals\n\nEach figure is `median (min–max)` of the rows and runs it \
          reads; a goal is met by the median.\n\n| figure | reference | goal | measured | met |\n\
          |---|---|---|---|---|"
     );
-    let rows = rows(report);
-    for row in &rows {
+    for row in rows {
         let met = match row.met() {
             Some(true) => "yes",
             Some(false) => "no",
@@ -125,6 +137,10 @@ pub fn results_md(report: &Report, record: &str) -> String {
             row.figure()
         );
     }
+}
+
+/// The plot and the known gaps: goals missed, then goals this run did not measure.
+fn write_gaps(out: &mut String, rows: &[Row]) {
     let _ = writeln!(
         out,
         "\n![bandwidth and allocation latency against size](RESULTS.svg)\n\n## Known gaps\n"
@@ -154,7 +170,6 @@ pub fn results_md(report: &Report, record: &str) -> String {
             unmeasured.join("; ")
         );
     }
-    out
 }
 
 /// The README's figures: what goes between [`BEGIN`] and [`END`], at most [`README_ROWS`]
