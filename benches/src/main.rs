@@ -13,7 +13,7 @@ mod pool;
 mod progress;
 mod staged;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -92,22 +92,7 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     let options = Options::parse_from(&args);
     if let Some(Command::Results { record, root }) = &options.command {
-        let root = root
-            .clone()
-            .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".."));
-        return match results::write(record, &root) {
-            Ok(()) => {
-                println!(
-                    "RESULTS.md, RESULTS.svg and the README's figures written from {}",
-                    record.display()
-                );
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("pinned-bench: {e}");
-                ExitCode::FAILURE
-            }
-        };
+        return write_results(record, root.as_ref());
     }
     let command = options.command.as_ref().unwrap_or(&Command::All).name();
     let mut report = run(command, options.quick);
@@ -117,22 +102,53 @@ fn main() -> ExitCode {
     if options.json {
         print!("{}", report.to_json());
     } else {
-        if command != "info" {
+        print_tables(&report, command, options.quick);
+    }
+    write_files(&options, &report)
+}
+
+/// The `results` subcommand, which measures nothing: writes the results files from `record`.
+fn write_results(record: &Path, root: Option<&PathBuf>) -> ExitCode {
+    let root = root
+        .cloned()
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join(".."));
+    match results::write(record, &root) {
+        Ok(()) => {
             println!(
-                "pinned-bench {command}{}",
-                if options.quick { " --quick" } else { "" }
+                "RESULTS.md, RESULTS.svg and the README's figures written from {}",
+                record.display()
             );
+            ExitCode::SUCCESS
         }
-        print!("{}", info::render(&report.machine));
-        for section in &report.sections {
-            print!("{}", section.render());
-        }
-        for skipped in &report.skipped {
-            println!("\n{skipped}");
+        Err(e) => {
+            eprintln!("pinned-bench: {e}");
+            ExitCode::FAILURE
         }
     }
+}
+
+/// The report as text tables (what is printed without `--json`).
+fn print_tables(report: &Report, command: &str, quick: bool) {
+    if command != "info" {
+        println!(
+            "pinned-bench {command}{}",
+            if quick { " --quick" } else { "" }
+        );
+    }
+    print!("{}", info::render(&report.machine));
+    for section in &report.sections {
+        print!("{}", section.render());
+    }
+    for skipped in &report.skipped {
+        println!("\n{skipped}");
+    }
+}
+
+/// Writes the plot and the record where `--plot` and `--record` ask, after the report is
+/// printed; the exit status says whether they could be written.
+fn write_files(options: &Options, report: &Report) -> ExitCode {
     if let Some(path) = &options.plot {
-        if let Err(e) = std::fs::write(path, plot::svg(&report)) {
+        if let Err(e) = std::fs::write(path, plot::svg(report)) {
             eprintln!("pinned-bench: cannot write {}: {e}", path.display());
             return ExitCode::FAILURE;
         }
@@ -141,7 +157,7 @@ fn main() -> ExitCode {
         }
     }
     if let Some(dir) = &options.record {
-        let path = dir.join(context::record_name(&report));
+        let path = dir.join(context::record_name(report));
         if let Err(e) =
             std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&path, report.to_json()))
         {
@@ -165,42 +181,10 @@ fn run(command: &str, quick: bool) -> Report {
     }
     let cuda = cuda_pinned::is_available();
     let all = command == "all";
-    let mut steps = 0;
-    if (all || command == "bandwidth") && cuda {
-        steps += bandwidth::steps(quick);
-    }
-    let gpus = cuda_pinned::device_count().unwrap_or(0);
-    if (all || command == "devices") && cuda {
-        steps += devices::steps(gpus, host::online_numa_nodes().len());
-    }
     let staged = all || command == "bandwidth" || command == "staged";
-    if staged && cuda {
-        steps += staged::steps(quick);
-    }
-    if all || command == "alloc" {
-        steps += alloc::steps(quick, cuda);
-    }
-    if all || command == "pool" {
-        steps += pool::steps();
-    }
-    if all && !cuda {
-        steps += memcpy::steps();
-    }
-    if all || command == "loader" {
-        steps += loader::steps(cuda);
-    }
-    let mut progress = Progress::new(steps);
+    let mut progress = Progress::new(steps(command, quick, cuda));
     if !cuda && (staged || command == "alloc" || command == "devices") {
-        let why = match cuda_pinned::device_count() {
-            Ok(_) => "the CUDA runtime found no device".to_owned(),
-            Err(cuda_pinned::Error::Unavailable(cuda_pinned::LoadError::NotFound { attempts })) => {
-                format!(
-                    "the CUDA runtime (libcudart) was not found in {} places (listed above)",
-                    attempts.len()
-                )
-            }
-            Err(e) => e.to_string(),
-        };
+        let why = why_no_gpu();
         report.skipped.push(format!("GPU parts skipped: {why}"));
     }
     if (all || command == "bandwidth") && cuda {
@@ -237,6 +221,50 @@ fn run(command: &str, quick: bool) -> Report {
     }
     progress.finish();
     report
+}
+
+/// Work items `command` will run, for the progress bar, counted before anything runs.
+fn steps(command: &str, quick: bool, cuda: bool) -> usize {
+    let all = command == "all";
+    let mut steps = 0;
+    if (all || command == "bandwidth") && cuda {
+        steps += bandwidth::steps(quick);
+    }
+    let gpus = cuda_pinned::device_count().unwrap_or(0);
+    if (all || command == "devices") && cuda {
+        steps += devices::steps(gpus, host::online_numa_nodes().len());
+    }
+    let staged = all || command == "bandwidth" || command == "staged";
+    if staged && cuda {
+        steps += staged::steps(quick);
+    }
+    if all || command == "alloc" {
+        steps += alloc::steps(quick, cuda);
+    }
+    if all || command == "pool" {
+        steps += pool::steps();
+    }
+    if all && !cuda {
+        steps += memcpy::steps();
+    }
+    if all || command == "loader" {
+        steps += loader::steps(cuda);
+    }
+    steps
+}
+
+/// Why the GPU parts are skipped, in words, for the report's skipped list.
+fn why_no_gpu() -> String {
+    match cuda_pinned::device_count() {
+        Ok(_) => "the CUDA runtime found no device".to_owned(),
+        Err(cuda_pinned::Error::Unavailable(cuda_pinned::LoadError::NotFound { attempts })) => {
+            format!(
+                "the CUDA runtime (libcudart) was not found in {} places (listed above)",
+                attempts.len()
+            )
+        }
+        Err(e) => e.to_string(),
+    }
 }
 
 #[cfg(test)]
