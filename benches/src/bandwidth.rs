@@ -241,6 +241,9 @@ fn tracked_copier<'a, A: PinnedAllocator + 'a>(
     }))
 }
 
+/// The two directions every kind is timed in, in this order.
+const DIRECTIONS: [Direction; 2] = [Direction::HostToDevice, Direction::DeviceToHost];
+
 /// Runs the bandwidth section: for each size, every kind's copies interleaved rep by rep, so
 /// that drift on the machine touches all kinds alike.
 pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
@@ -251,78 +254,107 @@ pub fn run(quick: bool, progress: &mut Progress) -> Result<Section> {
         "Copy bandwidth (median of event-timed copies, kinds interleaved; % of the raw sys-layer copy)",
         &["direction", "size", "memory", "GB/s", "% of raw"],
     );
-    const DIRECTIONS: [Direction; 2] = [Direction::HostToDevice, Direction::DeviceToHost];
     for bytes in sizes(quick) {
-        let mut copiers: Vec<(&str, Option<Copier<'_>>)> = Vec::new();
-        for kind in KINDS {
-            progress.step(&format!("bandwidth {kind} {}", size_label(bytes as u64)));
-            let copier = match kind {
-                "raw (sys)" => raw_copier(&stream, bytes, true),
-                "pageable Vec" => raw_copier(&stream, bytes, false),
-                "cudaHostAlloc" => tracked_copier(&stream, CudaHost::new(), bytes),
-                "registered" => tracked_copier(&stream, Registered::new(), bytes),
-                "registered in 12 MiB chunks" => tracked_copier(
-                    &stream,
-                    Registered::new().register_in_chunks(12 << 20),
-                    bytes,
-                ),
-                "virtual (cuMemCreate)" => tracked_copier(&stream, VirtualHost::new(), bytes),
-                "pool" => tracked_copier(&stream, &pool, bytes),
-                _ => tracked_copier(&stream, HostLocked, bytes),
-            };
-            match copier {
-                Ok(c) => copiers.push((kind, Some(c))),
-                Err(e) => {
-                    section
-                        .notes
-                        .push(format!("{kind} at {}: {e}", size_label(bytes as u64)));
-                    copiers.push((kind, None));
-                }
-            }
-        }
-        let mut times = vec![[Vec::new(), Vec::new()]; copiers.len()];
-        for rep in 0..=reps(bytes, quick) {
-            for (k, (kind, copier)) in copiers.iter_mut().enumerate() {
-                let Some(time) = copier else { continue };
-                for (d, &direction) in DIRECTIONS.iter().enumerate() {
-                    match time(direction) {
-                        Ok(ms) if rep > 0 => times[k][d].push(ms), // rep 0 warms up
-                        Ok(_) => {}
-                        Err(e) => {
-                            section
-                                .notes
-                                .push(format!("{kind} at {}: {e}", size_label(bytes as u64)));
-                            *copier = None;
-                            break;
-                        }
-                    }
-                }
-            }
-        }
+        let mut copiers = copiers(&stream, &pool, bytes, &mut section, progress);
+        let times = time_copiers(&mut copiers, bytes, quick, &mut section);
         drop(copiers);
-        for (d, direction) in DIRECTIONS.into_iter().enumerate() {
-            let rate = |k: usize| {
-                (!times[k][d].is_empty()).then(|| gbps(bytes, median(times[k][d].clone()) * 1e-3))
-            };
-            let baseline = rate(0);
-            for (k, kind) in KINDS.iter().enumerate() {
-                let value = rate(k);
-                section.row(vec![
-                    Value::Text(direction.label().into()),
-                    Value::Text(size_label(bytes as u64)),
-                    Value::Text((*kind).into()),
-                    value.map_or(Value::Missing, |v| Value::Num(v, 2)),
-                    match (value, baseline) {
-                        (Some(v), Some(b)) if b > 0.0 => Value::Num(100.0 * v / b, 1),
-                        _ => Value::Missing,
-                    },
-                ]);
-            }
-        }
+        size_rows(&times, bytes, &mut section);
         pool.empty_cache();
     }
     bidirectional(quick, &pool, &mut section, progress)?;
     Ok(section)
+}
+
+/// One copier of `bytes` per kind, in [`KINDS`]' order; a kind that cannot be set up gets a
+/// note and `None`, so the table keeps its row.
+fn copiers<'a>(
+    stream: &'a Stream,
+    pool: &'a Pool,
+    bytes: usize,
+    section: &mut Section,
+    progress: &mut Progress,
+) -> Vec<(&'static str, Option<Copier<'a>>)> {
+    let mut copiers: Vec<(&str, Option<Copier<'_>>)> = Vec::new();
+    for kind in KINDS {
+        progress.step(&format!("bandwidth {kind} {}", size_label(bytes as u64)));
+        let copier = match kind {
+            "raw (sys)" => raw_copier(stream, bytes, true),
+            "pageable Vec" => raw_copier(stream, bytes, false),
+            "cudaHostAlloc" => tracked_copier(stream, CudaHost::new(), bytes),
+            "registered" => tracked_copier(stream, Registered::new(), bytes),
+            "registered in 12 MiB chunks" => tracked_copier(
+                stream,
+                Registered::new().register_in_chunks(12 << 20),
+                bytes,
+            ),
+            "virtual (cuMemCreate)" => tracked_copier(stream, VirtualHost::new(), bytes),
+            "pool" => tracked_copier(stream, pool, bytes),
+            _ => tracked_copier(stream, HostLocked, bytes),
+        };
+        match copier {
+            Ok(c) => copiers.push((kind, Some(c))),
+            Err(e) => {
+                section
+                    .notes
+                    .push(format!("{kind} at {}: {e}", size_label(bytes as u64)));
+                copiers.push((kind, None));
+            }
+        }
+    }
+    copiers
+}
+
+/// The measurement loop: every copier in both directions, rep by rep (rep 0 warms up);
+/// returns milliseconds per kind and direction. A copier that fails gets a note and stops.
+fn time_copiers(
+    copiers: &mut [(&str, Option<Copier<'_>>)],
+    bytes: usize,
+    quick: bool,
+    section: &mut Section,
+) -> Vec<[Vec<f64>; 2]> {
+    let mut times = vec![[Vec::new(), Vec::new()]; copiers.len()];
+    for rep in 0..=reps(bytes, quick) {
+        for (k, (kind, copier)) in copiers.iter_mut().enumerate() {
+            let Some(time) = copier else { continue };
+            for (d, &direction) in DIRECTIONS.iter().enumerate() {
+                match time(direction) {
+                    Ok(ms) if rep > 0 => times[k][d].push(ms), // rep 0 warms up
+                    Ok(_) => {}
+                    Err(e) => {
+                        section
+                            .notes
+                            .push(format!("{kind} at {}: {e}", size_label(bytes as u64)));
+                        *copier = None;
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    times
+}
+
+/// One size's rows, direction by direction and kind by kind, each against the raw copy.
+fn size_rows(times: &[[Vec<f64>; 2]], bytes: usize, section: &mut Section) {
+    for (d, direction) in DIRECTIONS.into_iter().enumerate() {
+        let rate = |k: usize| {
+            (!times[k][d].is_empty()).then(|| gbps(bytes, median(times[k][d].clone()) * 1e-3))
+        };
+        let baseline = rate(0);
+        for (k, kind) in KINDS.iter().enumerate() {
+            let value = rate(k);
+            section.row(vec![
+                Value::Text(direction.label().into()),
+                Value::Text(size_label(bytes as u64)),
+                Value::Text((*kind).into()),
+                value.map_or(Value::Missing, |v| Value::Num(v, 2)),
+                match (value, baseline) {
+                    (Some(v), Some(b)) if b > 0.0 => Value::Num(100.0 * v / b, 1),
+                    _ => Value::Missing,
+                },
+            ]);
+        }
+    }
 }
 
 /// H2D on one stream and D2H on another at once; GB/s counts both directions.
@@ -346,37 +378,15 @@ fn bidirectional(
         "pool",
     ] {
         progress.step(&format!("bidirectional {kind}"));
-        let measured = match kind {
-            "raw (sys)" => both_raw(&up, &down, &device_in, &device_out, bytes, reps),
-            "cudaHostAlloc" => both_tracked(
-                CudaHost::new(),
-                &up,
-                &down,
-                &mut device_in,
-                &device_out,
-                bytes,
-                reps,
-            ),
-            "registered" => both_tracked(
-                Registered::new(),
-                &up,
-                &down,
-                &mut device_in,
-                &device_out,
-                bytes,
-                reps,
-            ),
-            "virtual (cuMemCreate)" => both_tracked(
-                VirtualHost::new(),
-                &up,
-                &down,
-                &mut device_in,
-                &device_out,
-                bytes,
-                reps,
-            ),
-            _ => both_tracked(pool, &up, &down, &mut device_in, &device_out, bytes, reps),
-        };
+        let measured = both_kind(
+            kind,
+            pool,
+            [&up, &down],
+            &mut device_in,
+            &device_out,
+            bytes,
+            reps,
+        );
         let value = match measured {
             Ok(v) => Some(v),
             Err(e) => {
@@ -399,6 +409,50 @@ fn bidirectional(
         ]);
     }
     Ok(())
+}
+
+/// One kind's both-ways GB/s: picks the memory `kind` names and times it, so
+/// [`bidirectional`]'s loop is about rows, not allocators.
+fn both_kind(
+    kind: &str,
+    pool: &Pool,
+    [up, down]: [&Stream; 2],
+    device_in: &mut DeviceBuffer<u8>,
+    device_out: &DeviceBuffer<u8>,
+    bytes: usize,
+    reps: usize,
+) -> Result<f64> {
+    match kind {
+        "raw (sys)" => both_raw(up, down, device_in, device_out, bytes, reps),
+        "cudaHostAlloc" => both_tracked(
+            CudaHost::new(),
+            up,
+            down,
+            device_in,
+            device_out,
+            bytes,
+            reps,
+        ),
+        "registered" => both_tracked(
+            Registered::new(),
+            up,
+            down,
+            device_in,
+            device_out,
+            bytes,
+            reps,
+        ),
+        "virtual (cuMemCreate)" => both_tracked(
+            VirtualHost::new(),
+            up,
+            down,
+            device_in,
+            device_out,
+            bytes,
+            reps,
+        ),
+        _ => both_tracked(pool, up, down, device_in, device_out, bytes, reps),
+    }
 }
 
 /// Times `queue` (which queues one copy on each stream) from an event on `up` to the end of
