@@ -38,6 +38,13 @@ fn calls() -> String {
 pub fn facts() -> Vec<(String, String)> {
     let mut facts = Vec::new();
     let mut fact = |k: &str, v: String| facts.push((k.to_owned(), v));
+    cuda_facts(&mut fact);
+    host_facts(&mut fact);
+    facts
+}
+
+/// The CUDA runtime, driver and devices, or why there are none.
+fn cuda_facts(fact: &mut impl FnMut(&str, String)) {
     match cuda_pinned::runtime_path() {
         Ok(path) => {
             let version = cuda_pinned::runtime_version().map_or_else(
@@ -56,7 +63,7 @@ pub fn facts() -> Vec<(String, String)> {
                 ),
                 Ok(devices) => {
                     for device in devices {
-                        device_facts(device, &mut fact);
+                        device_facts(device, fact);
                     }
                 }
                 Err(e) => fact("devices", format!("cannot be listed: {e}")),
@@ -71,6 +78,10 @@ pub fn facts() -> Vec<(String, String)> {
         }
         Err(other) => fact("cuda", format!("not available: {other}")),
     }
+}
+
+/// The host's facts, read with or without CUDA: memlock, huge pages, cpus, NUMA nodes.
+fn host_facts(fact: &mut impl FnMut(&str, String)) {
     let memlock = match host::memlock_limit() {
         Ok(None) => "unlimited".to_owned(),
         Ok(Some(bytes)) if host::has_ipc_lock() => {
@@ -109,7 +120,6 @@ pub fn facts() -> Vec<(String, String)> {
          the node of the thread that first touches it (the kernel's default policy)"
             .into(),
     );
-    facts
 }
 
 fn device_facts(device: Device, fact: &mut impl FnMut(&str, String)) {
