@@ -224,8 +224,17 @@ fn stall(progress: &mut Progress) -> Section {
         }
     }
     progress.step("stall reserve cost");
+    section.notes.push(reserve_cost_note());
+    section
+        .notes
+        .push("anchor (H100 host): cudaHostAlloc(1 GiB) stalls the other thread 350 ms".into());
+    section
+}
+
+/// The note on what an allocation the reserve covers costs against a pool hit.
+fn reserve_cost_note() -> String {
     match reserve_cost() {
-        Ok((covered, hit)) => section.notes.push(format!(
+        Ok((covered, hit)) => format!(
             "16 MiB allocations the reserve covers: {:.0} / {:.0} / {:.0} ns; pool hits of \
              the same size: {:.0} / {:.0} / {:.0} ns (min / median / max of five rounds, each \
              the median of 64; both rounds raise the pool-wide peak, with the reserve thread \
@@ -237,13 +246,9 @@ fn stall(progress: &mut Progress) -> Section {
             hit.median,
             hit.max,
             covered.median / hit.median
-        )),
-        Err(e) => section.notes.push(format!("reserve cost: {e}")),
+        ),
+        Err(e) => format!("reserve cost: {e}"),
     }
-    section
-        .notes
-        .push("anchor (H100 host): cudaHostAlloc(1 GiB) stalls the other thread 350 ms".into());
-    section
 }
 
 /// Allocations of 16 MiB taken from blocks pinned ahead against pool hits of the same size,
@@ -508,26 +513,7 @@ fn growth(quick: bool, progress: &mut Progress) -> Section {
         .flat_map(|kind| [(*kind, Fill::Pushes), (*kind, Fill::Slices)])
     {
         progress.step(&format!("grow {kind}"));
-        let mut times = Vec::new();
-        let mut counts = (0, 0);
-        for _ in 0..runs {
-            let measured = match kind {
-                "Vec (pageable)" => Ok(grow_vec(bytes, fill)),
-                "registered" => grow(Registered::new(), bytes, fill),
-                "cudaHostAlloc" => grow(CudaHost::new(), bytes, fill),
-                _ => grow(VirtualHost::new(), bytes, fill),
-            };
-            match measured {
-                Ok((took, blocks, grown)) => {
-                    times.push(took);
-                    counts = (blocks, grown);
-                }
-                Err(e) => {
-                    section.notes.push(format!("{kind}: {e}"));
-                    break;
-                }
-            }
-        }
+        let (mut times, counts) = grow_runs(kind, fill, bytes, runs, &mut section);
         if times.is_empty() {
             continue;
         }
@@ -561,6 +547,38 @@ fn growth(quick: bool, progress: &mut Progress) -> Section {
         "a block that grows in place keeps its address: nothing is copied and pointers into it stay valid".into(),
     );
     section
+}
+
+/// `runs` growths of memory of `kind` to `bytes`: their times, and the blocks made and grown
+/// in place by the last; an error ends the runs and goes into the section's notes.
+fn grow_runs(
+    kind: &str,
+    fill: Fill,
+    bytes: usize,
+    runs: usize,
+    section: &mut Section,
+) -> (Vec<Duration>, (usize, usize)) {
+    let mut times = Vec::new();
+    let mut counts = (0, 0);
+    for _ in 0..runs {
+        let measured = match kind {
+            "Vec (pageable)" => Ok(grow_vec(bytes, fill)),
+            "registered" => grow(Registered::new(), bytes, fill),
+            "cudaHostAlloc" => grow(CudaHost::new(), bytes, fill),
+            _ => grow(VirtualHost::new(), bytes, fill),
+        };
+        match measured {
+            Ok((took, blocks, grown)) => {
+                times.push(took);
+                counts = (blocks, grown);
+            }
+            Err(e) => {
+                section.notes.push(format!("{kind}: {e}"));
+                break;
+            }
+        }
+    }
+    (times, counts)
 }
 
 /// [`grow`] for a pageable `Vec`, the reference (its reallocations counted as blocks).

@@ -238,39 +238,7 @@ fn measure_stats_cost(pool: &Pool, section: &mut Section, progress: &mut Progres
         let mut call_us = Vec::new();
         let mut rates = Vec::new();
         for _ in 0..REPS {
-            let stop = AtomicBool::new(false);
-            let (rate, costs) = std::thread::scope(|scope| {
-                let counters: Vec<_> = (0..workers)
-                    .map(|_| {
-                        scope.spawn(|| {
-                            raw_pairs(pool, 4096, 10_000);
-                            let start = Instant::now();
-                            let mut pairs = 0u64;
-                            while !stop.load(Ordering::Relaxed) {
-                                raw_pairs(pool, 4096, 1000);
-                                pairs += 1000;
-                            }
-                            pairs as f64 / start.elapsed().as_secs_f64() / 1e6
-                        })
-                    })
-                    .collect();
-                let mut costs = Vec::new();
-                let until = Instant::now() + Duration::from_millis(100);
-                while Instant::now() < until {
-                    if let Some(read) = read {
-                        let start = Instant::now();
-                        read(pool);
-                        costs.push(start.elapsed().as_secs_f64() * 1e6);
-                    }
-                    std::thread::sleep(Duration::from_micros(100));
-                }
-                stop.store(true, Ordering::Relaxed);
-                let rate: f64 = counters
-                    .into_iter()
-                    .map(|c| c.join().expect("worker"))
-                    .sum();
-                (rate, costs)
-            });
+            let (rate, costs) = read_while_allocating(pool, workers, read);
             rates.push(rate);
             if !costs.is_empty() {
                 call_us.push(Spread::of(costs).median);
@@ -288,6 +256,45 @@ fn measure_stats_cost(pool: &Pool, section: &mut Section, progress: &mut Progres
     section.notes.push(format!(
         "{workers} threads allocate 4 KiB pairs meanwhile; {REPS} runs of 100 ms"
     ));
+}
+
+/// One run of 100 ms: `workers` threads allocate 4 KiB pairs while this one reads the
+/// statistics with `read` every 100 µs (or sleeps); their rate in M pairs/s, and each read's
+/// cost in µs.
+fn read_while_allocating(pool: &Pool, workers: usize, read: Option<Reader>) -> (f64, Vec<f64>) {
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let counters: Vec<_> = (0..workers)
+            .map(|_| {
+                scope.spawn(|| {
+                    raw_pairs(pool, 4096, 10_000);
+                    let start = Instant::now();
+                    let mut pairs = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        raw_pairs(pool, 4096, 1000);
+                        pairs += 1000;
+                    }
+                    pairs as f64 / start.elapsed().as_secs_f64() / 1e6
+                })
+            })
+            .collect();
+        let mut costs = Vec::new();
+        let until = Instant::now() + Duration::from_millis(100);
+        while Instant::now() < until {
+            if let Some(read) = read {
+                let start = Instant::now();
+                read(pool);
+                costs.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        stop.store(true, Ordering::Relaxed);
+        let rate: f64 = counters
+            .into_iter()
+            .map(|c| c.join().expect("worker"))
+            .sum();
+        (rate, costs)
+    })
 }
 
 /// `rounds` warm allocate+free pairs of `bytes` on this thread. The block goes straight
