@@ -141,6 +141,10 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
 /// The machine's memory in bytes (`usize::MAX` where it cannot be told): more than this can
 /// never be pinned ahead.
 fn physical_memory() -> usize {
+    if cfg!(miri) {
+        // Miri does not know this `sysconf` name.
+        return usize::MAX;
+    }
     // SAFETY: sysconf has no preconditions.
     let (pages, page) = unsafe {
         (
