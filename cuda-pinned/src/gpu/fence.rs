@@ -301,6 +301,7 @@ mod tests {
                 if runs(case) {
                     launched.unwrap();
                     assert_eq!(count, 1, "{case:?}");
+                    assert!(matches!(ended, Ok(Some(_))), "{case:?}: the capture broke");
                 } else {
                     assert!(
                         matches!(launched, Err(Error::Capturing)),
@@ -328,6 +329,7 @@ mod tests {
                     // Back after the copy ran; overwritten, it must not reach the device.
                     let mut host = copied.unwrap().wait().unwrap();
                     host.fill(9);
+                    assert!(matches!(ended, Ok(Some(_))), "{case:?}: the capture broke");
                     7
                 } else {
                     assert!(

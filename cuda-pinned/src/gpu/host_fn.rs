@@ -22,24 +22,30 @@ impl Stream {
     /// the driver.
     ///
     /// The function runs at most once, however often the driver calls it (a graph that
-    /// took it in, launched again and again), and never after this call returned an error.
+    /// took it in, launched again and again).
     ///
     /// # Errors
     ///
-    /// [`Error::Capturing`](crate::Error::Capturing) on a stream capturing a graph, or a CUDA error; then `function`
-    /// is dropped without running.
+    /// [`Error::Capturing`](crate::Error::Capturing) on a stream capturing a graph, or a
+    /// CUDA error; then `function` is dropped without running, unless it was queued already
+    /// and only ordering the stream after it failed (it then runs once, as queued).
     pub fn launch_host_fn<F: FnOnce() + Send + 'static>(&self, function: F) -> Result<()> {
         let id = park(Box::new(function));
+        // Set once the function is queued to run now (not into a capture): from then on it
+        // runs once, whatever the call answers.
+        let mut runs = false;
         let queued = crate::gpu::fence::enqueue(self, |stream| {
             // SAFETY: the stream is live; the trampoline is handed a number, not a pointer,
             // runs the function parked under it at most once, lets no panic unwind into the
             // driver, and does nothing on a later call; the function is `Send + 'static`, so
             // running it later on another thread is sound. A function that calls CUDA
             // regardless gets errors or a deadlock, which touch no memory.
-            unsafe { crate::raw::stream::launch_host_func(stream.as_raw(), trampoline, id) }
+            unsafe { crate::raw::stream::launch_host_func(stream.as_raw(), trampoline, id)? };
+            runs = true;
+            Ok(())
         });
-        if queued.is_err() {
-            // Not queued, or queued into a capture: it never runs now.
+        if queued.is_err() && !runs {
+            // Not queued: it never runs.
             drop(unpark(id));
         }
         queued
