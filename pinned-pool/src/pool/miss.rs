@@ -164,6 +164,9 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     ) {
         self.make_room(central, local, data, size, paused);
         local.count_handed(size, hit);
+        // The wish is fulfilled: withdrawn under the lock, so that no pauser counts this
+        // block both as handed out and as wanted.
+        local.want(0);
     }
 
     /// Raises `local`'s ceiling to fit one more block of `size`, keeping the peaks exact.
