@@ -101,14 +101,13 @@ impl std::error::Error for CudaError {}
 
 /// A CUDA driver call that returned an error code.
 ///
-/// A CUDA driver call that returned an error code: host memory through the virtual-memory
-/// API ([`VirtualHost`](crate::VirtualHost)) is made with driver calls, and copies between
-/// host and device memory are queued and events recorded, queried and waited for with the
-/// driver's own calls where its entry points can be reached (CUDA 12.5 and later; see
-/// [`RUNTIME_CALLS_VAR`](crate::RUNTIME_CALLS_VAR)). An error of device work (an illegal
+/// Host memory through the virtual-memory API ([`VirtualHost`](crate::VirtualHost)) is made with
+/// driver calls, and copies between host and device memory are queued and events recorded, queried
+/// and waited for with the driver's own calls where its entry points can be reached (CUDA 12.5 and
+/// later; see [`RUNTIME_CALLS_VAR`](crate::RUNTIME_CALLS_VAR)). An error of device work (an illegal
 /// address in a kernel, say) can therefore come from a wait as a `DriverError`; its
-/// [`code`](Self::code) is the driver's number for it, which is the runtime's number for the
-/// same error.
+/// [`code`](Self::code) is the driver's number for it, which is the runtime's number for the same
+/// error.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct DriverError {
     code: CUresult,

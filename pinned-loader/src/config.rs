@@ -100,12 +100,11 @@ impl LoaderConfig {
 
     /// Whether persistent workers begin the next epoch before the current one ends.
     ///
-    /// Whether persistent workers begin the next epoch (the one numbered one higher) once
-    /// all of the current one's batches are in the making, within the same `prefetch`
-    /// budget (off by default; needs [`persistent_workers`](Self::persistent_workers)). An
-    /// epoch otherwise starts with every worker idle and ends with the pipeline drained:
-    /// with 16 batches an epoch that cost about a third of the batches per second. What was
-    /// begun is kept if the next epoch asked for is that one, and dropped otherwise.
+    /// The next epoch is the one numbered one higher; it begins once all of the current one's
+    /// batches are in the making, within the same `prefetch` budget (off by default; needs
+    /// [`persistent_workers`](Self::persistent_workers)). An epoch otherwise starts with every
+    /// worker idle and ends with the pipeline drained, which short epochs feel most. What was begun
+    /// is kept if the next epoch asked for is that one, and dropped otherwise.
     ///
     /// Those batches are written before the next epoch is asked for: a dataset whose samples
     /// depend on state the program changes between epochs (an augmentation schedule read in
@@ -118,8 +117,7 @@ impl LoaderConfig {
 
     /// This process's share of the samples in distributed training: rank `rank` of `world_size`.
     ///
-    /// This process's share of the samples in distributed training: rank `rank` of
-    /// `world_size`, as `DistributedSampler` (equal counts; the order padded by wrapping
+    /// Shares are split as by `DistributedSampler` (equal counts; the order padded by wrapping
     /// around unless `drop_last`).
     pub fn shard(mut self, rank: usize, world_size: usize) -> Self {
         self.shard = (rank, world_size);

@@ -178,9 +178,8 @@ impl<D: SampleDataset> Dataset for D {
 
 /// A dataset held in page-locked memory, each field's samples side by side.
 ///
-/// A dataset held in page-locked memory, each field's samples side by side: pinned once
-/// (from any other dataset), then read by the loader's workers with one `memcpy` per field,
-/// or gathered on the device by the DMA engine with no host copy at all
+/// It is pinned once (from any other dataset), then read by the loader's workers with one `memcpy`
+/// per field, or gathered on the device by the DMA engine with no host copy at all
 /// ([`DeviceLoader`](crate::DeviceLoader) with [`Assembly::DeviceGather`](crate::Assembly)).
 pub struct PinnedSamples<F: Fields, A: PinnedAllocator = cuda_pinned::DefaultPinned> {
     fields: F,

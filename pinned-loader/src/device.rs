@@ -74,10 +74,9 @@ pub struct DeviceLoader<D: Dataset> {
 impl<D: Dataset> DeviceLoader<D> {
     /// A device loader over `loader`, with its own copy stream and device memory.
     ///
-    /// A device loader over `loader`, with its own copy stream and device memory for the
-    /// batches it uploads ahead (two) and those the consumer holds (two more), on the
-    /// loader's [`device`](crate::LoaderConfig::device). The calling thread's current device
-    /// is left as it was.
+    /// Its device memory holds the batches it uploads ahead (two) and those the consumer holds (two
+    /// more), on the loader's [`device`](crate::LoaderConfig::device). The calling thread's current
+    /// device is left as it was.
     ///
     /// # Errors
     ///

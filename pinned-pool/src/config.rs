@@ -120,9 +120,8 @@ impl PoolConfig {
 
     /// Keeps `blocks` blocks of `block_bytes` pinned ahead of need (see `Pool::reserve`).
     ///
-    /// Keeps `blocks` blocks of `block_bytes` pinned ahead of need by the pool's reserve thread
-    /// (see [`Pool::reserve`](crate::Pool::reserve)), like PyTorch's
-    /// `pinned_reserve_segment_size_mb`; give it once per size class (a later size of the
+    /// The pool's reserve thread pins them (see [`Pool::reserve`](crate::Pool::reserve)), like
+    /// PyTorch's `pinned_reserve_segment_size_mb`; give it once per size class (a later size of the
     /// same class replaces an earlier one). Pools made by
     /// [`Pool::with_config`](crate::Pool::with_config) and
     /// [`Pool::from_env`](crate::Pool::from_env) start it at once; others when

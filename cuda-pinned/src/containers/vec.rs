@@ -410,11 +410,11 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
 
     /// The address of the buffer in the device's address space, for kernels that use it.
     ///
-    /// The address of the buffer in the device's address space, for kernels that read or
-    /// write host memory directly (mapped memory: [`HostAllocFlags::MAPPED`](crate::HostAllocFlags::MAPPED),
+    /// Such kernels read or write host memory directly (mapped memory:
+    /// [`HostAllocFlags::MAPPED`](crate::HostAllocFlags::MAPPED),
     /// [`RegisterFlags::MAPPED`](crate::RegisterFlags::MAPPED), or any CUDA-pinned memory on
-    /// systems with unified addressing). Use [`record_stream`](Self::record_stream) for the
-    /// streams such kernels run on.
+    /// systems with unified addressing). Use [`record_stream`](Self::record_stream) for the streams
+    /// such kernels run on.
     ///
     /// # Errors
     ///

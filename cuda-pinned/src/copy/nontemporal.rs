@@ -5,12 +5,11 @@ use bytemuck::NoUninit;
 
 /// Copies `src` into `dst` with non-temporal stores, for memory the DMA engine reads next.
 ///
-/// Copies `src` into `dst` as [`slice::copy_from_slice`] does (for plain-old-data `T`), with
-/// non-temporal stores where the CPU has them (x86-64 with AVX2; copies of 4 KiB and more):
-/// the destination's cache lines are neither read in first nor kept in the caches
-/// afterwards. Filling page-locked memory that a copy to the device reads next (a batch, a
-/// staging chunk), this saves the memory bandwidth of reading the destination; data the CPU
-/// reads again soon is better copied plainly.
+/// It does what [`slice::copy_from_slice`] does (for plain-old-data `T`), with non-temporal stores
+/// where the CPU has them (x86-64 with AVX2; copies of 4 KiB and more): the destination's cache
+/// lines are neither read in first nor kept in the caches afterwards. Filling page-locked memory
+/// that a copy to the device reads next (a batch, a staging chunk), this saves the memory bandwidth
+/// of reading the destination; data the CPU reads again soon is better copied plainly.
 ///
 /// ```
 /// let src = vec![7u32; 1 << 16];

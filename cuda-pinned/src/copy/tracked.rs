@@ -223,9 +223,8 @@ impl Stream {
 
     /// Queues a copy of `src` into `dst` on this stream, tracked until it ends.
     ///
-    /// Queues a copy of `src` (a [`DeviceBuffer`](crate::DeviceBuffer) or a view of part of
-    /// one) into `dst` on this stream; `dst` travels with the returned [`Transfer`] and holds
-    /// the data once [`Transfer::wait`] returns it.
+    /// `src` is a [`DeviceBuffer`](crate::DeviceBuffer) or a view of part of one; `dst` travels
+    /// with the returned [`Transfer`] and holds the data once [`Transfer::wait`] returns it.
     ///
     /// # Examples
     ///

@@ -129,11 +129,10 @@ impl Stream {
 
     /// Adopts a stream created by other code, like PyTorch's `torch.cuda.ExternalStream`.
     ///
-    /// Adopts a stream created by other code (a `cudaStream_t` or a driver API `CUstream`:
-    /// they are the same handle), like PyTorch's `torch.cuda.ExternalStream`: copies can be
-    /// queued on it and buffers can record their use on it ([`PinnedVec::record_stream`]),
-    /// so work this crate did not queue still holds them back from reuse and free. The
-    /// stream is never destroyed through the returned handle.
+    /// `stream` is a `cudaStream_t` or a driver API `CUstream` (they are the same handle): copies
+    /// can be queued on it and buffers can record their use on it ([`PinnedVec::record_stream`]),
+    /// so work this crate did not queue still holds them back from reuse and free. The stream is
+    /// never destroyed through the returned handle.
     ///
     /// Work this crate queues for an adopted stream runs on a companion stream of its own,
     /// forked from it and joined back, so that a capture the other code begins on it during

@@ -293,9 +293,8 @@ impl<'a, T> DeviceSliceMut<'a, T> {
 
     /// Queues setting every byte of the view to `value` on `stream`.
     ///
-    /// Queues setting every byte of the view to `value` on `stream` (`cudaMemsetAsync`),
-    /// ordered after this buffer's copies on other streams; later copies on other streams are
-    /// ordered after it, and the buffer is freed only after it.
+    /// It is a `cudaMemsetAsync`, ordered after this buffer's copies on other streams; later copies
+    /// on other streams are ordered after it, and the buffer is freed only after it.
     ///
     /// # Errors
     ///

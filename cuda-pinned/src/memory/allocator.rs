@@ -103,9 +103,8 @@ impl Allocation {
 
     /// The block's address in the device's address space.
     ///
-    /// The block's address in the device's address space, for kernels that read or write
-    /// host memory directly: mapped memory, or any CUDA-pinned memory on systems with unified
-    /// addressing.
+    /// It serves kernels that read or write host memory directly: mapped memory, or any CUDA-pinned
+    /// memory on systems with unified addressing.
     ///
     /// # Errors
     ///

@@ -11,11 +11,10 @@ use crate::memory::registered::Registered;
 
 /// The allocator containers use unless told otherwise: the best kind this machine has.
 ///
-/// The allocator containers use unless told otherwise: the fast registration path
-/// ([`Registered`]) where CUDA and a device are present and support it, `cudaHostAlloc`
-/// where registration is not supported, and `mlock`ed memory ([`HostLocked`]) without CUDA,
-/// so code and its tests run on CPU-only machines. The choice is made once per process;
-/// [`MemoryKind`] on each buffer says which it got.
+/// That is the fast registration path ([`Registered`]) where CUDA and a device are present and
+/// support it, `cudaHostAlloc` where registration is not supported, and `mlock`ed memory
+/// ([`HostLocked`]) without CUDA, so code and its tests run on CPU-only machines. The choice is
+/// made once per process; [`MemoryKind`] on each buffer says which it got.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DefaultPinned;
 

@@ -149,9 +149,8 @@ impl VirtualHost {
 
     /// Creates and maps memory in chunks of this size (rounded to the granularity).
     ///
-    /// Creates and maps memory in chunks of this many bytes (rounded up to the granularity):
-    /// smaller chunks hold the driver's lock for less time, larger ones create a little
-    /// faster.
+    /// The size is in bytes, rounded up to the granularity. Smaller chunks hold the driver's lock
+    /// for less time, larger ones create a little faster.
     pub fn chunk_bytes(self, bytes: usize) -> Self {
         Self {
             chunk_bytes: bytes.max(1),

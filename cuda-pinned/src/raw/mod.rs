@@ -68,9 +68,8 @@ pub(crate) mod vmm;
 
 /// The environment variable that makes hot calls go through the runtime, not the driver.
 ///
-/// The environment variable that makes copies, events and pointer lookups go through the
-/// runtime's calls even where the driver's can be reached: what runtimes before 12.5 do, to
-/// compare or test that path. Read once.
+/// Copies, events and pointer lookups then use the runtime's calls even where the driver's can be
+/// reached: what runtimes before 12.5 do, to compare or test that path. Read once.
 pub const RUNTIME_CALLS_VAR: &str = "CUDA_PINNED_RUNTIME_CALLS";
 
 /// Whether [`RUNTIME_CALLS_VAR`] is unset (or empty).

@@ -182,11 +182,10 @@ impl<A: PinnedAllocator> Stager<A> {
 
     /// Copies `src` into `dst` on `stream`, and returns once `src` has been read.
     ///
-    /// Copies `src` into `dst` (a [`DeviceBuffer`](crate::DeviceBuffer) or a view of one)
-    /// on `stream`, and returns once `src` has been read: the borrow ends, the DMA trails on
-    /// the stream from an upload slot, the ring, or the driver's staging memory (for the
-    /// sizes of [`StagingConfig::upload_slot_bytes`] and [`StagingConfig::driver_uploads`]),
-    /// and work queued on `stream` afterwards sees the data.
+    /// `dst` is a [`DeviceBuffer`](crate::DeviceBuffer) or a view of one. When the call returns,
+    /// the borrow ends, the DMA trails on the stream from an upload slot, the ring, or the driver's
+    /// staging memory (for the sizes of [`StagingConfig::upload_slot_bytes`] and
+    /// [`StagingConfig::driver_uploads`]), and work queued on `stream` afterwards sees the data.
     ///
     /// # Errors
     ///

@@ -235,9 +235,8 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
 
     /// An empty byte vector with room for `bytes` bytes: PyTorch's `allocate(bytes)`.
     ///
-    /// An empty byte vector with room for at least `bytes` bytes, PyTorch's
-    /// `allocate(bytes)`: fill it with `extend_from_slice`, `resize`, `io::Write`, or in place
-    /// through `spare_capacity_mut` and `set_len`. Dropping it gives the block back.
+    /// The room is at least `bytes`. Fill it with `extend_from_slice`, `resize`, `io::Write`, or in
+    /// place through `spare_capacity_mut` and `set_len`. Dropping it gives the block back.
     ///
     /// # Examples
     ///

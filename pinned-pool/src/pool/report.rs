@@ -37,12 +37,11 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
 
     /// The statistics without pausing any thread: cheaper, but the totals may mix moments.
     ///
-    /// The statistics without pausing anyone: each thread's counters are read as they are
-    /// at that moment, so the totals may mix moments (a block freed on one thread and just
-    /// handed out on another may count twice or not at all, and `cached_bytes` is derived
-    /// from the others). Peaks and backend figures are exact. It costs a short hold of the
-    /// pool's lock and a read of each thread's counters, and slows no
-    /// allocation that its thread's cache serves.
+    /// Each thread's counters are read as they are at that moment, so the totals may mix moments (a
+    /// block freed on one thread and just handed out on another may count twice or not at all, and
+    /// `cached_bytes` is derived from the others). Peaks and backend figures are exact. It costs a
+    /// short hold of the pool's lock and a read of each thread's counters, and slows no allocation
+    /// that its thread's cache serves.
     pub fn approximate_stats(&self) -> PoolStats {
         let central = self.central.lock();
         let counted: Vec<_> = self.caches().map(Local::counted).collect();

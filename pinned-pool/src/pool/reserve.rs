@@ -13,18 +13,17 @@ use crate::size_class::{class_of, class_size};
 impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// Keeps `blocks` blocks of `block_bytes` pinned ahead of need, on a thread of the pool's own.
     ///
-    /// Keeps `blocks` blocks of `block_bytes` (rounded up to its size class) pinned ahead of
-    /// need from now on, like PyTorch's `pinned_reserve_segment_size_mb` per size class: a
-    /// thread of the pool's own pins them in the background and pins another each time an
-    /// allocation takes one, so an allocation that finds its class empty (and no block whose
-    /// device work has finished) takes a ready block instead of waiting for the driver. Call
-    /// it again to change the count: ready blocks past it are released (0 releases them all).
-    /// The thread starts on the first call, with that caller's current device (so memory is
-    /// placed near it), and is stopped and joined when the pool drops; on a machine with
-    /// several NUMA nodes its blocks serve allocations on that device's node only, whichever
-    /// thread calls later. Blocks pinned ahead count against `max_pinned_bytes`, are released
-    /// with the pool, and not by [`empty_cache`](Self::empty_cache). They enter `allocations` and
-    /// `allocated_bytes` when an allocation takes them; until then they are
+    /// This is PyTorch's `pinned_reserve_segment_size_mb`, per size class (`block_bytes` is rounded
+    /// up to its class). A thread of the pool's own pins them in the background and pins another
+    /// each time an allocation takes one, so an allocation that finds its class empty (and no block
+    /// whose device work has finished) takes a ready block instead of waiting for the driver. Call
+    /// it again to change the count: ready blocks past it are released (0 releases them all). The
+    /// thread starts on the first call, with that caller's current device (so memory is placed near
+    /// it), and is stopped and joined when the pool drops; on a machine with several NUMA nodes its
+    /// blocks serve allocations on that device's node only, whichever thread calls later. Blocks
+    /// pinned ahead count against `max_pinned_bytes`, are released with the pool, and not by
+    /// [`empty_cache`](Self::empty_cache). They enter `allocations` and `allocated_bytes` when an
+    /// allocation takes them; until then they are
     /// [`PoolStats::reserve_ready_bytes`](crate::PoolStats::reserve_ready_bytes).
     ///
     /// Errors the thread meets (the backend's, or the pinned cap) stop it pinning that class
@@ -129,9 +128,8 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
 
     /// The first error the reserve thread met since the last call, if any.
     ///
-    /// The first error the reserve thread met since the last call (see
-    /// [`reserve`](Self::reserve)), or why the configured reserve could not start; `None`
-    /// when there was none.
+    /// See [`reserve`](Self::reserve). The error may also say why the configured reserve could not
+    /// start; `None` when there was none.
     pub fn take_reserve_error(&self) -> Option<Error> {
         let start_error = self.reserve_start_error.lock().take();
         start_error.or_else(|| self.central.lock().ahead.take_error())
