@@ -1082,6 +1082,14 @@ cudart_api! {
         kind: cudaMemcpyKind,
         stream: cudaStream_t,
     ) -> cudaError_t;
+    pub fn cudaMemcpyPeerAsync(
+        dst: *mut ::core::ffi::c_void,
+        dstDevice: ::core::ffi::c_int,
+        src: *const ::core::ffi::c_void,
+        srcDevice: ::core::ffi::c_int,
+        count: usize,
+        stream: cudaStream_t,
+    ) -> cudaError_t;
     pub fn cudaMemcpyBatchAsync(
         dsts: *const *mut ::core::ffi::c_void,
         srcs: *const *const ::core::ffi::c_void,
@@ -1090,6 +1098,16 @@ cudart_api! {
         attrs: *mut cudaMemcpyAttributes,
         attrsIdxs: *mut usize,
         numAttrs: usize,
+        stream: cudaStream_t,
+    ) -> cudaError_t;
+    pub fn cudaMemcpy2DAsync(
+        dst: *mut ::core::ffi::c_void,
+        dpitch: usize,
+        src: *const ::core::ffi::c_void,
+        spitch: usize,
+        width: usize,
+        height: usize,
+        kind: cudaMemcpyKind,
         stream: cudaStream_t,
     ) -> cudaError_t;
     pub fn cudaMemset(
@@ -1106,6 +1124,15 @@ cudart_api! {
     pub fn cudaPointerGetAttributes(
         attributes: *mut cudaPointerAttributes,
         ptr: *const ::core::ffi::c_void,
+    ) -> cudaError_t;
+    pub fn cudaDeviceCanAccessPeer(
+        canAccessPeer: *mut ::core::ffi::c_int,
+        device: ::core::ffi::c_int,
+        peerDevice: ::core::ffi::c_int,
+    ) -> cudaError_t;
+    pub fn cudaDeviceEnablePeerAccess(
+        peerDevice: ::core::ffi::c_int,
+        flags: ::core::ffi::c_uint,
     ) -> cudaError_t;
     pub fn cudaDriverGetVersion(driverVersion: *mut ::core::ffi::c_int) -> cudaError_t;
     pub fn cudaRuntimeGetVersion(runtimeVersion: *mut ::core::ffi::c_int) -> cudaError_t;

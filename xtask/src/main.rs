@@ -8,6 +8,8 @@ use std::process::ExitCode;
 
 /// Runtime API functions bound. Keep sorted; add here, then regenerate.
 const FUNCTIONS: &[&str] = &[
+    "cudaDeviceCanAccessPeer",
+    "cudaDeviceEnablePeerAccess",
     "cudaDeviceGetAttribute",
     "cudaDeviceGetPCIBusId",
     "cudaDeviceSynchronize",
@@ -36,8 +38,10 @@ const FUNCTIONS: &[&str] = &[
     "cudaMalloc",
     "cudaMallocHost",
     "cudaMemcpy",
+    "cudaMemcpy2DAsync",
     "cudaMemcpyAsync",
     "cudaMemcpyBatchAsync",
+    "cudaMemcpyPeerAsync",
     "cudaMemset",
     "cudaMemsetAsync",
     "cudaPeekAtLastError",

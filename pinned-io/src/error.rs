@@ -1,0 +1,119 @@
+//! What can go wrong between a file and the device.
+
+use std::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// The crate's result.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything reading a file into pinned or device memory can report. A checkpoint's errors
+/// name the file, and the tensor where one is at fault.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Error {
+    /// The operating system refused to open, inspect or read a file.
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What was being done.
+        doing: &'static str,
+        /// The operating system's error.
+        source: io::Error,
+    },
+    /// A file's contents break its format (a checkpoint's header, an index, an array's header).
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// The tensor at fault, where one is.
+        tensor: Option<String>,
+        /// What is wrong.
+        problem: String,
+    },
+    /// A file ended before a byte its header or the caller asked for: it is shorter than its
+    /// header says, or it shrank while being read.
+    Truncated {
+        /// The file.
+        path: PathBuf,
+        /// Where the read that came up short began.
+        offset: u64,
+        /// The bytes that read wanted.
+        wanted: u64,
+        /// The file's length when the read came up short.
+        length: u64,
+    },
+    /// A request that cannot be met as asked: a range past a file's end, a destination of
+    /// another length, a split of a tensor that does not divide, a setting out of range.
+    Invalid(String),
+    /// Pinned memory, the device, or a CUDA call failed.
+    Cuda(cuda_pinned::Error),
+}
+
+impl Error {
+    pub(crate) fn io(path: &Path, doing: &'static str, source: io::Error) -> Self {
+        Self::Io {
+            path: path.to_owned(),
+            doing,
+            source,
+        }
+    }
+
+    pub(crate) fn format(path: &Path, tensor: Option<&str>, problem: impl Into<String>) -> Self {
+        Self::Format {
+            path: path.to_owned(),
+            tensor: tensor.map(str::to_owned),
+            problem: problem.into(),
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Io {
+                path,
+                doing,
+                source,
+            } => write!(f, "{}: {doing}: {source}", path.display()),
+            Self::Format {
+                path,
+                tensor: Some(tensor),
+                problem,
+            } => write!(f, "{}: tensor `{tensor}`: {problem}", path.display()),
+            Self::Format {
+                path,
+                tensor: None,
+                problem,
+            } => write!(f, "{}: {problem}", path.display()),
+            Self::Truncated {
+                path,
+                offset,
+                wanted,
+                length,
+            } => write!(
+                f,
+                "{}: the file ends at byte {length}, before the {wanted} bytes from byte {offset} \
+                 were read (truncated, or shrinking while read)",
+                path.display()
+            ),
+            Self::Invalid(message) => f.write_str(message),
+            Self::Cuda(error) => write!(f, "{error}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Io { source, .. } => Some(source),
+            Self::Cuda(error) => Some(error),
+            _ => None,
+        }
+    }
+}
+
+impl From<cuda_pinned::Error> for Error {
+    fn from(error: cuda_pinned::Error) -> Self {
+        Self::Cuda(error)
+    }
+}
