@@ -5,6 +5,7 @@
 mod alloc;
 mod bandwidth;
 mod devices;
+mod files;
 mod host;
 mod info;
 mod loader;
@@ -62,6 +63,13 @@ enum Command {
     Pool,
     /// The data loader: batches/s to the GPU by workers, device gather.
     Loader,
+    /// Safetensors checkpoints from a file to the GPU, warm and cold, against the disk's
+    /// ceiling, an mmap, a `Vec` and PyTorch.
+    Files {
+        /// Where the checkpoints are written (on the disk to measure).
+        #[arg(long, value_name = "DIR", default_value_os_t = std::env::temp_dir())]
+        dir: PathBuf,
+    },
     /// Writes benches/RESULTS.md, benches/RESULTS.svg and the README's figures from a record.
     Results {
         /// The record (JSON written by --record).
@@ -83,6 +91,7 @@ impl Command {
             Self::Alloc => "alloc",
             Self::Pool => "pool",
             Self::Loader => "loader",
+            Self::Files { .. } => "files",
             Self::Results { .. } => "results",
         }
     }
@@ -95,7 +104,11 @@ fn main() -> ExitCode {
         return write_results(record, root.as_ref());
     }
     let command = options.command.as_ref().unwrap_or(&Command::All).name();
-    let mut report = run(command, options.quick);
+    let files_dir = match &options.command {
+        Some(Command::Files { dir }) => dir.clone(),
+        _ => std::env::temp_dir(),
+    };
+    let mut report = run(command, options.quick, &files_dir);
     report.date = context::today();
     report.commit = context::COMMIT.to_owned();
     report.command = context::command_line(&args);
@@ -171,7 +184,7 @@ fn write_files(options: &Options, report: &Report) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-fn run(command: &str, quick: bool) -> Report {
+fn run(command: &str, quick: bool, files_dir: &Path) -> Report {
     let mut report = Report {
         machine: info::facts(),
         ..Report::default()
@@ -219,6 +232,12 @@ fn run(command: &str, quick: bool) -> Report {
     if all || command == "loader" {
         report.sections.extend(loader::run(quick, &mut progress));
     }
+    if (all || command == "files") && cuda {
+        match files::run(quick, files_dir, &mut progress) {
+            Ok(section) => report.sections.push(section),
+            Err(e) => report.skipped.push(format!("files failed: {e}")),
+        }
+    }
     progress.finish();
     report
 }
@@ -237,6 +256,9 @@ fn steps(command: &str, quick: bool, cuda: bool) -> usize {
     let staged = all || command == "bandwidth" || command == "staged";
     if staged && cuda {
         steps += staged::steps(quick);
+    }
+    if (all || command == "files") && cuda {
+        steps += files::steps();
     }
     if all || command == "alloc" {
         steps += alloc::steps(quick, cuda);

@@ -82,7 +82,7 @@ pub use gpu::stream::Stream;
 pub use gpu::views::{DeviceSlice, DeviceSliceMut};
 
 // Copies.
-pub use copy::batch::RawCopy;
+pub use copy::batch::{RawCopy, RawCopy2d};
 pub use copy::nontemporal::copy_streaming;
 pub use copy::tracked::{HostBuffer, Transfer};
 #[cfg(feature = "cudarc")]

@@ -207,6 +207,31 @@ impl Device {
         self.flag(cudaDeviceAttr::cudaDevAttrCanMapHostMemory)
     }
 
+    /// Whether the device can read and write `peer`'s memory directly (over NVLink or PCIe).
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error from `cudaDeviceCanAccessPeer`.
+    pub fn can_access_peer(self, peer: Device) -> Result<bool> {
+        crate::raw::device::can_access_peer(self.ordinal, peer.ordinal)
+    }
+
+    /// Lets the device reach `peer`'s memory directly, so that copies between the two take
+    /// the direct path rather than one through host memory. Enabling it again is no error.
+    ///
+    /// Peer access holds for the process's life. The calling thread's current device is
+    /// left as it was.
+    ///
+    /// # Errors
+    ///
+    /// A CUDA error from `cudaDeviceEnablePeerAccess` (`cudaErrorPeerAccessUnsupported` where
+    /// [`can_access_peer`](Self::can_access_peer) says no).
+    pub fn enable_peer_access(self, peer: Device) -> Result<()> {
+        crate::context::on_device(self.ordinal, || {
+            crate::raw::device::enable_peer_access(peer.ordinal)
+        })
+    }
+
     /// The host NUMA node nearest the device as CUDA reports it; `None` where the driver does
     /// not say (older drivers, or machines with one node).
     pub fn host_numa_node(self) -> Option<u32> {

@@ -154,6 +154,11 @@ impl<'a, T> From<DeviceSliceMut<'a, T>> for DeviceSlice<'a, T> {
 }
 
 impl<'a, T> DeviceSlice<'a, T> {
+    /// The device the memory is on.
+    pub fn device(&self) -> Device {
+        Device::from_raw(self.range.device)
+    }
+
     /// The view as elements of another type, if the sizes allow.
     ///
     /// The same bytes seen as elements of `U` (as `bytemuck::try_cast_slice`); `None` when
@@ -255,6 +260,40 @@ impl<'a, T> DeviceSliceMut<'a, T> {
     /// Number of elements.
     pub fn len(&self) -> usize {
         self.range.len
+    }
+
+    /// The device the memory is on.
+    pub fn device(&self) -> Device {
+        Device::from_raw(self.range.device)
+    }
+
+    /// Lends the view's device address to `write`, which queues writes of it on `stream`,
+    /// ordered with the buffer's other copies: after those already queued on other streams,
+    /// and before those made through the buffer later.
+    ///
+    /// For code that fills device memory with copies of its own (raw copies, kernels).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::DeviceMismatch`] for a stream of another device, [`Error::Capturing`] on a
+    /// stream capturing a graph (`write` is not called), `write`'s error (of any type that a
+    /// CUDA error converts into), or the CUDA error of ordering the stream or recording the
+    /// writes' end.
+    pub fn track_writes<R, E: From<Error>>(
+        &mut self,
+        stream: &Stream,
+        write: impl FnOnce(u64) -> std::result::Result<R, E>,
+    ) -> std::result::Result<R, E> {
+        self.range.check_stream(stream)?;
+        crate::context::on_device(self.range.device, || {
+            stream.refuse_capture()?;
+            self.range.pending.order_before(stream)
+        })?;
+        let written = write(self.range.address);
+        // Recorded whatever `write` returned: it may have queued some writes.
+        let ended = stream.record_event_untimed()?;
+        self.range.pending.track(stream, std::sync::Arc::new(ended));
+        written
     }
 
     /// Whether the view is empty.

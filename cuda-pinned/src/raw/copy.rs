@@ -126,3 +126,31 @@ pub(crate) unsafe fn copy_batch(
         stream
     ))
 }
+
+/// Queues a strided copy: `rows` rows of `width` bytes, row starts `src_pitch` apart at the
+/// source and `dst_pitch` apart at the destination (unified addressing tells the direction).
+///
+/// # Safety
+///
+/// As [`copy_default`] for every row; pitches at least `width`; neither side spans two
+/// registrations of buffers registered in chunks.
+pub(crate) unsafe fn copy_2d(
+    dst: *mut c_void,
+    dst_pitch: usize,
+    src: *const c_void,
+    src_pitch: usize,
+    width: usize,
+    rows: usize,
+    stream: sys::cudaStream_t,
+) -> Result<()> {
+    cuda!(cudaMemcpy2DAsync(
+        dst,
+        dst_pitch,
+        src,
+        src_pitch,
+        width,
+        rows,
+        sys::cudaMemcpyKind::cudaMemcpyDefault,
+        stream
+    ))
+}

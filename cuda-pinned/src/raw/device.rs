@@ -86,3 +86,22 @@ pub(crate) fn c_chars_to_string(chars: &[std::ffi::c_char]) -> String {
         .collect();
     String::from_utf8_lossy(&bytes).into_owned()
 }
+
+/// Whether `device` can read and write `peer`'s memory directly (over NVLink or PCIe).
+pub(crate) fn can_access_peer(device: i32, peer: i32) -> Result<bool> {
+    let mut can: c_int = 0;
+    cuda!(cudaDeviceCanAccessPeer(&mut can, device, peer))?;
+    Ok(can != 0)
+}
+
+/// Lets the current device reach `peer`'s memory directly; already enabled is success.
+pub(crate) fn enable_peer_access(peer: i32) -> Result<()> {
+    match cuda!(cudaDeviceEnablePeerAccess(peer, 0)) {
+        Err(Error::Cuda(e)) if e.raw() == cudaError::cudaErrorPeerAccessAlreadyEnabled => {
+            // The runtime keeps this error as the thread's last one: cleared.
+            let _ = cuda!(cudaGetLastError());
+            Ok(())
+        }
+        other => other,
+    }
+}

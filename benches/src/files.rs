@@ -1,0 +1,449 @@
+//! `files`: safetensors checkpoints from a file to the GPU — one of 200 large bf16 tensors
+//! and one of 2,000 small ones — warm (in the page cache) and cold (cache dropped, where
+//! the process may), against in the same run: page-locked H2D, the disk's `O_DIRECT`
+//! ceiling, an mmap with one pageable copy per tensor, the file read into a `Vec` and one
+//! copy, and PyTorch's two paths where `python3` has torch and safetensors.
+
+use std::io::Write;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use cuda_pinned::{DeviceBuffer, PinnedVec, Stream};
+use pinned_io::{Checkpoint, FileReader, LoadOptions};
+
+use crate::progress::Progress;
+use crate::report::{Section, Value};
+use crate::stats::{Spread, gbps};
+
+/// Work items, for the progress bar.
+pub fn steps() -> usize {
+    2
+}
+
+/// A checkpoint written for the benchmark, removed when dropped.
+struct Written {
+    path: PathBuf,
+    bytes: usize,
+    tensors: usize,
+}
+
+impl Drop for Written {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Writes a safetensors file of `tensors` bf16 tensors of `each` bytes, of varied bytes.
+fn write_checkpoint(
+    dir: &Path,
+    name: &str,
+    tensors: usize,
+    each: usize,
+) -> std::io::Result<Written> {
+    let mut header = String::from("{");
+    for i in 0..tensors {
+        let (start, end) = (i * each, (i + 1) * each);
+        let comma = if i + 1 < tensors { "," } else { "" };
+        header.push_str(&format!(
+            "\"layer.{i}.weight\":{{\"dtype\":\"BF16\",\"shape\":[{}],\"data_offsets\":[{start},{end}]}}{comma}",
+            each / 2
+        ));
+    }
+    header.push('}');
+    while (8 + header.len()) % 8 != 0 {
+        header.push(' ');
+    }
+    let path = dir.join(name);
+    let mut file = std::io::BufWriter::with_capacity(8 << 20, std::fs::File::create(&path)?);
+    file.write_all(&(header.len() as u64).to_le_bytes())?;
+    file.write_all(header.as_bytes())?;
+    let block: Vec<u8> = (0..8 << 20)
+        .map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
+        .collect();
+    let mut left = tensors * each;
+    while left > 0 {
+        let n = left.min(block.len());
+        file.write_all(&block[..n])?;
+        left -= n;
+    }
+    file.into_inner()?.sync_all()?;
+    Ok(Written {
+        path,
+        bytes: tensors * each,
+        tensors,
+    })
+}
+
+/// Drops the page cache: `true` where the process may (root on Linux).
+fn drop_caches() -> bool {
+    // SAFETY: `sync` takes no arguments and cannot fail.
+    unsafe { libc::sync() };
+    std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
+}
+
+/// Seconds of `run`, each of `reps` runs preceded by `before`.
+fn timed(
+    reps: usize,
+    mut before: impl FnMut(),
+    mut run: impl FnMut() -> Result<(), String>,
+) -> Result<Vec<f64>, String> {
+    let mut seconds = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        before();
+        let start = Instant::now();
+        run()?;
+        seconds.push(start.elapsed().as_secs_f64());
+    }
+    Ok(seconds)
+}
+
+fn ours(path: &Path, reader: &FileReader) -> Result<(), String> {
+    let checkpoint = Checkpoint::open(path).map_err(|e| e.to_string())?;
+    let loading = checkpoint
+        .load(reader, &LoadOptions::new())
+        .map_err(|e| e.to_string())?;
+    loading.wait().map(drop).map_err(|e| e.to_string())
+}
+
+/// The first tensor usable on the device: seconds from the call to its event having passed.
+fn first_tensor(path: &Path, reader: &FileReader) -> Result<f64, String> {
+    let start = Instant::now();
+    let checkpoint = Checkpoint::open(path).map_err(|e| e.to_string())?;
+    let loading = checkpoint
+        .load(reader, &LoadOptions::new())
+        .map_err(|e| e.to_string())?;
+    loading.tensors()[0].wait().map_err(|e| e.to_string())?;
+    let first = start.elapsed().as_secs_f64();
+    loading.wait().map_err(|e| e.to_string())?;
+    Ok(first)
+}
+
+/// candle's shape: the file mapped, one pageable copy per tensor.
+fn mmap_per_tensor(path: &Path, written: &Written, stream: &Stream) -> Result<(), String> {
+    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let len = file.metadata().map_err(|e| e.to_string())?.len() as usize;
+    // SAFETY: a private read-only mapping of a file nobody writes during the benchmark,
+    // unmapped below; only read through the slice.
+    let map = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_PRIVATE,
+            std::os::fd::AsRawFd::as_raw_fd(&file),
+            0,
+        )
+    };
+    if map == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error().to_string());
+    }
+    // SAFETY: the mapping above, `len` readable bytes, alive until the munmap below.
+    let bytes = unsafe { std::slice::from_raw_parts(map.cast::<u8>(), len) };
+    let each = written.bytes / written.tensors;
+    let data = len - written.bytes;
+    let result = (|| {
+        let mut device = DeviceBuffer::<u8>::zeroed(written.bytes).map_err(|e| e.to_string())?;
+        for i in 0..written.tensors {
+            let src = &bytes[data + i * each..data + (i + 1) * each];
+            device
+                .slice_mut(i * each..(i + 1) * each)
+                .copy_from_host(src)
+                .map_err(|e| e.to_string())?;
+        }
+        stream.synchronize().map_err(|e| e.to_string())
+    })();
+    // SAFETY: the mapping made above, no longer borrowed.
+    unsafe { libc::munmap(map, len) };
+    result
+}
+
+/// The whole file read into a `Vec`, then one copy.
+fn read_then_copy(path: &Path) -> Result<(), String> {
+    let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
+    DeviceBuffer::from_slice(&bytes)
+        .map(drop)
+        .map_err(|e| e.to_string())
+}
+
+/// The disk's ceiling: 16 threads of 8 MiB `O_DIRECT` reads, nothing copied.
+fn direct_ceiling(path: &Path, len: usize) -> Result<(), String> {
+    const PIECE: usize = 8 << 20;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .map_err(|e| e.to_string())?;
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..16)
+            .map(|_| {
+                scope.spawn(|| -> Result<(), String> {
+                    let mut buffer =
+                        PinnedVec::<u8>::with_capacity(PIECE).map_err(|e| e.to_string())?;
+                    buffer.resize(PIECE, 0);
+                    loop {
+                        let at = next.fetch_add(PIECE, std::sync::atomic::Ordering::Relaxed);
+                        if at >= len {
+                            return Ok(());
+                        }
+                        file.read_at(&mut buffer, at as u64)
+                            .map_err(|e| e.to_string())?;
+                    }
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .try_for_each(|t| t.join().unwrap_or(Err("a reading thread panicked".into())))
+    })
+}
+
+/// PyTorch's paths, timed by python itself: seconds, or why not.
+fn torch(path: &Path, pinned: bool) -> Result<f64, String> {
+    let script = if pinned {
+        "import sys,time,torch\nfrom safetensors.torch import load_file\ntorch.cuda.init()\nt=time.perf_counter()\nd={k:v.pin_memory().to('cuda',non_blocking=True) for k,v in load_file(sys.argv[1]).items()}\ntorch.cuda.synchronize()\nprint(time.perf_counter()-t)"
+    } else {
+        "import sys,time,torch\nfrom safetensors.torch import load_file\ntorch.cuda.init()\nt=time.perf_counter()\nd=load_file(sys.argv[1],device='cuda:0')\ntorch.cuda.synchronize()\nprint(time.perf_counter()-t)"
+    };
+    let output = std::process::Command::new("python3")
+        .args(["-c", script])
+        .arg(path)
+        .output()
+        .map_err(|e| format!("python3: {e}"))?;
+    if !output.status.success() {
+        return Err("python3 with torch and safetensors not usable".into());
+    }
+    String::from_utf8_lossy(&output.stdout)
+        .trim()
+        .parse()
+        .map_err(|_| "python3 printed no time".into())
+}
+
+fn row(
+    section: &mut Section,
+    what: &str,
+    case: &str,
+    bytes: usize,
+    seconds: Vec<f64>,
+    anchor: f64,
+) {
+    let rates: Vec<f64> = seconds.iter().map(|&s| gbps(bytes, s)).collect();
+    let spread = Spread::of(rates);
+    let mut cells = vec![Value::Text(what.into()), Value::Text(case.into())];
+    cells.extend(spread.cells(2));
+    cells.push(if anchor > 0.0 {
+        Value::Num(100.0 * spread.median / anchor, 1)
+    } else {
+        Value::Text("—".into())
+    });
+    section.row(cells);
+}
+
+/// Runs the section in `dir` (a directory on the disk to measure).
+pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Section, String> {
+    let mut section = Section::new(
+        "files",
+        "safetensors checkpoints from a file to the GPU (GB/s; % of the reference row above it)",
+        &["path", "checkpoint", "min", "median", "max", "% of ref"],
+    );
+    let reps = if quick { 3 } else { 5 };
+    let (large_each, large_count) = if quick {
+        (10 << 20, 100)
+    } else {
+        (40 << 20, 205)
+    };
+    let cases = [
+        ("large", large_count, large_each),
+        ("small", 2000, 64 << 10),
+    ];
+    let reader = FileReader::new().map_err(|e| e.to_string())?;
+    let stream = Stream::new().map_err(|e| e.to_string())?;
+    let may_drop = drop_caches();
+    for (label, count, each) in cases {
+        let written = write_checkpoint(
+            dir,
+            &format!("pinned-bench-{label}.safetensors"),
+            count,
+            each,
+        )
+        .map_err(|e| format!("writing the checkpoint: {e}"))?;
+        let case = format!(
+            "{label}: {count} × {}",
+            crate::report::size_label(each as u64)
+        );
+        let path = written.path.clone();
+        let bytes = written.bytes;
+        // Warm: the file in the page cache (read once first).
+        ours(&path, &reader)?;
+        let mut pinned = PinnedVec::<u8>::with_capacity(1 << 30).map_err(|e| e.to_string())?;
+        pinned.resize(1 << 30, 1);
+        let mut device = DeviceBuffer::<u8>::zeroed(1 << 30).map_err(|e| e.to_string())?;
+        let h2d = timed(
+            reps,
+            || {},
+            || device.copy_from_host(&pinned).map_err(|e| e.to_string()),
+        )?;
+        drop((pinned, device));
+        let h2d_rate = Spread::of(h2d.iter().map(|&s| gbps(1 << 30, s)).collect()).median;
+        row(
+            &mut section,
+            "page-locked H2D, 1 GiB (reference)",
+            &case,
+            1 << 30,
+            h2d,
+            0.0,
+        );
+        let warm = timed(reps, || {}, || ours(&path, &reader))?;
+        row(
+            &mut section,
+            "pinned-io, warm",
+            &case,
+            bytes,
+            warm,
+            h2d_rate,
+        );
+        let first_ms = Spread::of(
+            (0..reps)
+                .map(|_| first_tensor(&path, &reader).map(|s| s * 1e3))
+                .collect::<Result<Vec<_>, _>>()?,
+        );
+        let mut cells = vec![
+            Value::Text("pinned-io, first tensor usable (ms)".into()),
+            Value::Text(case.clone()),
+        ];
+        cells.extend(first_ms.cells(2));
+        cells.push(Value::Text("—".into()));
+        section.row(cells);
+        let mmap = timed(reps, || {}, || mmap_per_tensor(&path, &written, &stream))?;
+        row(
+            &mut section,
+            "mmap, a pageable copy per tensor, warm",
+            &case,
+            bytes,
+            mmap,
+            h2d_rate,
+        );
+        let vec = timed(reps.min(3), || {}, || read_then_copy(&path))?;
+        row(
+            &mut section,
+            "read into a Vec, one copy, warm",
+            &case,
+            bytes,
+            vec,
+            h2d_rate,
+        );
+        for (name, pinned) in [
+            ("torch load_file(device=cuda), warm", false),
+            ("torch load_file, pin_memory, .to(cuda), warm", true),
+        ] {
+            match torch(&path, pinned) {
+                Ok(seconds) => row(&mut section, name, &case, bytes, vec![seconds], h2d_rate),
+                Err(why) => section.row(vec![
+                    Value::Text(name.into()),
+                    Value::Text(case.clone()),
+                    Value::Text(why),
+                    Value::Text(String::new()),
+                    Value::Text(String::new()),
+                    Value::Text(String::new()),
+                ]),
+            }
+        }
+        if may_drop {
+            let cold_reps = if quick { 1 } else { 3 };
+            let file_len = std::fs::metadata(&path).map_err(|e| e.to_string())?.len() as usize;
+            let ceiling = timed(
+                cold_reps,
+                || {
+                    drop_caches();
+                },
+                || direct_ceiling(&path, file_len),
+            )?;
+            let ceiling_rate =
+                Spread::of(ceiling.iter().map(|&s| gbps(file_len, s)).collect()).median;
+            row(
+                &mut section,
+                "disk ceiling: 16 threads of 8 MiB O_DIRECT reads, cold (reference)",
+                &case,
+                file_len,
+                ceiling,
+                0.0,
+            );
+            let cold = timed(
+                cold_reps,
+                || {
+                    drop_caches();
+                },
+                || ours(&path, &reader),
+            )?;
+            row(
+                &mut section,
+                "pinned-io, cold",
+                &case,
+                bytes,
+                cold,
+                ceiling_rate,
+            );
+            let vec = timed(
+                cold_reps,
+                || {
+                    drop_caches();
+                },
+                || read_then_copy(&path),
+            )?;
+            row(
+                &mut section,
+                "read into a Vec, one copy, cold",
+                &case,
+                bytes,
+                vec,
+                ceiling_rate,
+            );
+            drop_caches();
+            match torch(&path, false) {
+                Ok(seconds) => row(
+                    &mut section,
+                    "torch load_file(device=cuda), cold",
+                    &case,
+                    bytes,
+                    vec![seconds],
+                    ceiling_rate,
+                ),
+                Err(why) => section.row(vec![
+                    Value::Text("torch load_file(device=cuda), cold".into()),
+                    Value::Text(case.clone()),
+                    Value::Text(why),
+                    Value::Text(String::new()),
+                    Value::Text(String::new()),
+                    Value::Text(String::new()),
+                ]),
+            }
+        }
+        progress.step(&format!("files: {label}"));
+    }
+    if !may_drop {
+        section.row(vec![
+            Value::Text("cold rows".into()),
+            Value::Text("skipped: this process may not drop the page cache (needs root)".into()),
+            Value::Text(String::new()),
+            Value::Text(String::new()),
+            Value::Text(String::new()),
+            Value::Text(String::new()),
+        ]);
+    }
+    let ring = reader.config().chunk_bytes * reader.config().chunks;
+    section.row(vec![
+        Value::Text("pinned memory held by the reader (MiB)".into()),
+        Value::Text(format!(
+            "{} chunks × {}, {} threads",
+            reader.config().chunks,
+            crate::report::size_label(reader.config().chunk_bytes as u64),
+            reader.config().threads
+        )),
+        Value::Num((ring >> 20) as f64, 0),
+        Value::Text(String::new()),
+        Value::Text(String::new()),
+        Value::Text(String::new()),
+    ]);
+    Ok(section)
+}

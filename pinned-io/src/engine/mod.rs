@@ -1,0 +1,368 @@
+//! The crew: threads that read pieces of files into the chunks of a pinned ring while the
+//! DMA engine drains them.
+//!
+//! A thread takes the next piece, takes a free chunk (its previous copies finished: the
+//! chunk's event), reads the piece into it, queues the piece's copies out of it and records
+//! the chunk's event behind them. A target (a tensor, a whole read) is complete once every
+//! piece holding its bytes has queued its copies: the thread that queues the last one calls
+//! the job's sink, which records the target's own event on the stream, after all of them.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
+
+use crate::error::{Error, Result};
+use crate::file::{DIRECT_ALIGN, DataFile, ReadMode};
+use crate::plan::{ChunkCopy, Piece, pieces_per_target};
+
+pub(crate) mod cuda;
+#[cfg(test)]
+mod tests;
+
+/// What the crew needs from a device: CUDA, or a fake in the tests.
+pub(crate) trait Dma: Send + Sync + 'static {
+    type Stream: Send + Sync;
+    type Event: Send + Sync;
+
+    fn event(&self) -> Result<Self::Event>;
+    /// Queues `copies` out of `chunk` on `stream`.
+    ///
+    /// # Safety
+    ///
+    /// Each copy's source rows lie in `chunk`'s filled bytes, which stay untouched until an
+    /// event recorded after the copies completes; each destination is memory the job's owner
+    /// lent for writing.
+    unsafe fn copy(
+        &self,
+        stream: &Self::Stream,
+        chunk: *const u8,
+        copies: &[ChunkCopy],
+    ) -> Result<()>;
+    fn record(&self, event: &mut Self::Event, stream: &Self::Stream) -> Result<()>;
+    fn wait(&self, event: &Self::Event) -> Result<()>;
+    fn wait_stream(&self, stream: &Self::Stream) -> Result<()>;
+    /// Makes the device current on a crew thread.
+    fn use_device(&self) -> Result<()>;
+}
+
+/// A chunk of the ring, and the event of its last copies.
+struct Chunk<E> {
+    offset: usize,
+    event: E,
+    /// Whether copies were queued since the event was last waited for.
+    pending: bool,
+}
+
+struct Chunks<E> {
+    free: VecDeque<Chunk<E>>,
+    /// Chunks not lost (a chunk whose copies could not be accounted for is never reused).
+    live: usize,
+    lost: bool,
+}
+
+/// The ring: page-locked memory cut into chunks, each with room for a piece and the scratch
+/// of aligned reads around it.
+pub(crate) struct Ring<D: Dma> {
+    pub(crate) dma: D,
+    base: usize,
+    chunk_bytes: usize,
+    chunks: Mutex<Chunks<D::Event>>,
+    freed: Condvar,
+    /// The allocation (dropped once every chunk's copies are known to be over).
+    memory: Option<Box<dyn Send + Sync>>,
+}
+
+impl<D: Dma> Ring<D> {
+    /// A ring of `count` chunks of `chunk_bytes` at `base` (aligned to [`DIRECT_ALIGN`]),
+    /// in `memory`, which it keeps.
+    pub(crate) fn new(
+        dma: D,
+        base: *mut u8,
+        chunk_bytes: usize,
+        count: usize,
+        memory: Box<dyn Send + Sync>,
+    ) -> Result<Self> {
+        debug_assert!(base as usize % DIRECT_ALIGN == 0 && chunk_bytes % DIRECT_ALIGN == 0);
+        let mut free = VecDeque::with_capacity(count);
+        for i in 0..count {
+            free.push_back(Chunk {
+                offset: i * chunk_bytes,
+                event: dma.event()?,
+                pending: false,
+            });
+        }
+        Ok(Self {
+            dma,
+            base: base as usize,
+            chunk_bytes,
+            chunks: Mutex::new(Chunks {
+                free,
+                live: count,
+                lost: false,
+            }),
+            freed: Condvar::new(),
+            memory: Some(memory),
+        })
+    }
+
+    /// The most bytes one piece may hold: the chunk less the scratch of aligned reads.
+    pub(crate) fn capacity(&self) -> usize {
+        self.chunk_bytes - 2 * DIRECT_ALIGN
+    }
+
+    fn take(&self) -> Result<Chunk<D::Event>> {
+        let mut chunks = lock(&self.chunks);
+        loop {
+            if let Some(chunk) = chunks.free.pop_front() {
+                return Ok(chunk);
+            }
+            if chunks.live == 0 {
+                return Err(Error::Invalid(
+                    "every chunk of the reader's ring was lost to device errors".into(),
+                ));
+            }
+            chunks = self
+                .freed
+                .wait(chunks)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    fn give_back(&self, chunk: Chunk<D::Event>) {
+        lock(&self.chunks).free.push_back(chunk);
+        self.freed.notify_one();
+    }
+
+    fn lose(&self, chunk: Chunk<D::Event>) {
+        let mut chunks = lock(&self.chunks);
+        chunks.live -= 1;
+        chunks.lost = true;
+        drop(chunks);
+        drop(chunk);
+        self.freed.notify_all();
+    }
+}
+
+impl<D: Dma> Drop for Ring<D> {
+    fn drop(&mut self) {
+        let chunks = lock(&self.chunks);
+        let settled = !chunks.lost
+            && chunks
+                .free
+                .iter()
+                .all(|chunk| !chunk.pending || self.dma.wait(&chunk.event).is_ok());
+        drop(chunks);
+        if !settled {
+            // Copies out of it may still run: the memory is never given back.
+            std::mem::forget(self.memory.take());
+        }
+    }
+}
+
+/// A chunk out of the ring: given back, or else lost when dropped (an error or a panic left
+/// its copies unknown).
+struct Taken<'a, D: Dma> {
+    ring: &'a Ring<D>,
+    chunk: Option<Chunk<D::Event>>,
+}
+
+impl<D: Dma> Taken<'_, D> {
+    fn give_back(&mut self) {
+        if let Some(chunk) = self.chunk.take() {
+            self.ring.give_back(chunk);
+        }
+    }
+}
+
+impl<D: Dma> Drop for Taken<'_, D> {
+    fn drop(&mut self) {
+        if let Some(chunk) = self.chunk.take() {
+            self.ring.lose(chunk);
+        }
+    }
+}
+
+/// Called once per target, on the stream, once every copy of the target's bytes is queued.
+pub(crate) type Sink<D> = dyn Fn(usize, &<D as Dma>::Stream) -> Result<()> + Send + Sync + 'static;
+
+/// One read: its pieces, the files they come from, and what completes as they land.
+pub(crate) struct Job<D: Dma> {
+    pub(crate) pieces: Vec<Piece>,
+    pub(crate) files: Vec<DataFile>,
+    pub(crate) mode: ReadMode,
+    pub(crate) stream: D::Stream,
+    next: AtomicUsize,
+    /// Pieces each target still waits for.
+    remaining: Vec<AtomicUsize>,
+    sink: Box<Sink<D>>,
+    failed: AtomicBool,
+    error: Mutex<Option<Error>>,
+}
+
+impl<D: Dma> Job<D> {
+    /// A job for `pieces` of `files` toward `targets` targets; targets without bytes reach
+    /// `sink` when the first thread starts.
+    pub(crate) fn new(
+        pieces: Vec<Piece>,
+        files: Vec<DataFile>,
+        mode: ReadMode,
+        stream: D::Stream,
+        targets: usize,
+        sink: Box<Sink<D>>,
+    ) -> Self {
+        let remaining = pieces_per_target(&pieces, targets)
+            .into_iter()
+            .map(AtomicUsize::new)
+            .collect();
+        Self {
+            pieces,
+            files,
+            mode,
+            stream,
+            next: AtomicUsize::new(0),
+            remaining,
+            sink,
+            failed: AtomicBool::new(false),
+            error: Mutex::new(None),
+        }
+    }
+
+    /// Completes the targets that wait for no piece. Called once, before any thread works.
+    pub(crate) fn start(&self) -> Result<()> {
+        for (target, remaining) in self.remaining.iter().enumerate() {
+            if remaining.load(Ordering::Relaxed) == 0 {
+                (self.sink)(target, &self.stream)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes pieces and moves them through `ring` until none is left or one failed.
+    pub(crate) fn work(&self, ring: &Ring<D>) {
+        loop {
+            let index = self.next.fetch_add(1, Ordering::Relaxed);
+            if index >= self.pieces.len() || self.failed.load(Ordering::Relaxed) {
+                return;
+            }
+            if let Err(error) = self.move_piece(ring, &self.pieces[index]) {
+                self.fail(error);
+                return;
+            }
+        }
+    }
+
+    /// Records `error` as the job's (the first one wins) and stops the other threads.
+    pub(crate) fn fail(&self, error: Error) {
+        self.failed.store(true, Ordering::Relaxed);
+        lock(&self.error).get_or_insert(error);
+    }
+
+    /// The job's error, if a piece failed.
+    pub(crate) fn take_error(&self) -> Option<Error> {
+        lock(&self.error).take()
+    }
+
+    /// The job's error as text, if a piece failed (the error stays the job's).
+    pub(crate) fn error_message(&self) -> Option<String> {
+        lock(&self.error).as_ref().map(ToString::to_string)
+    }
+
+    fn move_piece(&self, ring: &Ring<D>, piece: &Piece) -> Result<()> {
+        let mut taken = Taken {
+            ring,
+            chunk: Some(ring.take()?),
+        };
+        let chunk = taken.chunk.as_mut().expect("taken");
+        if chunk.pending {
+            // Not waited for: the chunk is lost when `taken` drops.
+            ring.dma.wait(&chunk.event)?;
+            chunk.pending = false;
+        }
+        let skew = (piece.offset % DIRECT_ALIGN as u64) as usize;
+        let start = (ring.base + chunk.offset + skew) as *mut u8;
+        let file = &self.files[piece.file];
+        // SAFETY: the chunk is this thread's alone (taken from the free list) and its last
+        // copies are over; `skew` bytes before `start` and `capacity - len + DIRECT_ALIGN ≥
+        // DIRECT_ALIGN` after its `len` bytes lie in the chunk (`len ≤ capacity`); `start` is
+        // congruent to the piece's offset (the chunk is aligned).
+        let read = unsafe { file.read_at(start, piece.len, piece.offset, self.mode, true) };
+        if let Err(error) = read {
+            taken.give_back();
+            return Err(error);
+        }
+        // SAFETY: the copies read the piece's bytes, filled above; the chunk is left alone
+        // until its event, recorded next, completes (or, if that fails, it is lost).
+        let queued = unsafe { ring.dma.copy(&self.stream, start, &piece.copies) }
+            .and_then(|()| ring.dma.record(&mut chunk.event, &self.stream));
+        match queued {
+            Ok(()) => {
+                chunk.pending = true;
+                taken.give_back();
+            }
+            Err(error) => {
+                // Copies may be queued that no event covers: reused only once the stream is
+                // known to be done with them, else lost with `taken`.
+                if ring.dma.wait_stream(&self.stream).is_ok() {
+                    chunk.pending = false;
+                    taken.give_back();
+                }
+                return Err(error);
+            }
+        }
+        self.landed(piece)
+    }
+
+    /// Counts the piece toward its targets and completes those it was the last of.
+    fn landed(&self, piece: &Piece) -> Result<()> {
+        let mut targets: Vec<usize> = piece.copies.iter().map(|c| c.target).collect();
+        targets.sort_unstable();
+        targets.dedup();
+        for target in targets {
+            // AcqRel: the thread that counts the last piece sees every other piece's copies
+            // queued before it records behind them.
+            if self.remaining[target].fetch_sub(1, Ordering::AcqRel) == 1 {
+                (self.sink)(target, &self.stream)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs `job` on the calling thread and up to `threads - 1` more, and returns once every
+/// piece's copies are queued; after a failure, once the stream is done with them.
+pub(crate) fn run<D: Dma>(job: &Job<D>, ring: &Ring<D>, threads: usize) -> Result<()> {
+    job.start()?;
+    let helpers = threads.max(1).min(job.pieces.len()).saturating_sub(1);
+    std::thread::scope(|scope| {
+        for i in 0..helpers {
+            let spawned = std::thread::Builder::new()
+                .name(format!("pinned-io-{i}"))
+                .spawn_scoped(scope, || {
+                    if let Err(error) = ring.dma.use_device() {
+                        return job.fail(error);
+                    }
+                    job.work(ring);
+                });
+            // A thread the system refuses leaves its pieces to the others.
+            drop(spawned);
+        }
+        job.work(ring);
+    });
+    finish(job, ring)
+}
+
+/// The job's outcome once its threads are done: after a failure, the stream is waited for so
+/// that no copy of the job still runs when the caller frees its destinations.
+pub(crate) fn finish<D: Dma>(job: &Job<D>, ring: &Ring<D>) -> Result<()> {
+    match job.take_error() {
+        None => Ok(()),
+        Some(error) => {
+            let _ = ring.dma.wait_stream(&job.stream);
+            Err(error)
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}

@@ -1,0 +1,278 @@
+//! The crew against a fake device whose copies run late: only when an event behind them is
+//! waited for, so a chunk reused too early shows as wrong bytes.
+
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::plan::{Span, cut};
+
+enum Op {
+    Copy { src: usize, copy: ChunkCopy },
+    Record(Arc<AtomicBool>),
+}
+
+/// A device whose stream is a list of operations, run when something waits.
+#[derive(Default)]
+struct Fake {
+    stream: Mutex<Vec<Op>>,
+    /// Times each destination byte was written (indexed from `dst_base`).
+    writes: Mutex<Vec<u8>>,
+    dst_base: AtomicUsize,
+    /// Fail the copy call with this number (counted from 1).
+    fail_copy: Option<usize>,
+    copy_calls: AtomicUsize,
+}
+
+impl Fake {
+    fn drain(&self) {
+        // Run under the stream's lock: an event is done only once its work has run.
+        let mut stream = self.stream.lock().unwrap();
+        let ops = std::mem::take(&mut *stream);
+        let base = self.dst_base.load(Ordering::Relaxed);
+        let mut writes = self.writes.lock().unwrap();
+        for op in ops {
+            match op {
+                Op::Copy { src, copy } => {
+                    for row in 0..copy.rows {
+                        let from = src + row * copy.pitch;
+                        let to = copy.dst as usize + row * copy.width;
+                        for i in 0..copy.width {
+                            writes[to + i - base] += 1;
+                        }
+                        // SAFETY: the test lends these ranges: the chunk (left alone until
+                        // this runs, which is what is tested) and its destination buffer.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                from as *const u8,
+                                to as *mut u8,
+                                copy.width,
+                            )
+                        };
+                    }
+                }
+                Op::Record(done) => done.store(true, Ordering::Relaxed),
+            }
+        }
+    }
+}
+
+impl Dma for Arc<Fake> {
+    type Stream = ();
+    type Event = Arc<AtomicBool>;
+
+    fn event(&self) -> Result<Self::Event> {
+        Ok(Arc::default())
+    }
+
+    unsafe fn copy(&self, _: &(), chunk: *const u8, copies: &[ChunkCopy]) -> Result<()> {
+        let call = self.copy_calls.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.fail_copy == Some(call) {
+            return Err(Error::Invalid("injected copy failure".into()));
+        }
+        let mut stream = self.stream.lock().unwrap();
+        for copy in copies {
+            stream.push(Op::Copy {
+                src: chunk as usize + copy.from,
+                copy: *copy,
+            });
+        }
+        Ok(())
+    }
+
+    fn record(&self, event: &mut Self::Event, _: &()) -> Result<()> {
+        event.store(false, Ordering::Relaxed);
+        self.stream.lock().unwrap().push(Op::Record(event.clone()));
+        Ok(())
+    }
+
+    fn wait(&self, event: &Self::Event) -> Result<()> {
+        if !event.load(Ordering::Relaxed) {
+            self.drain();
+        }
+        Ok(())
+    }
+
+    fn wait_stream(&self, _: &()) -> Result<()> {
+        self.drain();
+        Ok(())
+    }
+
+    fn use_device(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+fn ring(fake: &Arc<Fake>, chunk_bytes: usize, count: usize) -> Ring<Arc<Fake>> {
+    let mut memory = vec![0u8; chunk_bytes * count + DIRECT_ALIGN];
+    let skew = memory.as_ptr().align_offset(DIRECT_ALIGN);
+    let base = memory[skew..].as_mut_ptr();
+    Ring::new(fake.clone(), base, chunk_bytes, count, Box::new(memory)).unwrap()
+}
+
+fn file_of(len: usize) -> (tempfile::NamedTempFile, Vec<u8>) {
+    let bytes: Vec<u8> = (0..len as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let mut file = tempfile::NamedTempFile::new_in(std::env::temp_dir()).unwrap();
+    file.write_all(&bytes).unwrap();
+    file.flush().unwrap();
+    (file, bytes)
+}
+
+/// Reads `spans` of a fresh file into a buffer through the crew; returns the buffer, the
+/// file's bytes, the fake, and the targets the sink saw (in order).
+fn read(
+    spans: &mut [Span],
+    file_len: usize,
+    mode: ReadMode,
+    threads: usize,
+    chunk: usize,
+) -> (Result<()>, Vec<u8>, Vec<u8>, Arc<Fake>, Vec<usize>) {
+    let (file, bytes) = file_of(file_len);
+    let mut total = 0;
+    for (i, span) in spans.iter_mut().enumerate() {
+        span.target = i;
+        total += span.width * span.rows;
+    }
+    let mut dst = vec![0u8; total as usize];
+    let base = dst.as_mut_ptr() as u64;
+    let mut at = base;
+    for span in spans.iter_mut() {
+        span.dst = at;
+        at += span.width * span.rows;
+    }
+    let fake = Arc::new(Fake::default());
+    fake.dst_base.store(base as usize, Ordering::Relaxed);
+    *fake.writes.lock().unwrap() = vec![0; total as usize];
+    let ring = ring(&fake, chunk, 3);
+    let pieces = cut(spans, ring.capacity()).unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let sink_seen = seen.clone();
+    let files = vec![DataFile::open(file.path()).unwrap()];
+    let job = Job::new(
+        pieces,
+        files,
+        mode,
+        (),
+        spans.len(),
+        Box::new(move |target, _: &()| {
+            sink_seen.lock().unwrap().push(target);
+            Ok(())
+        }),
+    );
+    let result = run(&job, &ring, threads);
+    fake.drain();
+    let seen = seen.lock().unwrap().clone();
+    (result, dst, bytes, fake, seen)
+}
+
+fn spans() -> impl Strategy<Value = Vec<Span>> {
+    let span = (0u64..70_000, 1u64..20_000, 1u64..4, 0u64..5000).prop_map(
+        |(offset, width, rows, extra)| Span {
+            file: 0,
+            offset,
+            width,
+            rows,
+            pitch: width + extra,
+            dst: 0,
+            target: 0,
+        },
+    );
+    prop::collection::vec(span, 1..8)
+}
+
+fn modes() -> impl Strategy<Value = ReadMode> {
+    prop_oneof![
+        Just(ReadMode::Auto),
+        Just(ReadMode::Buffered),
+        Just(ReadMode::Direct)
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn every_byte_lands_once_in_place(
+        mut spans in spans(),
+        mode in modes(),
+        threads in 1usize..4,
+        blocks in 3usize..6,
+    ) {
+        let (result, dst, bytes, fake, mut seen) =
+            read(&mut spans, 150_000, mode, threads, blocks * DIRECT_ALIGN);
+        prop_assert!(result.is_ok(), "{:?}", result);
+        for span in &spans {
+            for row in 0..span.rows {
+                let from = (span.offset + row * span.pitch) as usize;
+                let to = (span.dst - dst.as_ptr() as u64 + row * span.width) as usize;
+                let width = span.width as usize;
+                prop_assert!(dst[to..to + width] == bytes[from..from + width]);
+            }
+        }
+        prop_assert!(fake.writes.lock().unwrap().iter().all(|&w| w == 1));
+        seen.sort_unstable();
+        prop_assert_eq!(seen, (0..spans.len()).collect::<Vec<_>>());
+    }
+}
+
+#[test]
+fn a_file_shorter_than_the_read_is_truncated_and_the_ring_stays_whole() {
+    let mut spans = [Span {
+        file: 0,
+        offset: 1000,
+        width: 50_000,
+        rows: 1,
+        pitch: 50_000,
+        dst: 0,
+        target: 0,
+    }];
+    for mode in [ReadMode::Auto, ReadMode::Buffered, ReadMode::Direct] {
+        let (result, .., seen) = read(&mut spans, 30_000, mode, 2, 3 * DIRECT_ALIGN);
+        match result {
+            Err(Error::Truncated { length, .. }) => assert_eq!(length, 30_000),
+            other => panic!("{mode:?}: {other:?}"),
+        }
+        assert!(seen.is_empty(), "a target completed: {seen:?}");
+    }
+}
+
+#[test]
+fn a_failed_copy_is_the_jobs_error_and_its_chunk_is_reused_after_the_stream() {
+    let (file, _) = file_of(64 << 10);
+    let fake = Arc::new(Fake {
+        fail_copy: Some(2),
+        ..Fake::default()
+    });
+    let mut dst = vec![0u8; 64 << 10];
+    fake.dst_base
+        .store(dst.as_mut_ptr() as usize, Ordering::Relaxed);
+    *fake.writes.lock().unwrap() = vec![0; 64 << 10];
+    let ring = ring(&fake, 3 * DIRECT_ALIGN, 2);
+    let spans = [Span {
+        file: 0,
+        offset: 0,
+        width: 64 << 10,
+        rows: 1,
+        pitch: 64 << 10,
+        dst: dst.as_mut_ptr() as u64,
+        target: 0,
+    }];
+    let files = vec![DataFile::open(file.path()).unwrap()];
+    let pieces = cut(&spans, ring.capacity()).unwrap();
+    let job = Job::new(
+        pieces,
+        files,
+        ReadMode::Buffered,
+        (),
+        1,
+        Box::new(|_, _: &()| Ok(())),
+    );
+    let error = run(&job, &ring, 1).unwrap_err();
+    assert!(error.to_string().contains("injected"), "{error}");
+    assert_eq!(lock(&ring.chunks).live, 2, "a chunk was lost");
+}

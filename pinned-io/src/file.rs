@@ -1,0 +1,281 @@
+//! A file to read from: a buffered descriptor, and one that bypasses the page cache
+//! (`O_DIRECT`) where the file system allows it.
+//!
+//! A piece of a read asks the kernel first for what the page cache holds (`preadv2` with
+//! `RWF_NOWAIT`, which returns at once what needs no storage access) and reads the rest past
+//! the cache, in whole aligned blocks: data in the cache comes at memory speed, data on
+//! storage at the device's speed without the copy through the cache.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use crate::error::{Error, Result};
+
+/// The alignment of reads past the page cache: offsets, lengths and memory addresses. A page
+/// covers the logical block size of every common block device.
+pub(crate) const DIRECT_ALIGN: usize = 4096;
+
+/// How pieces of a file are read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReadMode {
+    /// Through the page cache where it holds the data, past it where it does not, asked of
+    /// the kernel per piece.
+    #[default]
+    Auto,
+    /// Always through the page cache (the data stays cached for the next reader).
+    Buffered,
+    /// Past the page cache wherever the file system allows it (cached data is read again from
+    /// storage).
+    Direct,
+}
+
+/// A file opened for reading into pinned memory.
+///
+/// Opened once and shared by the threads that read it (clones share the descriptors); knows
+/// its length at opening, and reports a file that shrinks while being read.
+#[derive(Clone, Debug)]
+pub struct DataFile(Arc<Opened>);
+
+#[derive(Debug)]
+struct Opened {
+    path: PathBuf,
+    buffered: File,
+    /// Opened with `O_DIRECT`; `None` where the file system refuses it (tmpfs).
+    direct: Option<File>,
+    /// Cleared when the file system refuses a direct read after all.
+    direct_works: AtomicBool,
+    len: u64,
+    cached_bytes: AtomicU64,
+    direct_bytes: AtomicU64,
+}
+
+impl DataFile {
+    /// Opens `path` for reading.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`] where the file cannot be opened or inspected, or is not a regular file.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let buffered = File::open(path).map_err(|e| Error::io(path, "opening", e))?;
+        let metadata = buffered
+            .metadata()
+            .map_err(|e| Error::io(path, "inspecting", e))?;
+        if !metadata.is_file() {
+            return Err(Error::io(
+                path,
+                "opening",
+                io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"),
+            ));
+        }
+        let direct = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+            .ok();
+        Ok(Self(Arc::new(Opened {
+            path: path.to_owned(),
+            direct_works: AtomicBool::new(direct.is_some()),
+            direct,
+            buffered,
+            len: metadata.len(),
+            cached_bytes: AtomicU64::new(0),
+            direct_bytes: AtomicU64::new(0),
+        })))
+    }
+
+    /// The path it was opened with.
+    pub fn path(&self) -> &Path {
+        &self.0.path
+    }
+
+    /// The file's length when it was opened.
+    pub fn len(&self) -> u64 {
+        self.0.len
+    }
+
+    /// Whether the file was empty when it was opened.
+    pub fn is_empty(&self) -> bool {
+        self.0.len == 0
+    }
+
+    /// Whether reads past the page cache are possible (the file system takes `O_DIRECT`).
+    pub fn can_read_direct(&self) -> bool {
+        self.0.direct_works.load(Ordering::Relaxed)
+    }
+
+    /// Bytes read so far through the page cache and past it: `(cached, direct)`.
+    pub fn bytes_read(&self) -> (u64, u64) {
+        (
+            self.0.cached_bytes.load(Ordering::Relaxed),
+            self.0.direct_bytes.load(Ordering::Relaxed),
+        )
+    }
+
+    /// The buffered descriptor, for reads of a few bytes (headers).
+    pub(crate) fn std_file(&self) -> &File {
+        &self.0.buffered
+    }
+
+    /// Checks that `offset..offset + len` lies in the file as opened.
+    pub(crate) fn check_range(&self, offset: u64, len: u64) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.0.len => Ok(()),
+            _ => Err(Error::Invalid(format!(
+                "{}: bytes {offset}..{} lie past the file's end at {}",
+                self.0.path.display(),
+                offset.saturating_add(len),
+                self.0.len
+            ))),
+        }
+    }
+
+    /// Fills the `len` bytes at `buf` with the file's bytes at `offset`, as `mode` says.
+    ///
+    /// A read past the page cache needs `scratch`: the bytes just before and after the
+    /// destination up to the alignment (`offset % DIRECT_ALIGN` before, up to `DIRECT_ALIGN`
+    /// after), which it may overwrite; without it the read goes through the cache.
+    ///
+    /// # Safety
+    ///
+    /// - `buf` is writable for `len` bytes and nobody else's until this returns;
+    /// - where `scratch` is true, so are the `offset % DIRECT_ALIGN` bytes before `buf` and
+    ///   the `DIRECT_ALIGN` bytes after its end (reached from the same pointer), and `buf`'s
+    ///   address is congruent to `offset` modulo `DIRECT_ALIGN`.
+    pub(crate) unsafe fn read_at(
+        &self,
+        buf: *mut u8,
+        len: usize,
+        offset: u64,
+        mode: ReadMode,
+        scratch: bool,
+    ) -> Result<()> {
+        let direct = scratch && mode != ReadMode::Buffered && self.can_read_direct();
+        let mut done = 0;
+        if !direct || mode == ReadMode::Auto {
+            // SAFETY: `buf` is writable for `len` and ours (the contract).
+            let whole = unsafe { std::slice::from_raw_parts_mut(buf, len) };
+            done = self.read_cached(whole, offset, direct)?;
+        }
+        if done < len && direct {
+            // SAFETY: forwarded from the caller, for the rest of `buf` (still congruent).
+            done += unsafe {
+                self.read_direct(buf.wrapping_add(done), len - done, offset + done as u64)
+            }?;
+        }
+        if done < len {
+            // SAFETY: the rest of `buf`, writable and ours (the contract).
+            let rest =
+                unsafe { std::slice::from_raw_parts_mut(buf.wrapping_add(done), len - done) };
+            self.read_cached(rest, offset + done as u64, false)?;
+        }
+        Ok(())
+    }
+
+    /// Reads through the page cache into `buf` from `offset`: all of it, or (with `nowait`)
+    /// what the cache holds from the start. Returns the bytes read.
+    fn read_cached(&self, buf: &mut [u8], offset: u64, nowait: bool) -> Result<usize> {
+        let mut done = 0;
+        while done < buf.len() {
+            let at = offset + done as u64;
+            let read = if nowait {
+                preadv2_nowait(&self.0.buffered, &mut buf[done..], at)
+            } else {
+                self.0.buffered.read_at(&mut buf[done..], at)
+            };
+            match read {
+                Ok(0) if nowait => break,
+                Ok(0) => return Err(self.truncated(at, buf.len() - done)),
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if nowait && nowait_declined(&e) => break,
+                Err(e) => return Err(Error::io(&self.0.path, "reading", e)),
+            }
+        }
+        self.0
+            .cached_bytes
+            .fetch_add(done as u64, Ordering::Relaxed);
+        Ok(done)
+    }
+
+    /// Reads past the page cache the aligned blocks that cover the `len` bytes at `buf`
+    /// (whose address is congruent to `offset`), overwriting the scratch around them; returns
+    /// the bytes filled from `buf` on (short at the file's end, or 0 where the file system
+    /// refuses).
+    ///
+    /// # Safety
+    ///
+    /// As [`read_at`](Self::read_at) with `scratch`.
+    unsafe fn read_direct(&self, buf: *mut u8, len: usize, offset: u64) -> Result<usize> {
+        let Some(direct) = &self.0.direct else {
+            return Ok(0);
+        };
+        let skew = (offset % DIRECT_ALIGN as u64) as usize;
+        let blocks = (skew + len).next_multiple_of(DIRECT_ALIGN);
+        // SAFETY: the caller gives the `skew` bytes before `buf` and up to `DIRECT_ALIGN`
+        // after its end as scratch, writable and its alone, reached from `buf`; `blocks`
+        // ends within them.
+        let block = unsafe { std::slice::from_raw_parts_mut(buf.wrapping_sub(skew), blocks) };
+        let mut done = 0;
+        while done < blocks {
+            match direct.read_at(&mut block[done..], offset - skew as u64 + done as u64) {
+                Ok(0) => break,
+                // A read ending short of a block ends at the file's end.
+                Ok(n) if n % DIRECT_ALIGN != 0 => {
+                    done += n;
+                    break;
+                }
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) && done == 0 => {
+                    // The file system takes the flag but not these reads: cached from now on.
+                    self.0.direct_works.store(false, Ordering::Relaxed);
+                    return Ok(0);
+                }
+                Err(e) => return Err(Error::io(&self.0.path, "reading past the page cache", e)),
+            }
+        }
+        let filled = done.saturating_sub(skew).min(len);
+        self.0
+            .direct_bytes
+            .fetch_add(filled as u64, Ordering::Relaxed);
+        Ok(filled)
+    }
+
+    fn truncated(&self, offset: u64, wanted: usize) -> Error {
+        let length = self.0.buffered.metadata().map_or(0, |m| m.len());
+        Error::Truncated {
+            path: self.0.path.clone(),
+            offset,
+            wanted: wanted as u64,
+            length,
+        }
+    }
+}
+
+/// `preadv2(RWF_NOWAIT)`: what the page cache holds at `offset`, without waiting for storage.
+fn preadv2_nowait(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    let iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let offset = libc::off_t::try_from(offset).map_err(|_| io::ErrorKind::InvalidInput)?;
+    // SAFETY: one iovec describing `buf`, writable for its length and borrowed for the call.
+    let read = unsafe { libc::preadv2(file.as_raw_fd(), &iov, 1, offset, libc::RWF_NOWAIT) };
+    usize::try_from(read).map_err(|_| io::Error::last_os_error())
+}
+
+/// Whether a `RWF_NOWAIT` read declined rather than failed: the data needs storage
+/// (`EAGAIN`), or the kernel or file system does not take the flag.
+fn nowait_declined(error: &io::Error) -> bool {
+    matches!(
+        error.raw_os_error(),
+        Some(libc::EAGAIN | libc::EOPNOTSUPP | libc::ENOSYS | libc::EINVAL)
+    )
+}

@@ -1,0 +1,300 @@
+//! [`FileReader`]: byte ranges of files onto a device, or into host memory, read by a crew
+//! of threads.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use bytemuck::AnyBitPattern;
+use cuda_pinned::{DefaultPinned, Device, DeviceSliceMut, PinnedAllocator, PinnedVec, Stream};
+
+use crate::engine::cuda::Cuda;
+use crate::engine::{self, Job, Ring};
+use crate::error::{Error, Result};
+use crate::file::{DIRECT_ALIGN, DataFile, ReadMode};
+use crate::plan::{self, Span};
+
+/// How a [`FileReader`] cuts and reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ReaderConfig {
+    /// Bytes of one chunk of the pinned ring (a piece of a read is at most this, less two
+    /// pages of room for reads past the page cache). A multiple of 4096.
+    pub chunk_bytes: usize,
+    /// Chunks in the ring: the pinned memory the reader holds is `chunk_bytes * chunks`.
+    pub chunks: usize,
+    /// Threads reading at once, the calling thread among them.
+    pub threads: usize,
+    /// Through the page cache, past it, or as the kernel says per piece.
+    pub mode: ReadMode,
+}
+
+impl ReaderConfig {
+    /// The most threads a reader may have.
+    pub const MAX_THREADS: usize = 256;
+
+    /// The defaults: 4 MiB chunks, two per thread, and as many threads as the machine has
+    /// cores, up to twelve; the mode the kernel picks per piece.
+    ///
+    /// Chunks of 4 MiB and a dozen threads filled an H100's PCIe link from the page cache
+    /// where fewer threads or larger chunks did not (RESULTS.md of the benches).
+    pub fn new() -> Self {
+        let threads = std::thread::available_parallelism()
+            .map_or(4, usize::from)
+            .min(12);
+        Self {
+            chunk_bytes: 4 << 20,
+            chunks: 2 * threads,
+            threads,
+            mode: ReadMode::Auto,
+        }
+    }
+
+    /// With `bytes` per chunk.
+    pub fn chunk_bytes(mut self, bytes: usize) -> Self {
+        self.chunk_bytes = bytes;
+        self
+    }
+
+    /// With `count` chunks.
+    pub fn chunks(mut self, count: usize) -> Self {
+        self.chunks = count;
+        self
+    }
+
+    /// With `count` threads.
+    pub fn threads(mut self, count: usize) -> Self {
+        self.threads = count;
+        self
+    }
+
+    /// With reads as `mode` says.
+    pub fn mode(mut self, mode: ReadMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.chunk_bytes < 4 * DIRECT_ALIGN || self.chunk_bytes % DIRECT_ALIGN != 0 {
+            return Err(Error::Invalid(format!(
+                "a reader's chunks must be a multiple of {DIRECT_ALIGN} bytes and at least {} \
+                 (asked: {})",
+                4 * DIRECT_ALIGN,
+                self.chunk_bytes
+            )));
+        }
+        if self.chunks == 0 || self.threads == 0 || self.threads > Self::MAX_THREADS {
+            return Err(Error::Invalid(format!(
+                "a reader needs at least one chunk and 1 to {} threads (asked: {} chunks, {} \
+                 threads)",
+                Self::MAX_THREADS,
+                self.chunks,
+                self.threads
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Default for ReaderConfig {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Reads byte ranges of files onto one device, or into host memory, with a crew of threads.
+///
+/// The threads read pieces of a file into the chunks of a pinned ring while the DMA engine
+/// copies the filled chunks to the device: reads and copies overlap, and the pinned memory
+/// held is the ring's, whatever the size of a read. Share one reader between threads; make
+/// one per device.
+///
+/// # Examples
+///
+/// ```no_run
+/// use cuda_pinned::{DeviceBuffer, Stream};
+/// use pinned_io::{DataFile, FileReader};
+///
+/// let reader = FileReader::new()?;
+/// let stream = Stream::new()?;
+/// let file = DataFile::open("weights.bin")?;
+/// let mut on_device = DeviceBuffer::<u8>::zeroed(file.len() as usize)?;
+/// reader.read_to_device(&stream, &file, 0, &mut on_device)?;
+/// // Work queued on `stream` from here on sees the file's bytes.
+/// stream.synchronize()?;
+/// # Ok::<(), pinned_io::Error>(())
+/// ```
+pub struct FileReader {
+    pub(crate) ring: Arc<Ring<Cuda>>,
+    config: ReaderConfig,
+}
+
+impl FileReader {
+    /// A reader for the calling thread's current device, with the default configuration and
+    /// [`DefaultPinned`] memory.
+    ///
+    /// # Errors
+    ///
+    /// As [`with_config_in`](Self::with_config_in).
+    pub fn new() -> Result<Self> {
+        Self::with_config_in(Device::current()?, ReaderConfig::new(), DefaultPinned)
+    }
+
+    /// A reader for `device`, with the default configuration and [`DefaultPinned`] memory.
+    ///
+    /// # Errors
+    ///
+    /// As [`with_config_in`](Self::with_config_in).
+    pub fn on(device: Device) -> Result<Self> {
+        Self::with_config_in(device, ReaderConfig::new(), DefaultPinned)
+    }
+
+    /// A reader for `device` configured as `config` says, its ring allocated from
+    /// `allocator` (a pool, for instance) now.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] for a configuration out of range; the allocator's error for the
+    /// ring; a CUDA error making the chunks' events.
+    pub fn with_config_in<A>(device: Device, config: ReaderConfig, allocator: A) -> Result<Self>
+    where
+        A: PinnedAllocator + Send + Sync + 'static,
+    {
+        config.check()?;
+        let bytes = config
+            .chunk_bytes
+            .checked_mul(config.chunks)
+            .and_then(|bytes| bytes.checked_add(DIRECT_ALIGN))
+            .ok_or_else(|| Error::Invalid("a reader's ring overflows the address space".into()))?;
+        let mut memory = PinnedVec::<u8, A>::with_capacity_in(bytes, allocator)?;
+        let start = memory.as_mut_ptr();
+        let base = start.wrapping_add(start.align_offset(DIRECT_ALIGN));
+        let dma = Cuda { device };
+        let ring = Ring::new(
+            dma,
+            base,
+            config.chunk_bytes,
+            config.chunks,
+            Box::new(memory),
+        )?;
+        Ok(Self {
+            ring: Arc::new(ring),
+            config,
+        })
+    }
+
+    /// The device it copies to.
+    pub fn device(&self) -> Device {
+        self.ring.dma.device
+    }
+
+    /// The configuration in use.
+    pub fn config(&self) -> &ReaderConfig {
+        &self.config
+    }
+
+    /// Reads the bytes of `file` from `offset` into `dst` on `stream`, and returns once
+    /// every byte has been read and its copy queued.
+    ///
+    /// Work queued on `stream` afterwards sees the bytes; the reader's pinned chunks are
+    /// reused only once their copies are done.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] for a range past the file's end (as opened) or a stream of another
+    /// device; [`Error::Truncated`] for a file that shrank; [`Error::Io`]; a CUDA error.
+    /// After an error, part of `dst` may have been written, and no copy of the call still
+    /// runs.
+    pub fn read_to_device<'d, T: AnyBitPattern + 'd>(
+        &self,
+        stream: &Stream,
+        file: &DataFile,
+        offset: u64,
+        dst: impl Into<DeviceSliceMut<'d, T>>,
+    ) -> Result<()> {
+        let mut dst = dst.into();
+        let len = (dst.len() * size_of::<T>()) as u64;
+        self.check(stream, file, offset, len)?;
+        if dst.device() != self.device() {
+            return Err(Error::Invalid(format!(
+                "a reader for device {} was given memory of device {}",
+                self.device().ordinal(),
+                dst.device().ordinal()
+            )));
+        }
+        let ring = &self.ring;
+        let threads = self.config.threads;
+        let mode = self.config.mode;
+        dst.track_writes(stream, |address| {
+            let span = Span {
+                file: 0,
+                offset,
+                width: len,
+                rows: 1,
+                pitch: len,
+                dst: address,
+                target: 0,
+            };
+            let pieces = plan::cut(&[span], ring.capacity())?;
+            let sink = Box::new(|_, _: &Stream| Ok(()));
+            let job = Job::new(pieces, vec![file.clone()], mode, stream.clone(), 1, sink);
+            engine::run(&job, ring, threads)
+        })
+    }
+
+    /// Reads the bytes of `file` from `offset` into `dst` (pinned memory the caller owns, or
+    /// any memory), with the reader's threads, through the page cache.
+    ///
+    /// # Errors
+    ///
+    /// As [`read_to_device`](Self::read_to_device), without the CUDA errors. After an error,
+    /// part of `dst` may have been written.
+    pub fn read_to_host(&self, file: &DataFile, offset: u64, dst: &mut [u8]) -> Result<()> {
+        file.check_range(offset, dst.len() as u64)?;
+        let dst_len = dst.len();
+        let piece = self.ring.capacity();
+        let parts = Mutex::new(dst.chunks_mut(piece).enumerate());
+        let work = || -> Result<()> {
+            loop {
+                let next = parts.lock().unwrap_or_else(PoisonError::into_inner).next();
+                let Some((i, part)) = next else {
+                    return Ok(());
+                };
+                let at = offset + (i * piece) as u64;
+                // SAFETY: `part` is a part of `dst` of its own, writable and this thread's
+                // alone; no scratch is claimed around it.
+                unsafe {
+                    file.read_at(part.as_mut_ptr(), part.len(), at, ReadMode::Buffered, false)
+                }?;
+            }
+        };
+        let helpers = self
+            .config
+            .threads
+            .min(dst_len.div_ceil(piece))
+            .saturating_sub(1);
+        std::thread::scope(|scope| {
+            let helpers: Vec<_> = (0..helpers)
+                .filter_map(|_| std::thread::Builder::new().spawn_scoped(scope, work).ok())
+                .collect();
+            let mut result = work();
+            for helper in helpers {
+                let theirs = helper
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+                result = result.and(theirs);
+            }
+            result
+        })
+    }
+
+    fn check(&self, stream: &Stream, file: &DataFile, offset: u64, len: u64) -> Result<()> {
+        file.check_range(offset, len)?;
+        if stream.device() != self.device() {
+            return Err(Error::Invalid(format!(
+                "a reader for device {} was given a stream of device {}",
+                self.device().ordinal(),
+                stream.device().ordinal()
+            )));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,265 @@
+//! Files onto a real device: byte ranges at alignment and chunk edges, checkpoints, slices,
+//! replicas, cold reads and a file that shrinks.
+
+use std::collections::HashMap;
+use std::io::Write;
+
+use cuda_pinned::{Device, DeviceBuffer, Stream};
+use pinned_io::{
+    Checkpoint, DataFile, Dtype, Error, FileReader, LoadOptions, ReadMode, ReaderConfig, Split,
+};
+use safetensors::tensor::TensorView;
+
+fn pattern(len: usize, seed: u32) -> Vec<u8> {
+    (0..len as u32)
+        .map(|i| (i.wrapping_add(seed).wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect()
+}
+
+fn temp_file(bytes: &[u8]) -> tempfile::NamedTempFile {
+    let mut file = tempfile::NamedTempFile::new().unwrap();
+    file.write_all(bytes).unwrap();
+    file.flush().unwrap();
+    file
+}
+
+/// A small ring so that reads cross many chunks.
+fn small_reader(mode: ReadMode) -> FileReader {
+    let config = ReaderConfig::new()
+        .chunk_bytes(16 << 10)
+        .chunks(4)
+        .threads(3)
+        .mode(mode);
+    FileReader::with_config_in(
+        Device::current().unwrap(),
+        config,
+        cuda_pinned::DefaultPinned,
+    )
+    .unwrap()
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn ranges_land_byte_exact_at_alignment_and_chunk_edges() {
+    let bytes = pattern(3 << 20, 7);
+    let file = temp_file(&bytes);
+    let data = DataFile::open(file.path()).unwrap();
+    let stream = Stream::new().unwrap();
+    for mode in [ReadMode::Auto, ReadMode::Buffered, ReadMode::Direct] {
+        let reader = small_reader(mode);
+        for offset in [0usize, 1, 4095, 4096, 4097, 12_345, 8 << 10] {
+            for len in [
+                0usize,
+                1,
+                4095,
+                4096,
+                4097,
+                8 << 10,
+                (8 << 10) + 1,
+                65_537,
+                1 << 20,
+            ] {
+                let mut device = DeviceBuffer::<u8>::zeroed(len).unwrap();
+                reader
+                    .read_to_device(&stream, &data, offset as u64, &mut device)
+                    .unwrap();
+                stream.synchronize().unwrap();
+                assert!(
+                    device.to_vec().unwrap() == bytes[offset..offset + len],
+                    "{mode:?}: {len} bytes at {offset}"
+                );
+            }
+        }
+    }
+    let past = DeviceBuffer::<u8>::zeroed(10).unwrap();
+    let reader = small_reader(ReadMode::Auto);
+    let mut past = past;
+    let error = reader
+        .read_to_device(&stream, &data, (3 << 20) - 5, &mut past)
+        .unwrap_err();
+    assert!(matches!(error, Error::Invalid(_)), "{error}");
+}
+
+/// Writes a checkpoint of `tensors` (name, dtype, shape, bytes) and returns its file.
+fn checkpoint(tensors: &[(String, Dtype, Vec<usize>, Vec<u8>)]) -> tempfile::NamedTempFile {
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(name, dtype, shape, data)| {
+            (
+                name.clone(),
+                TensorView::new(*dtype, shape.clone(), data).unwrap(),
+            )
+        })
+        .collect();
+    let file = tempfile::Builder::new()
+        .suffix(".safetensors")
+        .tempfile()
+        .unwrap();
+    safetensors::serialize_to_file(views, None, file.path()).unwrap();
+    file
+}
+
+fn mixed_tensors() -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
+    let mut tensors = Vec::new();
+    let shapes: [(Dtype, Vec<usize>); 7] = [
+        (Dtype::BF16, vec![1024, 513]),
+        (Dtype::F32, vec![7]),
+        (Dtype::U8, vec![0, 5]),
+        (Dtype::F32, vec![300, 1000]),
+        (Dtype::I64, vec![]),
+        (Dtype::F16, vec![3, 3, 3]),
+        (Dtype::BF16, vec![4096, 1024]),
+    ];
+    for (i, (dtype, shape)) in shapes.into_iter().enumerate() {
+        let bytes = shape.iter().product::<usize>() * dtype.bitsize() / 8;
+        tensors.push((format!("t{i}"), dtype, shape, pattern(bytes, i as u32)));
+    }
+    tensors
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_checkpoint_round_trips_and_each_tensor_orders_a_consumer_stream() {
+    let tensors = mixed_tensors();
+    let file = checkpoint(&tensors);
+    let checkpoint = Checkpoint::open(file.path()).unwrap();
+    let reader = small_reader(ReadMode::Auto);
+    let loading = checkpoint.load(&reader, &LoadOptions::new()).unwrap();
+    let consumer = Stream::new().unwrap();
+    for (name, dtype, shape, data) in &tensors {
+        let tensor = loading.tensor(name).unwrap();
+        assert_eq!((tensor.dtype(), tensor.shape()), (*dtype, shape.as_slice()));
+        let view = tensor.ready_on(&consumer).unwrap();
+        // A copy on the consumer's stream, ordered after the tensor's event only.
+        let mut back = DeviceBuffer::<u8>::zeroed(data.len()).unwrap();
+        if !data.is_empty() {
+            // SAFETY: both ranges are device memory of the right length, alive until the
+            // stream is synchronized below.
+            unsafe {
+                consumer
+                    .copy_batch_raw(&[cuda_pinned::RawCopy {
+                        dst: back.as_raw(),
+                        src: view.as_raw(),
+                        bytes: data.len(),
+                    }])
+                    .unwrap();
+            }
+        }
+        consumer.synchronize().unwrap();
+        assert!(back.to_vec().unwrap() == *data, "tensor {name}");
+    }
+    let loaded = loading.wait().unwrap();
+    assert_eq!(loaded.tensors().len(), tensors.len());
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn tensor_parallel_slices_match_the_reference() {
+    let (rows, cols) = (37usize, 50usize);
+    let values: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
+    let tensors = vec![(
+        "w".to_owned(),
+        Dtype::F32,
+        vec![rows, cols],
+        bytemuck::cast_slice(&values).to_vec(),
+    )];
+    let file = checkpoint(&tensors);
+    let checkpoint = Checkpoint::open(file.path()).unwrap();
+    let reader = small_reader(ReadMode::Auto);
+    for dim in [0usize, 1] {
+        for world in [1usize, 3, 4] {
+            for rank in 0..world {
+                let split = Split::new(dim, rank, world).unwrap();
+                let options = LoadOptions::new().split(move |_| Some(split));
+                let loaded = checkpoint.load(&reader, &options).unwrap().wait().unwrap();
+                let tensor = loaded.tensor("w").unwrap();
+                let got: Vec<f32> =
+                    bytemuck::cast_slice(&tensor.wait().unwrap().to_vec().unwrap()).to_vec();
+                let size = [rows, cols][dim];
+                let (base, extra) = (size / world, size % world);
+                let start = rank * base + rank.min(extra);
+                let len = base + usize::from(rank < extra);
+                let want: Vec<f32> = (0..rows)
+                    .flat_map(|r| (0..cols).map(move |c| (r, c)))
+                    .filter(|&(r, c)| (start..start + len).contains(&[r, c][dim]))
+                    .map(|(r, c)| values[r * cols + c])
+                    .collect();
+                assert_eq!(got, want, "dim {dim}, rank {rank} of {world}");
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_file_that_shrinks_while_loading_fails_every_waiter() {
+    let tensors = mixed_tensors();
+    let file = checkpoint(&tensors);
+    let checkpoint = Checkpoint::open(file.path()).unwrap();
+    let len = file.as_file().metadata().unwrap().len();
+    file.as_file().set_len(len / 2).unwrap();
+    let reader = small_reader(ReadMode::Buffered);
+    let loading = checkpoint.load(&reader, &LoadOptions::new()).unwrap();
+    let last = tensors.last().unwrap().0.as_str();
+    let stream = Stream::new().unwrap();
+    let error = loading.tensor(last).unwrap().ready_on(&stream).unwrap_err();
+    assert!(error.to_string().contains("load failed"), "{error}");
+    match loading.wait() {
+        Err(Error::Truncated { path, .. }) => assert_eq!(path, file.path()),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cold_reads_go_past_the_page_cache() {
+    let bytes = pattern(64 << 20, 3);
+    let file = temp_file(&bytes);
+    // SAFETY: `sync` takes no arguments.
+    unsafe { libc::sync() };
+    if std::fs::write("/proc/sys/vm/drop_caches", "3").is_err() {
+        eprintln!("skipped: this process may not drop the page cache");
+        return;
+    }
+    let data = DataFile::open(file.path()).unwrap();
+    let reader = FileReader::new().unwrap();
+    let stream = Stream::new().unwrap();
+    let mut device = DeviceBuffer::<u8>::zeroed(bytes.len()).unwrap();
+    reader
+        .read_to_device(&stream, &data, 0, &mut device)
+        .unwrap();
+    stream.synchronize().unwrap();
+    assert!(device.to_vec().unwrap() == bytes);
+    let (cached, direct) = data.bytes_read();
+    if data.can_read_direct() {
+        assert!(direct > cached, "cached {cached}, direct {direct}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn replicas_on_other_devices_match() {
+    let devices = Device::all().unwrap();
+    if devices.len() < 2 {
+        eprintln!("skipped: one device");
+        return;
+    }
+    let tensors = mixed_tensors();
+    let file = checkpoint(&tensors);
+    let checkpoint = Checkpoint::open(file.path()).unwrap();
+    let reader = FileReader::on(devices[0]).unwrap();
+    let options = LoadOptions::new().replicate_to(devices[1..].iter().copied());
+    let loaded = checkpoint.load(&reader, &options).unwrap().wait().unwrap();
+    let want: HashMap<&str, &Vec<u8>> = tensors.iter().map(|t| (t.0.as_str(), &t.3)).collect();
+    for &device in &devices {
+        for tensor in loaded.tensors_on(device).unwrap() {
+            assert_eq!(tensor.device(), device);
+            let got = tensor.wait().unwrap().to_vec().unwrap();
+            assert!(
+                got == *want[tensor.name()],
+                "{} on {device:?}",
+                tensor.name()
+            );
+        }
+    }
+}
