@@ -410,21 +410,33 @@ enum Mutation {
     Delete(Index),
     Truncate(Index),
     SetLength(u64),
-    /// Rewrites one number in the header and fixes the length field to match, so that the
-    /// damage reaches the checks of shapes and offsets rather than the JSON parser.
-    Number(Index, u64),
+    /// Rewrites one number of a shape or offsets and fixes the length field to match, so that
+    /// the damage reaches the checks of shapes and offsets rather than the JSON parser.
+    Number(Index, Change),
+    /// Moves one tensor's offsets together, keeping its length, so that the damage reaches the
+    /// checks of overlaps and holes.
+    Slide(Index, i8),
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Change {
+    Set(u64),
+    Shift(i8),
 }
 
 fn mutation() -> impl Strategy<Value = Mutation> {
-    let number = prop_oneof![0u64..64, any::<u64>(), Just(u64::MAX), Just(1 << 62)];
+    let change = prop_oneof![
+        any::<i8>().prop_map(Change::Shift),
+        prop_oneof![0u64..64, any::<u64>(), Just(u64::MAX), Just(1 << 62)].prop_map(Change::Set),
+    ];
     prop_oneof![
-        (any::<Index>(), 0u8..8).prop_map(|(i, bit)| Mutation::FlipBit(i, bit)),
-        (any::<Index>(), any::<u8>()).prop_map(|(i, b)| Mutation::Insert(i, b)),
-        any::<Index>().prop_map(Mutation::Delete),
-        any::<Index>().prop_map(Mutation::Truncate),
-        prop_oneof![0u64..256, any::<u64>()].prop_map(Mutation::SetLength),
-        (any::<Index>(), number.clone()).prop_map(|(i, n)| Mutation::Number(i, n)),
-        (any::<Index>(), number).prop_map(|(i, n)| Mutation::Number(i, n)),
+        2 => (any::<Index>(), 0u8..8).prop_map(|(i, bit)| Mutation::FlipBit(i, bit)),
+        1 => (any::<Index>(), any::<u8>()).prop_map(|(i, b)| Mutation::Insert(i, b)),
+        1 => any::<Index>().prop_map(Mutation::Delete),
+        1 => any::<Index>().prop_map(Mutation::Truncate),
+        1 => prop_oneof![0u64..256, any::<u64>()].prop_map(Mutation::SetLength),
+        4 => (any::<Index>(), change).prop_map(|(i, n)| Mutation::Number(i, n)),
+        2 => (any::<Index>(), any::<i8>()).prop_map(|(i, d)| Mutation::Slide(i, d)),
     ]
 }
 
@@ -441,36 +453,69 @@ impl Mutation {
                 bytes[..8].copy_from_slice(&len.to_le_bytes());
             }
             Mutation::SetLength(_) => {}
-            Mutation::Number(i, n) => rewrite_number(bytes, i, n),
+            Mutation::Number(i, change) => {
+                let count = array_numbers(bytes).len();
+                if count > 0 {
+                    rewrite_number(bytes, i.index(count), change);
+                }
+            }
+            Mutation::Slide(i, d) => {
+                // The two numbers of one tensor's offsets, written as `[begin,end]`.
+                let runs = array_numbers(bytes);
+                let pairs: Vec<_> = (runs.windows(2).enumerate())
+                    .filter(|(_, w)| {
+                        bytes.get(8 + w[0].end) == Some(&b',')
+                            && bytes.get(8 + w[1].end) == Some(&b']')
+                    })
+                    .map(|(k, _)| k)
+                    .collect();
+                if let Some(&k) = pairs.get(i.index(pairs.len().max(1))) {
+                    rewrite_number(bytes, k + 1, Change::Shift(d));
+                    rewrite_number(bytes, k, Change::Shift(d));
+                }
+            }
         }
     }
 }
 
-fn rewrite_number(bytes: &mut Vec<u8>, i: Index, n: u64) {
+/// The ranges, within the JSON header, of the numbers that sit in arrays: shapes and offsets,
+/// not digits inside names or dtypes.
+fn array_numbers(bytes: &[u8]) -> Vec<std::ops::Range<usize>> {
     let Some(json_len) = bytes
         .get(..8)
         .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
     else {
-        return;
+        return Vec::new();
     };
-    let Some(json) = bytes.get(8..8 + json_len.min(bytes.len() as u64) as usize) else {
-        return;
-    };
+    let json = &bytes[8..8 + json_len.min(bytes.len() as u64 - 8) as usize];
     let mut runs = Vec::new();
     let mut at = 0;
     while at < json.len() {
         let len = json[at..].iter().take_while(|b| b.is_ascii_digit()).count();
-        if len > 0 {
+        if len > 0 && at > 0 && matches!(json[at - 1], b'[' | b',') {
             runs.push(at..at + len);
         }
         at += len.max(1);
     }
-    if runs.is_empty() {
-        return;
-    }
-    let run = runs[i.index(runs.len())].clone();
+    runs
+}
+
+/// Changes the `which`-th number of [`array_numbers`] and fixes the length field to match.
+fn rewrite_number(bytes: &mut Vec<u8>, which: usize, change: Change) {
+    let runs = array_numbers(bytes);
+    let json_len = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+    let json = &bytes[8..8 + json_len.min(bytes.len() as u64 - 8) as usize];
+    let run = runs[which].clone();
+    let old: u64 = std::str::from_utf8(&json[run.clone()])
+        .unwrap()
+        .parse()
+        .unwrap_or(0);
+    let new = match change {
+        Change::Set(n) => n,
+        Change::Shift(d) => old.saturating_add_signed(d.into()),
+    };
     let mut new_json = json[..run.start].to_vec();
-    new_json.extend_from_slice(n.to_string().as_bytes());
+    new_json.extend_from_slice(new.to_string().as_bytes());
     new_json.extend_from_slice(&json[run.end..]);
     let rest = bytes[8 + json.len()..].to_vec();
     *bytes = (new_json.len() as u64).to_le_bytes().to_vec();
