@@ -4,7 +4,7 @@
 //! ...}}`. Shard names are untrusted: each must be a plain relative path that stays inside the
 //! index's directory.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -155,9 +155,10 @@ impl ShardIndex {
                 _ => {}
             }
         }
-        let held: std::collections::HashSet<&str> =
-            header.tensors().iter().map(|spec| spec.name()).collect();
-        let mut missing: Vec<&str> = (self.weight_map.iter())
+        let held: HashSet<&str> = header.tensors().iter().map(|spec| spec.name()).collect();
+        let mut missing: Vec<&str> = self
+            .weight_map
+            .iter()
             .filter(|&(name, &s)| s == shard && !held.contains(name.as_str()))
             .map(|(name, _)| name.as_str())
             .collect();
