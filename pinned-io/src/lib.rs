@@ -2,6 +2,8 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod checkpoint;
 mod error;
 
+pub use checkpoint::{Split, TensorSpec};
 pub use error::{Error, Result};

@@ -1,0 +1,3 @@
+//! The crate's integration tests, one binary. GPU tests are ignored without a device.
+
+mod headers;
