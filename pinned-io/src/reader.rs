@@ -73,7 +73,7 @@ impl ReaderConfig {
     }
 
     fn check(&self) -> Result<()> {
-        if self.chunk_bytes < 4 * DIRECT_ALIGN || self.chunk_bytes % DIRECT_ALIGN != 0 {
+        if self.chunk_bytes < 4 * DIRECT_ALIGN || !self.chunk_bytes.is_multiple_of(DIRECT_ALIGN) {
             return Err(Error::Invalid(format!(
                 "a reader's chunks must be a multiple of {DIRECT_ALIGN} bytes and at least {} \
                  (asked: {})",

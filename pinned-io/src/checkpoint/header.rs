@@ -77,8 +77,11 @@ pub(crate) struct Header {
     path: PathBuf,
     tensors: Vec<TensorSpec>,
     metadata: Option<HashMap<String, String>>,
+    #[cfg_attr(not(test), allow(dead_code, reason = "the tests check the layout"))]
     data_start: u64,
+    #[cfg_attr(not(test), allow(dead_code, reason = "the tests check the layout"))]
     data_end: u64,
+    #[cfg_attr(not(test), allow(dead_code, reason = "the tests check the layout"))]
     file_len: u64,
 }
 
@@ -200,16 +203,19 @@ impl Header {
     }
 
     /// The absolute offset of the data section, just past the JSON header.
+    #[cfg(test)]
     pub(crate) fn data_start(&self) -> u64 {
         self.data_start
     }
 
     /// The absolute offset just past the last tensor's last byte.
+    #[cfg(test)]
     pub(crate) fn data_end(&self) -> u64 {
         self.data_end
     }
 
     /// The file's length when its header was read; bytes past [`Header::data_end`] are ignored.
+    #[cfg(test)]
     pub(crate) fn file_len(&self) -> u64 {
         self.file_len
     }

@@ -23,6 +23,7 @@ pub(crate) const MAX_INDEX_LEN: u64 = 64 << 20;
 /// The shard files of a sharded checkpoint and the shard that holds each tensor.
 #[derive(Clone, Debug)]
 pub(crate) struct ShardIndex {
+    #[cfg_attr(not(test), allow(dead_code, reason = "the tests check it"))]
     path: PathBuf,
     shards: Vec<PathBuf>,
     weight_map: HashMap<String, usize>,
@@ -103,6 +104,7 @@ impl ShardIndex {
     }
 
     /// The index file.
+    #[cfg(test)]
     pub(crate) fn path(&self) -> &Path {
         &self.path
     }
@@ -113,6 +115,7 @@ impl ShardIndex {
     }
 
     /// Each tensor's shard, as a position in [`ShardIndex::shards`].
+    #[cfg(test)]
     pub(crate) fn weight_map(&self) -> &HashMap<String, usize> {
         &self.weight_map
     }

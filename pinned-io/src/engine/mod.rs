@@ -82,7 +82,10 @@ impl<D: Dma> Ring<D> {
         count: usize,
         memory: Box<dyn Send + Sync>,
     ) -> Result<Self> {
-        debug_assert!(base as usize % DIRECT_ALIGN == 0 && chunk_bytes % DIRECT_ALIGN == 0);
+        debug_assert!(
+            (base as usize).is_multiple_of(DIRECT_ALIGN)
+                && chunk_bytes.is_multiple_of(DIRECT_ALIGN)
+        );
         let mut free = VecDeque::with_capacity(count);
         for i in 0..count {
             free.push_back(Chunk {

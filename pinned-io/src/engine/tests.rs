@@ -123,15 +123,14 @@ fn file_of(len: usize) -> (tempfile::NamedTempFile, Vec<u8>) {
     (file, bytes)
 }
 
-/// Reads `spans` of a fresh file into a buffer through the crew; returns the buffer, the
-/// file's bytes, the fake, and the targets the sink saw (in order).
+/// Reads `spans` of a fresh file into a buffer through the crew.
 fn read(
     spans: &mut [Span],
     file_len: usize,
     mode: ReadMode,
     threads: usize,
     chunk: usize,
-) -> (Result<()>, Vec<u8>, Vec<u8>, Arc<Fake>, Vec<usize>) {
+) -> Outcome {
     let (file, bytes) = file_of(file_len);
     let mut total = 0;
     for (i, span) in spans.iter_mut().enumerate() {
@@ -167,7 +166,23 @@ fn read(
     let result = run(&job, &ring, threads);
     fake.drain();
     let seen = seen.lock().unwrap().clone();
-    (result, dst, bytes, fake, seen)
+    Outcome {
+        result,
+        dst,
+        bytes,
+        fake,
+        seen,
+    }
+}
+
+/// What [`read`] saw: the run's result, the destination and the file's bytes, the fake, and
+/// the targets the sink saw, in order.
+struct Outcome {
+    result: Result<()>,
+    dst: Vec<u8>,
+    bytes: Vec<u8>,
+    fake: Arc<Fake>,
+    seen: Vec<usize>,
 }
 
 fn spans() -> impl Strategy<Value = Vec<Span>> {
@@ -203,7 +218,7 @@ proptest! {
         threads in 1usize..4,
         blocks in 3usize..6,
     ) {
-        let (result, dst, bytes, fake, mut seen) =
+        let Outcome { result, dst, bytes, fake, mut seen } =
             read(&mut spans, 150_000, mode, threads, blocks * DIRECT_ALIGN);
         prop_assert!(result.is_ok(), "{:?}", result);
         for span in &spans {
@@ -232,7 +247,7 @@ fn a_file_shorter_than_the_read_is_truncated_and_the_ring_stays_whole() {
         target: 0,
     }];
     for mode in [ReadMode::Auto, ReadMode::Buffered, ReadMode::Direct] {
-        let (result, .., seen) = read(&mut spans, 30_000, mode, 2, 3 * DIRECT_ALIGN);
+        let Outcome { result, seen, .. } = read(&mut spans, 30_000, mode, 2, 3 * DIRECT_ALIGN);
         match result {
             Err(Error::Truncated { length, .. }) => assert_eq!(length, 30_000),
             other => panic!("{mode:?}: {other:?}"),

@@ -131,7 +131,7 @@ fn a_checkpoint_round_trips_and_each_tensor_orders_a_consumer_stream() {
         assert_eq!((tensor.dtype(), tensor.shape()), (*dtype, shape.as_slice()));
         let view = tensor.ready_on(&consumer).unwrap();
         // A copy on the consumer's stream, ordered after the tensor's event only.
-        let mut back = DeviceBuffer::<u8>::zeroed(data.len()).unwrap();
+        let back = DeviceBuffer::<u8>::zeroed(data.len()).unwrap();
         if !data.is_empty() {
             // SAFETY: both ranges are device memory of the right length, alive until the
             // stream is synchronized below.

@@ -1,3 +1,4 @@
 //! The crate's integration tests, one binary. GPU tests are ignored without a device.
 
+mod gpu;
 mod headers;

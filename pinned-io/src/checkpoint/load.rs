@@ -1,0 +1,685 @@
+//! Loading a checkpoint's tensors onto a device, each ready on its own event, and fanning
+//! them out to other devices as they land.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::thread::JoinHandle;
+
+use cuda_pinned::{Device, DeviceBuffer, DeviceSlice, Event, RawCopy, Stream};
+use safetensors::Dtype;
+
+use super::header::{Header, TensorSpec};
+use super::index::ShardIndex;
+use super::split::{Split, extent};
+use crate::engine::cuda::Cuda;
+use crate::engine::{self, Dma, Job, Ring};
+use crate::error::{Error, Result};
+use crate::file::DataFile;
+use crate::plan::{self, Span};
+use crate::reader::FileReader;
+
+/// Tensors start on this alignment in device memory (what CUDA's allocations give, and more
+/// than any vectorised load wants).
+const DEVICE_ALIGN: u64 = 256;
+
+/// A safetensors checkpoint: one file, or the shards an index names; its headers read and
+/// checked, its data not yet.
+///
+/// # Examples
+///
+/// ```no_run
+/// use cuda_pinned::Stream;
+/// use pinned_io::{Checkpoint, FileReader, LoadOptions};
+///
+/// let checkpoint = Checkpoint::open("model.safetensors.index.json")?;
+/// let reader = FileReader::new()?;
+/// let loading = checkpoint.load(&reader, &LoadOptions::new())?;
+/// let stream = Stream::new()?;
+/// // The first tensor is usable as soon as it has landed, while the rest still loads.
+/// let embed = loading.tensor("model.embed_tokens.weight").expect("in the checkpoint");
+/// let weights = embed.ready_on(&stream)?; // `stream` waits for it on the device
+/// # let _ = weights;
+/// let loaded = loading.wait()?; // every tensor on the device
+/// # Ok::<(), pinned_io::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct Checkpoint {
+    files: Vec<DataFile>,
+    headers: Vec<Header>,
+    /// (file, tensor) of every tensor, in the files' order and each file's offset order.
+    order: Vec<(usize, usize)>,
+}
+
+impl Checkpoint {
+    /// Opens a checkpoint: a `.safetensors` file, a sharded checkpoint's
+    /// `*.safetensors.index.json`, or a directory holding either.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Io`] for files that cannot be opened or read; [`Error::Format`] or
+    /// [`Error::Truncated`] for a header or index that breaks the format (naming the file
+    /// and, where one is at fault, the tensor); [`Error::Invalid`] for a directory with no
+    /// checkpoint in it.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        if path.is_dir() {
+            return Self::open_dir(path);
+        }
+        if path.extension().is_some_and(|e| e == "json") {
+            return Self::open_index(path);
+        }
+        Self::open_files(&[path.to_owned()], None)
+    }
+
+    fn open_dir(dir: &Path) -> Result<Self> {
+        let index = dir.join("model.safetensors.index.json");
+        if index.is_file() {
+            return Self::open_index(&index);
+        }
+        let listing = std::fs::read_dir(dir).map_err(|e| Error::io(dir, "listing", e))?;
+        let mut files = Vec::new();
+        for entry in listing {
+            let entry = entry.map_err(|e| Error::io(dir, "listing", e))?;
+            if entry.path().extension().is_some_and(|e| e == "safetensors") {
+                files.push(entry.path());
+            }
+        }
+        if files.is_empty() {
+            return Err(Error::Invalid(format!(
+                "{}: no `.safetensors` file or `model.safetensors.index.json` in the directory",
+                dir.display()
+            )));
+        }
+        files.sort();
+        Self::open_files(&files, None)
+    }
+
+    fn open_index(path: &Path) -> Result<Self> {
+        let index = ShardIndex::read(path)?;
+        let shards = index.shards().to_vec();
+        Self::open_files(&shards, Some(&index))
+    }
+
+    fn open_files(paths: &[PathBuf], index: Option<&ShardIndex>) -> Result<Self> {
+        let mut files = Vec::with_capacity(paths.len());
+        let mut headers = Vec::with_capacity(paths.len());
+        let mut seen: HashMap<&str, usize> = HashMap::new();
+        for (shard, path) in paths.iter().enumerate() {
+            let file = DataFile::open(path)?;
+            let header = Header::read(file.std_file(), path)?;
+            if let Some(index) = index {
+                index.check_against(shard, &header)?;
+            }
+            files.push(file);
+            headers.push(header);
+        }
+        for (shard, header) in headers.iter().enumerate() {
+            for tensor in header.tensors() {
+                if let Some(first) = seen.insert(tensor.name(), shard) {
+                    return Err(Error::format(
+                        header.path(),
+                        Some(tensor.name()),
+                        format!("also in {}", headers[first].path().display()),
+                    ));
+                }
+            }
+        }
+        let order = headers
+            .iter()
+            .enumerate()
+            .flat_map(|(f, h)| (0..h.tensors().len()).map(move |t| (f, t)))
+            .collect();
+        Ok(Self {
+            files,
+            headers,
+            order,
+        })
+    }
+
+    /// The tensors, shard after shard, each in its file's order.
+    pub fn tensors(&self) -> impl Iterator<Item = &TensorSpec> {
+        self.order
+            .iter()
+            .map(|&(f, t)| &self.headers[f].tensors()[t])
+    }
+
+    /// The free-form `__metadata__` of the checkpoint's first file, where it has one.
+    pub fn metadata(&self) -> Option<&HashMap<String, String>> {
+        self.headers.first().and_then(Header::metadata)
+    }
+
+    /// The files the checkpoint reads.
+    pub fn files(&self) -> impl Iterator<Item = &Path> {
+        self.files.iter().map(DataFile::path)
+    }
+
+    /// The bytes of all tensors.
+    pub fn bytes(&self) -> u64 {
+        self.tensors().map(TensorSpec::bytes).sum()
+    }
+
+    /// Starts loading the tensors `options` selects onto `reader`'s device (and copies on
+    /// the replicas' devices), and returns at once: each tensor is ready on its own event.
+    ///
+    /// The reader's threads read while the DMA engine copies; pinned memory is the reader's
+    /// ring only, whatever the checkpoint's size. Each selected tensor's device memory is
+    /// one allocation per device for the whole load.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] for a split that does not fit a tensor; CUDA errors allocating the
+    /// device memory or making the streams. Errors while loading reach the tensors and
+    /// [`Loading::wait`].
+    pub fn load(&self, reader: &FileReader, options: &LoadOptions) -> Result<Loading> {
+        let plan = self.plan(options)?;
+        let device = reader.device();
+        let stream = Stream::on(device)?;
+        let primary = OnDevice::new(device, &stream, &plan)?;
+        let mut replicas = Vec::with_capacity(options.replicas.len());
+        for &other in &options.replicas {
+            if device.can_access_peer(other)? {
+                other.enable_peer_access(device)?;
+            }
+            let stream = Stream::on(other)?;
+            replicas.push((OnDevice::new(other, &stream, &plan)?, stream));
+        }
+        let spans: Vec<Span> = plan
+            .iter()
+            .enumerate()
+            .map(|(target, planned)| Span {
+                file: planned.file,
+                offset: planned.extent.offset,
+                width: planned.extent.width,
+                rows: planned.extent.rows,
+                pitch: planned.extent.pitch,
+                dst: primary.memory.as_raw() + planned.at,
+                target,
+            })
+            .collect();
+        let pieces = plan::cut(&spans, reader.ring.capacity())?;
+        let sink = fan_out(&primary, &replicas);
+        let job = Arc::new(Job::new(
+            pieces,
+            self.files.clone(),
+            reader.config().mode,
+            stream.clone(),
+            plan.len(),
+            sink,
+        ));
+        let loading = Loading {
+            primary,
+            replicas: replicas.into_iter().map(|(copy, _)| copy).collect(),
+            names: plan
+                .iter()
+                .enumerate()
+                .map(|(i, p)| (p.name.clone(), i))
+                .collect(),
+            threads: Vec::new(),
+            job,
+            ring: reader.ring.clone(),
+            stream,
+        };
+        loading.start(reader.config().threads)
+    }
+
+    /// Where each selected tensor's bytes lie in its file and on the device.
+    fn plan(&self, options: &LoadOptions) -> Result<Vec<Planned>> {
+        let mut plan = Vec::new();
+        let mut at = 0u64;
+        for &(file, index) in &self.order {
+            let spec = &self.headers[file].tensors()[index];
+            if options.only.as_ref().is_some_and(|only| !only(spec)) {
+                continue;
+            }
+            let split = options.split.as_ref().and_then(|split| split(spec));
+            let (extent, shape) = extent(spec, split.as_ref(), self.files[file].path())?;
+            plan.push(Planned {
+                name: spec.name().to_owned(),
+                dtype: spec.dtype(),
+                shape,
+                file,
+                extent,
+                at,
+            });
+            at = at
+                .checked_add(extent.bytes())
+                .and_then(|end| end.checked_next_multiple_of(DEVICE_ALIGN))
+                .ok_or_else(|| Error::Invalid("a checkpoint's bytes overflow".into()))?;
+        }
+        Ok(plan)
+    }
+}
+
+/// One selected tensor: where its bytes lie in its file and at which offset of the device
+/// memory they go.
+struct Planned {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    file: usize,
+    extent: super::split::Extent,
+    at: u64,
+}
+
+/// What a load selects and where it copies to.
+#[derive(Clone, Default)]
+pub struct LoadOptions {
+    #[allow(clippy::type_complexity)]
+    only: Option<Arc<dyn Fn(&TensorSpec) -> bool + Send + Sync>>,
+    #[allow(clippy::type_complexity)]
+    split: Option<Arc<dyn Fn(&TensorSpec) -> Option<Split> + Send + Sync>>,
+    replicas: Vec<Device>,
+}
+
+impl std::fmt::Debug for LoadOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadOptions")
+            .field("only", &self.only.is_some())
+            .field("split", &self.split.is_some())
+            .field("replicas", &self.replicas)
+            .finish()
+    }
+}
+
+impl LoadOptions {
+    /// Every tensor, whole, onto the reader's device only.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Only the tensors `keep` says yes to.
+    pub fn only(mut self, keep: impl Fn(&TensorSpec) -> bool + Send + Sync + 'static) -> Self {
+        self.only = Some(Arc::new(keep));
+        self
+    }
+
+    /// Each tensor's part that `split` names (a tensor-parallel rank's slice), or the whole
+    /// tensor where it says `None`.
+    pub fn split(
+        mut self,
+        split: impl Fn(&TensorSpec) -> Option<Split> + Send + Sync + 'static,
+    ) -> Self {
+        self.split = Some(Arc::new(split));
+        self
+    }
+
+    /// Copies of every tensor on `devices` too, read from storage once: each tensor is copied
+    /// device to device (over NVLink where the devices reach each other) as it lands.
+    pub fn replicate_to(mut self, devices: impl IntoIterator<Item = Device>) -> Self {
+        self.replicas = devices.into_iter().collect();
+        self
+    }
+}
+
+/// A tensor's readiness: not yet queued, queued behind an event, or failed.
+#[derive(Default)]
+struct Ready {
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+enum State {
+    #[default]
+    Pending,
+    Queued(Event),
+    Failed(String),
+}
+
+impl Ready {
+    fn set(&self, state: State) {
+        let mut now = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if matches!(*now, State::Pending) {
+            *now = state;
+        }
+        drop(now);
+        self.changed.notify_all();
+    }
+
+    /// Waits until the tensor's copies are queued, then runs `then` with their event.
+    fn when_queued<R>(&self, then: impl FnOnce(&Event) -> Result<R>) -> Result<R> {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            match &*state {
+                State::Pending => {
+                    state = self
+                        .changed
+                        .wait(state)
+                        .unwrap_or_else(PoisonError::into_inner);
+                }
+                State::Queued(event) => return then(event),
+                State::Failed(why) => return Err(Error::Invalid(why.clone())),
+            }
+        }
+    }
+}
+
+/// The tensors on one device: their memory and their readiness.
+struct OnDevice {
+    device: Device,
+    memory: Arc<DeviceBuffer<u8>>,
+    tensors: Vec<LoadedTensor>,
+}
+
+impl OnDevice {
+    fn new(device: Device, stream: &Stream, plan: &[Planned]) -> Result<Self> {
+        let bytes = plan.last().map_or(0, |p| p.at + p.extent.bytes());
+        let bytes = usize::try_from(bytes)
+            .map_err(|_| Error::Invalid("a checkpoint larger than the address space".into()))?;
+        let memory = Arc::new(DeviceBuffer::<u8>::zeroed_async(bytes, stream)?);
+        let tensors = plan
+            .iter()
+            .map(|p| LoadedTensor {
+                name: p.name.clone(),
+                dtype: p.dtype,
+                shape: p.shape.clone(),
+                memory: memory.clone(),
+                start: p.at as usize,
+                bytes: p.extent.bytes() as usize,
+                ready: Arc::default(),
+            })
+            .collect();
+        Ok(Self {
+            device,
+            memory,
+            tensors,
+        })
+    }
+}
+
+/// The sink of a load: records each tensor's event as its last copy is queued, and copies it
+/// on to the replicas behind that event.
+fn fan_out(primary: &OnDevice, replicas: &[(OnDevice, Stream)]) -> Box<engine::Sink<Cuda>> {
+    let ready: Vec<Arc<Ready>> = primary.tensors.iter().map(|t| t.ready.clone()).collect();
+    let places: Vec<(u64, usize)> = primary
+        .tensors
+        .iter()
+        .map(|t| (primary.memory.as_raw() + t.start as u64, t.bytes))
+        .collect();
+    let replicas: Vec<(Stream, u64, Vec<Arc<Ready>>)> = replicas
+        .iter()
+        .map(|(copy, stream)| {
+            let ready = copy.tensors.iter().map(|t| t.ready.clone()).collect();
+            (stream.clone(), copy.memory.as_raw(), ready)
+        })
+        .collect();
+    let base = primary.memory.as_raw();
+    Box::new(move |target, stream: &Stream| {
+        let landed = stream.record_event()?;
+        let (src, bytes) = places[target];
+        for (replica, replica_base, replica_ready) in &replicas {
+            replica.wait_event(&landed)?;
+            let copy = RawCopy {
+                dst: replica_base + (src - base),
+                src,
+                bytes,
+            };
+            // SAFETY: both ranges lie in device allocations the load keeps until its streams
+            // are done (its drop waits for them); the source's bytes were queued on `stream`,
+            // which the replica's stream now waits for; nothing else writes either range.
+            unsafe { replica.copy_batch_raw(&[copy]) }?;
+            replica_ready[target].set(State::Queued(replica.record_event()?));
+        }
+        ready[target].set(State::Queued(landed));
+        Ok(())
+    })
+}
+
+/// A checkpoint loading: its tensors, each usable once it has landed.
+///
+/// Dropping it stops the load and waits for the device to finish the copies already queued.
+pub struct Loading {
+    primary: OnDevice,
+    replicas: Vec<OnDevice>,
+    names: HashMap<String, usize>,
+    threads: Vec<JoinHandle<()>>,
+    job: Arc<Job<Cuda>>,
+    ring: Arc<Ring<Cuda>>,
+    stream: Stream,
+}
+
+impl std::fmt::Debug for Loading {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loading")
+            .field("device", &self.primary.device)
+            .field("tensors", &self.primary.tensors.len())
+            .field("replicas", &self.replicas.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Loading {
+    fn start(mut self, threads: usize) -> Result<Self> {
+        self.job.start()?;
+        let threads = threads.max(1).min(self.job.pieces.len().max(1));
+        let running = Arc::new(AtomicUsize::new(threads));
+        let all_ready: Vec<Arc<Ready>> = self
+            .primary
+            .tensors
+            .iter()
+            .chain(self.replicas.iter().flat_map(|r| &r.tensors))
+            .map(|t| t.ready.clone())
+            .collect();
+        let all_ready = Arc::new(all_ready);
+        let fail_all = move |all_ready: &[Arc<Ready>], why: String| {
+            for ready in all_ready {
+                ready.set(State::Failed(why.clone()));
+            }
+        };
+        for i in 0..threads {
+            let (job, ring, left, ready) = (
+                self.job.clone(),
+                self.ring.clone(),
+                running.clone(),
+                all_ready.clone(),
+            );
+            let spawned = std::thread::Builder::new()
+                .name(format!("pinned-io-load-{i}"))
+                .spawn(move || {
+                    match ring.dma.use_device() {
+                        Ok(()) => job.work(&ring),
+                        Err(error) => job.fail(error),
+                    }
+                    // The last thread out fails whatever never landed, so no waiter hangs.
+                    if left.fetch_sub(1, Ordering::AcqRel) == 1 {
+                        fail_all(&ready, stopped(&job));
+                    }
+                });
+            match spawned {
+                Ok(handle) => self.threads.push(handle),
+                Err(error) => {
+                    let error = Error::Invalid(format!("starting a reading thread: {error}"));
+                    self.job.fail(error);
+                    // The threads that did start stop early; the last one out (or this
+                    // thread, if none started) fails the tensors.
+                    let never = threads - i;
+                    if running.fetch_sub(never, Ordering::AcqRel) == never {
+                        fail_all(&all_ready, stopped(&self.job));
+                    }
+                    break;
+                }
+            }
+        }
+        Ok(self)
+    }
+
+    /// The tensor named `name`, if the load selected it.
+    pub fn tensor(&self, name: &str) -> Option<&LoadedTensor> {
+        self.names.get(name).map(|&i| &self.primary.tensors[i])
+    }
+
+    /// The tensors, in the order they are read.
+    pub fn tensors(&self) -> &[LoadedTensor] {
+        &self.primary.tensors
+    }
+
+    /// The tensors' copies on `device` (the reader's or a replica's).
+    pub fn tensors_on(&self, device: Device) -> Option<&[LoadedTensor]> {
+        std::iter::once(&self.primary)
+            .chain(&self.replicas)
+            .find(|copy| copy.device == device)
+            .map(|copy| copy.tensors.as_slice())
+    }
+
+    /// Waits until every tensor has landed on every device, and returns them.
+    ///
+    /// # Errors
+    ///
+    /// The first error of the load (naming the file, and the tensor where one is at fault),
+    /// or the CUDA error of waiting.
+    pub fn wait(mut self) -> Result<Loaded> {
+        self.join();
+        engine::finish(&self.job, &self.ring)?;
+        self.stream.synchronize()?;
+        for copy in &self.replicas {
+            for tensor in &copy.tensors {
+                tensor.wait()?;
+            }
+        }
+        let names = std::mem::take(&mut self.names);
+        let mut copies = vec![std::mem::take(&mut self.primary.tensors)];
+        copies.extend(
+            self.replicas
+                .iter_mut()
+                .map(|r| std::mem::take(&mut r.tensors)),
+        );
+        Ok(Loaded { names, copies })
+    }
+
+    fn join(&mut self) {
+        for thread in self.threads.drain(..) {
+            if let Err(payload) = thread.join() {
+                // A panic's payload may panic when dropped: leaked.
+                std::mem::forget(payload);
+            }
+        }
+    }
+}
+
+impl Drop for Loading {
+    fn drop(&mut self) {
+        if !self.threads.is_empty() {
+            self.job.fail(Error::Invalid("the load was dropped".into()));
+            self.join();
+        }
+        // No copy of the load may run once its memory can be freed.
+        let _ = self.stream.synchronize();
+        for tensor in self.replicas.iter().flat_map(|r| &r.tensors) {
+            let _ = tensor.wait();
+        }
+    }
+}
+
+/// Why tensors that never landed did not.
+fn stopped<D: engine::Dma>(job: &Job<D>) -> String {
+    match job.error_message() {
+        Some(error) => format!("the checkpoint's load failed: {error}"),
+        None => "the checkpoint's load stopped".to_owned(),
+    }
+}
+
+/// A loaded checkpoint: every tensor on every device it was loaded onto.
+#[derive(Debug)]
+pub struct Loaded {
+    names: HashMap<String, usize>,
+    /// The reader's device's tensors, then each replica's.
+    copies: Vec<Vec<LoadedTensor>>,
+}
+
+impl Loaded {
+    /// The tensor named `name` on the reader's device.
+    pub fn tensor(&self, name: &str) -> Option<&LoadedTensor> {
+        self.names.get(name).map(|&i| &self.copies[0][i])
+    }
+
+    /// The tensors on the reader's device.
+    pub fn tensors(&self) -> &[LoadedTensor] {
+        &self.copies[0]
+    }
+
+    /// The tensors on `device`.
+    pub fn tensors_on(&self, device: Device) -> Option<&[LoadedTensor]> {
+        self.copies
+            .iter()
+            .find(|copy| copy.first().is_some_and(|t| t.device() == device))
+            .map(Vec::as_slice)
+    }
+}
+
+/// One tensor of a load, on one device.
+pub struct LoadedTensor {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    memory: Arc<DeviceBuffer<u8>>,
+    start: usize,
+    bytes: usize,
+    ready: Arc<Ready>,
+}
+
+impl std::fmt::Debug for LoadedTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadedTensor")
+            .field("name", &self.name)
+            .field("dtype", &self.dtype)
+            .field("shape", &self.shape)
+            .field("device", &self.device())
+            .finish_non_exhaustive()
+    }
+}
+
+impl LoadedTensor {
+    /// The tensor's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The type of each element.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// The shape of what was loaded (a rank's part, for a split tensor).
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The bytes loaded.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The device it is on.
+    pub fn device(&self) -> Device {
+        self.memory.device()
+    }
+
+    /// Makes `stream` wait (on the device) until the tensor has landed, and returns its
+    /// memory; the host waits only until the tensor's copies are queued.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Invalid`] when the load failed before the tensor landed (the message says
+    /// why), or the CUDA error of making the stream wait.
+    pub fn ready_on(&self, stream: &Stream) -> Result<DeviceSlice<'_, u8>> {
+        self.ready
+            .when_queued(|event| Ok(stream.wait_event(event)?))?;
+        Ok(self.view())
+    }
+
+    /// Waits on the host until the tensor has landed, and returns its memory.
+    ///
+    /// # Errors
+    ///
+    /// As [`ready_on`](Self::ready_on).
+    pub fn wait(&self) -> Result<DeviceSlice<'_, u8>> {
+        self.ready.when_queued(|event| Ok(event.synchronize()?))?;
+        Ok(self.view())
+    }
+
+    fn view(&self) -> DeviceSlice<'_, u8> {
+        self.memory.slice(self.start..self.start + self.bytes)
+    }
+}
