@@ -1,7 +1,8 @@
 //! `loader`: batches of 64 images of 3×224×224 bytes and 64 `i64` labels, gathered at random
 //! from 1,024 images in memory, fed to the GPU with a little device work each step, as
 //! PyTorch's loader benchmarks do; host collate by worker count, device gather, and the
-//! host's `memcpy` bandwidth in the same run (host collate cannot beat it).
+//! host's `memcpy` bandwidth in the same run (host collate cannot beat it); the same images read
+//! from a `.npy` file, warm and cold, against memory and the disk's random-read ceiling.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -9,7 +10,7 @@ use std::time::{Duration, Instant};
 use cuda_pinned::{DeviceBuffer, Stream};
 use pinned_loader::{
     Assembly, BoxError, Dataset, DeviceLoader, Field, Loader, LoaderConfig, LoaderError,
-    LoaderStats, PinnedSamples,
+    LoaderStats, NpyDataset, PinnedSamples,
 };
 
 use crate::progress::Progress;
@@ -74,7 +75,7 @@ fn worker_counts() -> Vec<usize> {
 
 /// Work items, for the progress bar.
 pub fn steps(cuda: bool) -> usize {
-    worker_counts().len() + 2 + usize::from(cuda) * 2
+    worker_counts().len() + 4 + usize::from(cuda) * 2
 }
 
 /// One run's figures: batches/s once warm, over the whole run from construction on, and over
@@ -117,6 +118,7 @@ pub fn run(quick: bool, progress: &mut Progress) -> Vec<Section> {
     // Written as the guide recommends, with non-temporal stores.
     let images = Arc::new(Images::new(true));
     collate_rows(&images, batches, reps, cuda, progress, &mut section);
+    file_rows(&images, batches, reps, cuda, progress, &mut section);
     if cuda {
         device_rows(&images, batches, reps, progress, &mut section);
     }
@@ -355,8 +357,8 @@ impl Consumer {
     }
 }
 
-fn collate_run(
-    images: Arc<Images>,
+fn collate_run<D: Dataset<Fields = (Field<u8>, Field<i64>)>>(
+    images: D,
     config: LoaderConfig,
     batches: usize,
     cuda: bool,
@@ -559,4 +561,201 @@ fn host_memcpy(reps: usize) -> [Spread; 2] {
         }
     });
     rates.map(Spread::of)
+}
+
+/// Measures the loader over the same images read from `.npy` files: warm (in the page cache)
+/// against memory, run for run, and cold against the disk's random-read ceiling.
+fn file_rows(
+    images: &Arc<Images>,
+    batches: usize,
+    reps: usize,
+    cuda: bool,
+    progress: &mut Progress,
+    section: &mut Section,
+) {
+    progress.step("loader, .npy file, warm");
+    let (dir, dataset) = match write_npy(images) {
+        Ok(written) => written,
+        Err(e) => {
+            section.notes.push(format!(".npy rows: {e}"));
+            progress.step("loader, .npy file, cold");
+            return;
+        }
+    };
+    let (mut file, mut memory) = (Vec::new(), Vec::new());
+    for rep in 0..reps {
+        let config = collate_config(8, rep);
+        file.push(collate_run(dataset.clone(), config.clone(), batches, cuda));
+        memory.push(collate_run(images.clone(), config, batches, cuda));
+    }
+    push_row(
+        "host collate, 8 workers, from a .npy file in the page cache (alternating)".into(),
+        file,
+        section,
+    );
+    push_row(
+        "host collate, 8 workers, from memory (alternating)".into(),
+        memory,
+        section,
+    );
+    progress.step("loader, .npy file, cold");
+    cold_rows(&dataset, &dir.path().join("images.npy"), reps, section);
+}
+
+/// The images and labels read from `.npy` files.
+type NpyImages = NpyDataset<(Field<u8>, Field<i64>)>;
+
+/// The images and labels as `.npy` files in a temporary folder, and a dataset over them.
+fn write_npy(images: &Images) -> Result<(tempfile::TempDir, Arc<NpyImages>), BoxError> {
+    let dir = tempfile::tempdir()?;
+    let labels: Vec<u8> = images.labels.iter().flat_map(|l| l.to_le_bytes()).collect();
+    let paths = [dir.path().join("images.npy"), dir.path().join("labels.npy")];
+    std::fs::write(
+        &paths[0],
+        npy("|u1", &format!("({IMAGES}, 3, 224, 224)"), &images.pixels),
+    )?;
+    std::fs::write(&paths[1], npy("<i8", &format!("({IMAGES},)"), &labels))?;
+    let dataset = NpyDataset::open(&paths)?;
+    Ok((dir, Arc::new(dataset)))
+}
+
+/// A `.npy` file of format 1.0, as numpy writes it.
+fn npy(descr: &str, shape: &str, data: &[u8]) -> Vec<u8> {
+    let dict = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+    let mut text = dict.into_bytes();
+    text.resize((10 + text.len() + 1).next_multiple_of(64) - 11, b' ');
+    text.push(b'\n');
+    let mut out = b"\x93NUMPY\x01\x00".to_vec();
+    out.extend((text.len() as u16).to_le_bytes());
+    out.extend(text);
+    out.extend(data);
+    out
+}
+
+/// One epoch from a cold page cache, rep by rep, alternating with the disk's random-read
+/// ceiling; skipped, with a note saying why, where the page cache cannot be dropped.
+fn cold_rows(
+    dataset: &Arc<NpyImages>,
+    images: &std::path::Path,
+    reps: usize,
+    section: &mut Section,
+) {
+    let (mut loader, mut ceiling) = (Vec::new(), Vec::new());
+    for rep in 0..reps {
+        let measured = drop_page_cache()
+            .and_then(|()| cold_epoch(dataset.clone(), rep))
+            .and_then(|rate| Ok((rate, drop_page_cache()?)))
+            .and_then(|(rate, ())| Ok((rate, random_reads(images, rep)?)));
+        match measured {
+            Ok((rate, disk)) => {
+                loader.push(rate);
+                ceiling.push(disk);
+            }
+            Err(e) => {
+                section.notes.push(format!("cold .npy rows skipped: {e}"));
+                return;
+            }
+        }
+    }
+    let loader = Spread::of(loader);
+    let ceiling = Spread::of(ceiling);
+    let mut cells = vec![Value::Text(
+        "host collate, 8 workers, from a .npy file, cold page cache, one epoch".into(),
+    )];
+    cells.extend(loader.cells(0));
+    cells.extend([Value::Missing, Value::Missing]);
+    cells.push(Value::Num(loader.median * BATCH_BYTES / 1e9, 2));
+    cells.extend(std::iter::repeat_n(Value::Missing, 6));
+    section.row(cells);
+    section.notes.push(format!(
+        "cold: each rep drops the page cache, then times one epoch ({IMAGES} images, host \
+         batches only); the disk's random-read ceiling, this run: {:.2} GB/s median ({} \
+         threads of pread of one image each at random images of the file, cache dropped \
+         before); the cold loader reads {:.0}% of it",
+        ceiling.median,
+        CEILING_THREADS,
+        100.0 * loader.median * BATCH_BYTES / 1e9 / ceiling.median
+    ));
+}
+
+/// Threads reading at once for the disk's random-read ceiling: enough to fill an NVMe
+/// drive's queues.
+const CEILING_THREADS: usize = 32;
+
+/// Writes dirty pages out and drops the page cache.
+///
+/// # Errors
+///
+/// Where the process may not (it is not root, or `/proc/sys` is read-only), saying so.
+fn drop_page_cache() -> Result<(), BoxError> {
+    if !cfg!(target_os = "linux") {
+        return Err("dropping the page cache is done here only on Linux".into());
+    }
+    // SAFETY: geteuid and sync take nothing and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err("dropping the page cache needs root".into());
+    }
+    // SAFETY: as above.
+    unsafe { libc::sync() };
+    std::fs::write("/proc/sys/vm/drop_caches", "3")
+        .map_err(|e| format!("writing /proc/sys/vm/drop_caches: {e}").into())
+}
+
+/// Batches/s of one shuffled epoch of host batches.
+fn cold_epoch(dataset: Arc<NpyImages>, rep: usize) -> Result<f64, BoxError> {
+    dataset.advise_random()?;
+    let mut loader = Loader::new(
+        dataset,
+        LoaderConfig::new(BATCH).workers(8).shuffle(rep as u64),
+    )?;
+    let start = Instant::now();
+    let mut done = 0;
+    for batch in loader.epoch(0) {
+        std::hint::black_box(batch?.fields());
+        done += 1;
+    }
+    Ok(done as f64 / start.elapsed().as_secs_f64())
+}
+
+/// GB/s of `CEILING_THREADS` threads reading every image of `path` once, in a shuffled order,
+/// each with one `pread` into a buffer of its own.
+fn random_reads(path: &std::path::Path, rep: usize) -> Result<f64, BoxError> {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::File::open(path)?;
+    let data_offset = file.metadata()?.len() - (IMAGES * IMAGE) as u64;
+    // The same shuffle for every rep's seed, drawn as the loader's is (SplitMix64).
+    let mut order: Vec<usize> = (0..IMAGES).collect();
+    let mut state = rep as u64 ^ 0x5DEE_CE66;
+    for i in (1..IMAGES).rev() {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        order.swap(i, ((z ^ (z >> 31)) % (i as u64 + 1)) as usize);
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let start = Instant::now();
+    std::thread::scope(|scope| {
+        let readers: Vec<_> = (0..CEILING_THREADS)
+            .map(|_| {
+                scope.spawn(|| -> std::io::Result<()> {
+                    let mut buffer = vec![0u8; IMAGE];
+                    loop {
+                        let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&image) = order.get(k) else {
+                            return Ok(());
+                        };
+                        let at = data_offset + (image * IMAGE) as u64;
+                        file.read_exact_at(&mut buffer, at)?;
+                    }
+                })
+            })
+            .collect();
+        readers.into_iter().try_for_each(|reader| {
+            reader
+                .join()
+                .unwrap_or_else(|p| std::panic::resume_unwind(p))
+        })
+    })?;
+    Ok(gbps(IMAGES * IMAGE, start.elapsed().as_secs_f64()))
 }

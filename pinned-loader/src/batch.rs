@@ -1,5 +1,6 @@
 //! `HostBatch`: a batch in pinned memory, and the slots batches are made in.
 
+use std::ops::Range;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use cuda_pinned::Transfer;
@@ -124,6 +125,9 @@ pub struct HostBatch<F: Fields> {
     pub(crate) slot: Option<Slot>,
     pub(crate) len: usize,
     pub(crate) index: usize,
+    /// The epoch's order, and this batch's range of it: shared, not copied per batch.
+    pub(crate) order: Arc<Vec<usize>>,
+    pub(crate) range: Range<usize>,
     pub(crate) fields: F,
     pub(crate) sample_bytes: Arc<[usize]>,
     pub(crate) home: Arc<SlotPool>,
@@ -143,6 +147,14 @@ impl<F: Fields> HostBatch<F> {
     /// The batch's number in its epoch.
     pub fn index(&self) -> usize {
         self.index
+    }
+
+    /// The dataset indices of the batch's samples, in the order the batch holds them.
+    ///
+    /// Sample `j` of every field is dataset sample `indices()[j]`: with shuffling, sharding
+    /// or batches out of order, this is what the batch was trained on.
+    pub fn indices(&self) -> &[usize] {
+        &self.order[self.range.clone()]
     }
 
     /// The fields: for `(Field<u8>, Field<i64>)`, `(&[u8], &[i64])` of `len` samples each.

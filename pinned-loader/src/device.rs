@@ -142,7 +142,7 @@ impl<D: Dataset> DeviceLoader<D> {
         let source = match assembly {
             Assembly::HostCollate => Source::Host(loader.epoch(epoch)),
             Assembly::DeviceGather => {
-                let indices = loader.sampler.indices(epoch);
+                let indices = Arc::new(loader.sampler.indices(epoch));
                 let batches = loader.sampler.batches(indices.len()).into();
                 Source::Gather {
                     indices,
@@ -214,10 +214,18 @@ fn new_slot<D: Dataset>(
 enum Source<'a, D: Dataset> {
     Host(Epoch<'a, D>),
     Gather {
-        indices: Vec<usize>,
+        indices: Arc<Vec<usize>>,
         batches: VecDeque<Range<usize>>,
         next: usize,
     },
+}
+
+/// A batch's number in its epoch and its samples: a range of the epoch's order, shared by
+/// every batch of the epoch.
+struct Placed {
+    index: usize,
+    order: Arc<Vec<usize>>,
+    range: Range<usize>,
 }
 
 /// One epoch's batches on the device: an iterator of `Result<DeviceBatch, LoaderError>`.
@@ -274,6 +282,7 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
         batch: HostBatch<D::Fields>,
     ) -> Result<DeviceBatch<D::Fields>, LoaderError> {
         let (len, index) = (batch.len(), batch.index());
+        let (order, range) = (batch.order.clone(), batch.range.clone());
         let mut device = self.take_slot()?;
         let start = match self.stream.record_event() {
             Ok(start) => start,
@@ -312,15 +321,17 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
             self.abandon(device);
             return Err(error.into());
         }
-        self.finish(device, start, len, index, bytes_moved)
+        let batch = Placed {
+            index,
+            order,
+            range,
+        };
+        self.finish(device, start, batch, bytes_moved)
     }
 
     /// Gathers a batch's samples from pinned memory straight into device memory.
-    fn gather(
-        &mut self,
-        indices: &[usize],
-        index: usize,
-    ) -> Result<DeviceBatch<D::Fields>, LoaderError> {
+    fn gather(&mut self, batch: Placed) -> Result<DeviceBatch<D::Fields>, LoaderError> {
+        let indices = &batch.order[batch.range.clone()];
         let shared = self.shared.clone();
         let storage = gathered_storage(&shared)?;
         let device = self.take_slot()?;
@@ -360,7 +371,7 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
         // `take_slot`, its tracked copies just above.
         let queued = ordered.and_then(|()| unsafe { self.stream.copy_batch_raw(&copies) });
         match queued {
-            Ok(()) => self.finish(device, start, indices.len(), index, bytes_moved),
+            Ok(()) => self.finish(device, start, batch, bytes_moved),
             Err(error) => {
                 self.abandon(device);
                 Err(error.into())
@@ -380,8 +391,7 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
         &mut self,
         mut device: DeviceSlot,
         start: Event,
-        len: usize,
-        index: usize,
+        batch: Placed,
         bytes: usize,
     ) -> Result<DeviceBatch<D::Fields>, LoaderError> {
         let events = self
@@ -404,8 +414,10 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
         Ok(DeviceBatch {
             slot: Some(device),
             ready,
-            len,
-            index,
+            len: batch.range.len(),
+            index: batch.index,
+            order: batch.order,
+            range: batch.range,
             fields: self.shared.fields.clone(),
             sample_bytes: self.shared.sample_bytes.clone(),
             streams: Vec::new(),
@@ -428,7 +440,11 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
             } => batches.pop_front().map(|range| {
                 let index = *next;
                 *next += 1;
-                Ok(Err((indices[range].to_vec(), index)))
+                Ok(Err(Placed {
+                    index,
+                    order: indices.clone(),
+                    range,
+                }))
             }),
         };
         let Some(next) = next else {
@@ -436,14 +452,15 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
         };
         let batch = match next {
             Ok(Ok(host)) => self.upload(host),
-            Ok(Err((indices, index))) => {
-                let batch = self.gather(&indices, index);
+            Ok(Err(placed)) => {
+                let samples = placed.range.len();
+                let batch = self.gather(placed);
                 if batch.is_ok() {
                     let counters = &self.shared.counters;
                     counters.batches.fetch_add(1, Ordering::Relaxed);
                     counters
                         .samples
-                        .fetch_add(indices.len() as u64, Ordering::Relaxed);
+                        .fetch_add(samples as u64, Ordering::Relaxed);
                 }
                 batch
             }
@@ -477,6 +494,8 @@ pub struct DeviceBatch<F: Fields> {
     ready: Arc<Event>,
     len: usize,
     index: usize,
+    order: Arc<Vec<usize>>,
+    range: Range<usize>,
     fields: F,
     sample_bytes: Arc<[usize]>,
     streams: Vec<Stream>,
@@ -497,6 +516,13 @@ impl<F: Fields> DeviceBatch<F> {
     /// The batch's number in its epoch.
     pub fn index(&self) -> usize {
         self.index
+    }
+
+    /// The dataset indices of the batch's samples, in the order the batch holds them.
+    ///
+    /// As [`HostBatch::indices`]: sample `j` of every field is dataset sample `indices()[j]`.
+    pub fn indices(&self) -> &[usize] {
+        &self.order[self.range.clone()]
     }
 
     /// The event that completes when the batch is on the device.

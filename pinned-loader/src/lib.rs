@@ -45,6 +45,25 @@
 //! On a GPU, [`DeviceLoader`] turns the same loader into batches on the device:
 //! `for batch in device.epoch(e) { let (images, labels) = batch?.ready_on(&stream)?; … }`.
 //!
+//! Datasets in files are read sample by sample with `pread`, straight into the pinned batch:
+//! [`NpyDataset`] over `.npy` arrays (one per field; each field's element type is checked
+//! against its file's when it opens) and [`RecordDataset`] over fixed-size records in one or
+//! more files. Every batch names the dataset samples it holds, [`HostBatch::indices`]:
+//!
+//! ```no_run
+//! use pinned_loader::{Field, Loader, LoaderConfig, NpyDataset};
+//!
+//! // images.npy: (N, 3, 32, 32) uint8; labels.npy: (N,) int64
+//! let data = NpyDataset::<(Field<u8>, Field<i64>)>::open(&["images.npy", "labels.npy"])?;
+//! let mut loader = Loader::new(data, LoaderConfig::new(256).workers(8).shuffle(1))?;
+//! for batch in loader.epoch(0) {
+//!     let batch = batch?;
+//!     let (images, labels) = batch.fields();
+//!     println!("trained on {:?}", batch.indices());
+//! }
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! | PyTorch | pinned-loader |
 //! |---|---|
 //! | `Dataset.__getitem__` + `collate_fn` | [`SampleDataset::get`] (the loader collates), or [`Dataset::write`] (the dataset writes into the batch itself) |
@@ -70,6 +89,7 @@ mod dataset;
 mod device;
 mod error;
 mod fields;
+mod files;
 mod loader;
 mod sampler;
 mod stats;
@@ -84,6 +104,9 @@ pub use loader::{Epoch, Loader};
 pub use cuda_pinned::copy_streaming;
 pub use dataset::{Dataset, PinnedSamples, PinnedStorage, SampleDataset};
 pub use fields::{Collate, Field, Fields};
+
+// Datasets read from files.
+pub use files::{FileError, NpyArray, NpyDataset, NpyElement, NpyFields, RecordDataset};
 
 // Errors and statistics.
 pub use error::{BoxError, LoaderError};

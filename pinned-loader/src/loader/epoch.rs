@@ -156,6 +156,8 @@ impl<D: Dataset> Epoch<'_, D> {
                 slot: Some(slot),
                 len,
                 index,
+                order: self.indices.clone(),
+                range: self.batches[index].clone(),
                 fields: shared.fields.clone(),
                 sample_bytes: shared.sample_bytes.clone(),
                 home: shared.slots.clone(),

@@ -3,3 +3,5 @@
 
 mod device;
 mod epochs;
+mod files;
+mod indices;

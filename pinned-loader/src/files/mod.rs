@@ -1,0 +1,168 @@
+//! Datasets read from files: each sample read with `pread` straight into its place in a
+//! pinned batch (no copy through pageable memory, no mapping).
+
+use std::fmt;
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+mod header;
+mod npy;
+mod records;
+
+pub use npy::{NpyArray, NpyDataset, NpyElement, NpyFields};
+pub use records::RecordDataset;
+
+/// What can go wrong with a dataset's file: at open, or when a sample is read.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum FileError {
+    /// The file could not be opened, sized or read.
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What the system said.
+        source: io::Error,
+    },
+    /// The file's contents are not what the dataset reads: a header it refuses, sizes that do
+    /// not fit, an element type other than the field's.
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The file ended inside a sample: it shrank after it was opened.
+    Shrunk {
+        /// The file.
+        path: PathBuf,
+        /// The sample's index in the dataset.
+        sample: usize,
+        /// Where in the file the read found its end.
+        offset: u64,
+    },
+}
+
+impl FileError {
+    /// The file the error is about.
+    pub fn path(&self) -> &Path {
+        match self {
+            Self::Io { path, .. } | Self::Invalid { path, .. } | Self::Shrunk { path, .. } => path,
+        }
+    }
+
+    pub(crate) fn invalid(path: &Path, reason: impl Into<String>) -> Self {
+        Self::Invalid {
+            path: path.to_owned(),
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn io(path: &Path, source: io::Error) -> Self {
+        Self::Io {
+            path: path.to_owned(),
+            source,
+        }
+    }
+}
+
+impl fmt::Display for FileError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Io { path, source } => write!(f, "{}: {source}", path.display()),
+            Self::Invalid { path, reason } => write!(f, "{}: {reason}", path.display()),
+            Self::Shrunk {
+                path,
+                sample,
+                offset,
+            } => write!(
+                f,
+                "{}: the file ends at byte {offset}, inside sample {sample} (it shrank after it \
+                 was opened)",
+                path.display()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for FileError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Io { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}
+
+/// An open file and its name, for errors.
+#[derive(Debug)]
+pub(crate) struct Source {
+    pub(crate) path: PathBuf,
+    pub(crate) file: File,
+}
+
+impl Source {
+    /// Opens `path` for reading; returns it with its length.
+    pub(crate) fn open(path: &Path) -> Result<(Self, u64), FileError> {
+        let file = File::open(path).map_err(|e| FileError::io(path, e))?;
+        let len = file.metadata().map_err(|e| FileError::io(path, e))?.len();
+        let source = Self {
+            path: path.to_owned(),
+            file,
+        };
+        Ok((source, len))
+    }
+
+    /// Fills `into` from `offset` on, for sample `sample`: short reads are continued and
+    /// interrupted ones retried; an end of file before `into` is full is an error.
+    pub(crate) fn read_at(
+        &self,
+        into: &mut [u8],
+        offset: u64,
+        sample: usize,
+    ) -> Result<(), FileError> {
+        let mut done = 0;
+        while done < into.len() {
+            // Cannot overflow: the sample lay inside the file when it was opened.
+            let at = offset + done as u64;
+            match self.file.read_at(&mut into[done..], at) {
+                Ok(0) => {
+                    return Err(FileError::Shrunk {
+                        path: self.path.clone(),
+                        sample,
+                        offset: at,
+                    });
+                }
+                Ok(read) => done += read,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(FileError::io(&self.path, e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Tells the kernel reads will come at random (a shuffled epoch): it then reads no more
+    /// than asked for, instead of reading ahead what the next sample will not need.
+    #[cfg(target_os = "linux")]
+    pub(crate) fn advise_random(&self) -> Result<(), FileError> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: posix_fadvise only reads its arguments, and the descriptor is open while
+        // `self.file` lives.
+        let code =
+            unsafe { libc::posix_fadvise(self.file.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };
+        match code {
+            0 => Ok(()),
+            code => Err(FileError::io(
+                &self.path,
+                io::Error::from_raw_os_error(code),
+            )),
+        }
+    }
+
+    /// Advice the system has no call for: nothing to do.
+    #[cfg(not(target_os = "linux"))]
+    pub(crate) fn advise_random(&self) -> Result<(), FileError> {
+        Ok(())
+    }
+}

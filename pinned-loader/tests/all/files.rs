@@ -1,0 +1,288 @@
+//! Datasets over `.npy` and record files: what they read matches the data written, files
+//! the datasets do not read are refused at open, and files cut short later are reported.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use pinned_loader::{
+    BoxError, Dataset, Field, FileError, Loader, LoaderConfig, LoaderError, NpyArray, NpyDataset,
+    RecordDataset,
+};
+use tempfile::TempDir;
+
+const SAMPLES: usize = 203;
+/// An image of 3×4×4 bytes.
+const IMAGE: usize = 48;
+
+/// A `.npy` file of format 1.0 as numpy writes it: the dict padded with spaces to a multiple
+/// of 64 bytes with the preamble, ended by a newline, then the data.
+fn npy(descr: &str, shape: &[usize], data: &[u8]) -> Vec<u8> {
+    let axes: Vec<String> = shape.iter().map(ToString::to_string).collect();
+    let shape = match axes.len() {
+        1 => format!("({},)", axes[0]),
+        _ => format!("({})", axes.join(", ")),
+    };
+    let dict = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+    let total = (10 + dict.len() + 1).next_multiple_of(64);
+    let mut text = dict.into_bytes();
+    text.resize(total - 11, b' ');
+    text.push(b'\n');
+    let mut out = b"\x93NUMPY\x01\x00".to_vec();
+    out.extend((text.len() as u16).to_le_bytes());
+    out.extend(text);
+    out.extend(data);
+    out
+}
+
+fn pixel(sample: usize, at: usize) -> u8 {
+    (sample * 7 + at * 13) as u8
+}
+
+/// Images of sample `i` made of `pixel(i, _)`, labels `i`, as two `.npy` files.
+fn write_arrays(dir: &Path) -> [PathBuf; 2] {
+    let pixels: Vec<u8> = (0..SAMPLES)
+        .flat_map(|i| (0..IMAGE).map(move |at| pixel(i, at)))
+        .collect();
+    let labels: Vec<u8> = (0..SAMPLES as i64).flat_map(i64::to_le_bytes).collect();
+    let images = dir.join("images.npy");
+    let labels_path = dir.join("labels.npy");
+    fs::write(&images, npy("|u1", &[SAMPLES, 3, 4, 4], &pixels)).unwrap();
+    fs::write(&labels_path, npy("<i8", &[SAMPLES], &labels)).unwrap();
+    [images, labels_path]
+}
+
+/// The same samples in memory: the reference.
+struct Reference;
+
+impl Dataset for Reference {
+    type Fields = (Field<u8>, Field<i64>);
+    fn len(&self) -> usize {
+        SAMPLES
+    }
+    fn fields(&self) -> Self::Fields {
+        (Field::new(IMAGE), Field::new(1))
+    }
+    fn write(&self, i: usize, (image, label): (&mut [u8], &mut [i64])) -> Result<(), BoxError> {
+        for (at, byte) in image.iter_mut().enumerate() {
+            *byte = pixel(i, at);
+        }
+        label[0] = i as i64;
+        Ok(())
+    }
+}
+
+/// Every batch of an epoch: its indices, images and labels.
+type Batches = Vec<(Vec<usize>, Vec<u8>, Vec<i64>)>;
+
+fn epoch<D: Dataset<Fields = (Field<u8>, Field<i64>)>>(
+    loader: &mut Loader<D>,
+    epoch: u64,
+) -> Batches {
+    loader
+        .epoch(epoch)
+        .map(|batch| {
+            let batch = batch.unwrap();
+            let (images, labels) = batch.fields();
+            (batch.indices().to_vec(), images.to_vec(), labels.to_vec())
+        })
+        .collect()
+}
+
+#[test]
+fn a_loader_over_npy_files_yields_the_reference_samples() {
+    let dir = TempDir::new().unwrap();
+    let paths = write_arrays(dir.path());
+    let data = NpyDataset::<(Field<u8>, Field<i64>)>::open(&paths).unwrap();
+    assert_eq!(data.len(), SAMPLES);
+    assert_eq!(data.arrays()[0].sample_shape(), [3, 4, 4]);
+    assert_eq!(data.arrays()[1].descr(), "<i8");
+    data.advise_random().unwrap();
+    let config = LoaderConfig::new(16).workers(4).shuffle(9);
+    let mut files = Loader::new(data, config.clone()).unwrap();
+    let mut memory = Loader::new(Reference, config).unwrap();
+    for e in 0..3 {
+        let read = epoch(&mut files, e);
+        assert_eq!(read, epoch(&mut memory, e));
+        let mut seen = Vec::new();
+        for (indices, images, labels) in read {
+            let as_labels: Vec<i64> = indices.iter().map(|&i| i as i64).collect();
+            assert_eq!(labels, as_labels);
+            assert_eq!(images.len(), IMAGE * indices.len());
+            seen.extend(indices);
+        }
+        seen.sort_unstable();
+        assert_eq!(seen, (0..SAMPLES).collect::<Vec<_>>());
+    }
+}
+
+#[test]
+fn three_fields_and_versions_two_and_three() {
+    let dir = TempDir::new().unwrap();
+    let mut paths = Vec::new();
+    for (version, descr, width) in [(2u8, "<f4", 4), (3, "<u2", 2), (1, "|i1", 1)] {
+        let data: Vec<u8> = (0..10 * 2 * width).map(|b| b as u8).collect();
+        let mut bytes = npy(descr, &[10, 2], &data);
+        // Version 2 and 3 take a four-byte length: the dict moves two bytes on.
+        if version > 1 {
+            bytes[6] = version;
+            bytes.splice(
+                8..10,
+                ((bytes.len() - 10 - data.len()) as u32).to_le_bytes(),
+            );
+        }
+        let path = dir.path().join(format!("v{version}.npy"));
+        fs::write(&path, bytes).unwrap();
+        paths.push(path);
+    }
+    let data = NpyDataset::<(Field<f32>, Field<u16>, Field<i8>)>::open(&paths).unwrap();
+    let mut loader = Loader::new(data, LoaderConfig::new(4)).unwrap();
+    let batch = loader.epoch(0).next().unwrap().unwrap();
+    let (floats, halves, bytes) = batch.fields();
+    assert_eq!(
+        bytemuck::cast_slice::<f32, u8>(floats),
+        &(0..32).collect::<Vec<u8>>()[..]
+    );
+    assert_eq!(halves[1], u16::from_le_bytes([2, 3]));
+    assert_eq!(bytes, [0, 1, 2, 3, 4, 5, 6, 7]);
+}
+
+#[test]
+fn element_types_other_than_the_fields_are_refused_at_open() {
+    let dir = TempDir::new().unwrap();
+    let paths = write_arrays(dir.path());
+    let error = NpyDataset::<(Field<u8>, Field<f64>)>::open(&paths).unwrap_err();
+    assert!(matches!(&error, FileError::Invalid { path, .. } if *path == paths[1]));
+    assert!(error.to_string().contains("<i8"), "{error}");
+    assert!(error.to_string().contains("f64"), "{error}");
+    assert!(NpyDataset::<(Field<u8>,)>::open(&paths).is_err());
+    assert!(NpyDataset::<(Field<u8>, Field<i64>)>::open(&[&paths[0], &paths[0]]).is_err());
+}
+
+#[test]
+fn files_the_arrays_do_not_fit_are_refused_with_their_name() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("bad.npy");
+    let cases: [(Vec<u8>, &str); 5] = [
+        (npy("<f4", &[4, 2], &[0; 31]), "takes 32 bytes"),
+        (npy(">f4", &[1], &[0; 4]), "big-endian"),
+        (
+            npy("<f4", &[1], &[0; 4])[..20].to_vec(),
+            "past the file's end",
+        ),
+        (b"\x93NUM".to_vec(), "not a .npy"),
+        (Vec::new(), "not a .npy"),
+    ];
+    for (bytes, why) in cases {
+        fs::write(&path, bytes).unwrap();
+        let error = NpyArray::open(&path).unwrap_err();
+        assert_eq!(error.path(), path);
+        let message = error.to_string();
+        assert!(
+            message.contains(why) && message.contains("bad.npy"),
+            "{message}"
+        );
+    }
+    let missing = NpyArray::open(dir.path().join("none.npy")).unwrap_err();
+    assert!(matches!(missing, FileError::Io { .. }));
+}
+
+#[test]
+fn a_file_cut_between_epochs_fails_its_samples_by_name() {
+    let dir = TempDir::new().unwrap();
+    let paths = write_arrays(dir.path());
+    let data = NpyDataset::<(Field<u8>, Field<i64>)>::open(&paths).unwrap();
+    let mut loader = Loader::new(data, LoaderConfig::new(16).workers(3)).unwrap();
+    assert_eq!(epoch(&mut loader, 0).len(), SAMPLES.div_ceil(16));
+    // Labels of samples 100 and on are gone, and sample 99's is cut in half.
+    let cut = loader.dataset().arrays()[1].data_offset() + 99 * 8 + 4;
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&paths[1])
+        .unwrap()
+        .set_len(cut)
+        .unwrap();
+    let data_offset = loader.dataset().arrays()[1].data_offset();
+    let results: Vec<_> = loader.epoch(1).collect();
+    assert_eq!(results.len(), SAMPLES.div_ceil(16));
+    for (batch, result) in results.into_iter().enumerate() {
+        if batch < 6 {
+            assert!(result.unwrap().indices().iter().all(|&i| i < 99));
+            continue;
+        }
+        let Err(LoaderError::Sample {
+            batch: number,
+            sample,
+            source,
+        }) = result
+        else {
+            panic!("batch {batch} of a cut file");
+        };
+        // The first sample the batch could not read: 99's label is cut, later ones gone.
+        let first = if batch == 6 { 99 } else { batch * 16 };
+        assert_eq!((number, sample), (batch, first));
+        let file = source.downcast_ref::<FileError>().unwrap();
+        let FileError::Shrunk {
+            path,
+            sample: at,
+            offset,
+        } = file
+        else {
+            panic!("{file}");
+        };
+        assert_eq!((path, *at), (&paths[1], first));
+        let end = if first == 99 {
+            cut
+        } else {
+            data_offset + 8 * first as u64
+        };
+        assert_eq!(*offset, end);
+        assert!(file.to_string().contains("labels.npy"), "{file}");
+    }
+}
+
+/// Records of a 48-byte image and an 8-byte label across shards of uneven counts (one empty),
+/// behind a 16-byte header each.
+#[test]
+fn records_across_shards_map_every_index() {
+    let dir = TempDir::new().unwrap();
+    let counts = [5usize, 0, 17, 1, 30];
+    let mut paths = Vec::new();
+    let mut next = 0usize;
+    for (k, &count) in counts.iter().enumerate() {
+        let mut bytes = vec![0xEE; 16];
+        for i in next..next + count {
+            bytes.extend((0..IMAGE).map(|at| pixel(i, at)));
+            bytes.extend((i as i64).to_ne_bytes());
+        }
+        next += count;
+        let path = dir.path().join(format!("train-{k:03}.bin"));
+        fs::write(&path, bytes).unwrap();
+        paths.push(path);
+    }
+    let layout = (Field::<u8>::new(IMAGE), Field::<i64>::new(1));
+    let data = RecordDataset::open(&paths, 16, layout).unwrap();
+    assert_eq!(data.len(), next);
+    assert_eq!(data.records_per_file(), counts);
+    assert_eq!(data.locate(5), Some((paths[2].as_path(), 16)));
+    assert_eq!(data.locate(next), None);
+    let mut loader = Loader::new(data, LoaderConfig::new(8).workers(2).shuffle(3)).unwrap();
+    let mut seen = 0;
+    for (indices, images, labels) in epoch(&mut loader, 0) {
+        for (j, &i) in indices.iter().enumerate() {
+            assert_eq!(labels[j], i as i64);
+            let expected: Vec<u8> = (0..IMAGE).map(|at| pixel(i, at)).collect();
+            assert_eq!(images[j * IMAGE..(j + 1) * IMAGE], expected[..]);
+        }
+        seen += indices.len();
+    }
+    assert_eq!(seen, next);
+    fs::write(&paths[3], vec![0; 16 + 56 + 3]).unwrap();
+    let error = RecordDataset::open(&paths, 16, layout).unwrap_err();
+    assert!(error.to_string().contains("3 bytes over"), "{error}");
+    assert_eq!(error.path(), paths[3]);
+    let error = RecordDataset::open(&paths[..1], 1 << 20, layout).unwrap_err();
+    assert!(
+        error.to_string().contains("fewer than its header"),
+        "{error}"
+    );
+}
