@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use cuda_pinned::{DeviceBuffer, PinnedVec, Stream};
-use pinned_io::{Checkpoint, FileReader, LoadOptions};
+use pinned_io::{Checkpoint, FileReader, LoadOptions, ReaderConfig};
 
 use crate::progress::Progress;
 use crate::report::{Section, Value};
@@ -83,27 +83,51 @@ fn drop_caches() -> bool {
 }
 
 /// Seconds of `run`, each of `reps` runs preceded by `before`.
-fn timed(
+/// What `run` returns (device memory) is dropped after the clock stops: freeing it is not
+/// part of loading.
+fn timed<T>(
     reps: usize,
     mut before: impl FnMut(),
-    mut run: impl FnMut() -> Result<(), String>,
+    mut run: impl FnMut() -> Result<T, String>,
 ) -> Result<Vec<f64>, String> {
     let mut seconds = Vec::with_capacity(reps);
     for _ in 0..reps {
         before();
         let start = Instant::now();
-        run()?;
+        let loaded = run()?;
         seconds.push(start.elapsed().as_secs_f64());
+        drop(loaded);
     }
     Ok(seconds)
 }
 
-fn ours(path: &Path, reader: &FileReader) -> Result<(), String> {
+fn ours(path: &Path, reader: &FileReader) -> Result<pinned_io::Loaded, String> {
     let checkpoint = Checkpoint::open(path).map_err(|e| e.to_string())?;
     let loading = checkpoint
         .load(reader, &LoadOptions::new())
         .map_err(|e| e.to_string())?;
-    loading.wait().map(drop).map_err(|e| e.to_string())
+    loading.wait().map_err(|e| e.to_string())
+}
+
+/// The devices other than the reader's, where there are any.
+fn other_devices(reader: &FileReader) -> Option<Vec<cuda_pinned::Device>> {
+    let all = cuda_pinned::Device::all().ok()?;
+    let others: Vec<_> = all.into_iter().filter(|&d| d != reader.device()).collect();
+    (!others.is_empty()).then_some(others)
+}
+
+/// The checkpoint onto the reader's device and copied on to `others` as it lands.
+fn ours_onto(
+    path: &Path,
+    reader: &FileReader,
+    others: &[cuda_pinned::Device],
+) -> Result<pinned_io::Loaded, String> {
+    let checkpoint = Checkpoint::open(path).map_err(|e| e.to_string())?;
+    let options = LoadOptions::new().replicate_to(others.iter().copied());
+    let loading = checkpoint
+        .load(reader, &options)
+        .map_err(|e| e.to_string())?;
+    loading.wait().map_err(|e| e.to_string())
 }
 
 /// The first tensor usable on the device: seconds from the call to its event having passed.
@@ -120,7 +144,11 @@ fn first_tensor(path: &Path, reader: &FileReader) -> Result<f64, String> {
 }
 
 /// candle's shape: the file mapped, one pageable copy per tensor.
-fn mmap_per_tensor(path: &Path, written: &Written, stream: &Stream) -> Result<(), String> {
+fn mmap_per_tensor(
+    path: &Path,
+    written: &Written,
+    stream: &Stream,
+) -> Result<DeviceBuffer<u8>, String> {
     let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
     let len = file.metadata().map_err(|e| e.to_string())?.len() as usize;
     // SAFETY: a private read-only mapping of a file nobody writes during the benchmark,
@@ -151,7 +179,8 @@ fn mmap_per_tensor(path: &Path, written: &Written, stream: &Stream) -> Result<()
                 .copy_from_host(src)
                 .map_err(|e| e.to_string())?;
         }
-        stream.synchronize().map_err(|e| e.to_string())
+        stream.synchronize().map_err(|e| e.to_string())?;
+        Ok(device)
     })();
     // SAFETY: the mapping made above, no longer borrowed.
     unsafe { libc::munmap(map, len) };
@@ -159,11 +188,9 @@ fn mmap_per_tensor(path: &Path, written: &Written, stream: &Stream) -> Result<()
 }
 
 /// The whole file read into a `Vec`, then one copy.
-fn read_then_copy(path: &Path) -> Result<(), String> {
+fn read_then_copy(path: &Path) -> Result<DeviceBuffer<u8>, String> {
     let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
-    DeviceBuffer::from_slice(&bytes)
-        .map(drop)
-        .map_err(|e| e.to_string())
+    DeviceBuffer::from_slice(&bytes).map_err(|e| e.to_string())
 }
 
 /// The disk's ceiling: 16 threads of 8 MiB `O_DIRECT` reads, nothing copied.
@@ -295,6 +322,15 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Section, 
             0.0,
         );
         let warm = timed(reps, || {}, || ours(&path, &reader))?;
+        let warm_rate = Spread::of(warm.iter().map(|&s| gbps(bytes, s)).collect()).median;
+        if let Some(others) = other_devices(&reader) {
+            let onto = timed(reps, || {}, || ours_onto(&path, &reader, &others))?;
+            let name = format!(
+                "pinned-io, warm, onto {} GPUs (read once; % of one GPU)",
+                others.len() + 1
+            );
+            row(&mut section, &name, &case, bytes, onto, warm_rate);
+        }
         row(
             &mut section,
             "pinned-io, warm",
@@ -303,6 +339,53 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Section, 
             warm,
             h2d_rate,
         );
+        if label == "large" {
+            // Other crews than the default: what the defaults were chosen by.
+            for (threads, chunk) in [
+                (8, 1usize << 20),
+                (24, 1 << 20),
+                (16, 256 << 10),
+                (16, 4 << 20),
+            ] {
+                let config = ReaderConfig::new()
+                    .threads(threads)
+                    .chunk_bytes(chunk)
+                    .chunks(4 * threads);
+                let other =
+                    FileReader::with_config_in(reader.device(), config, cuda_pinned::DefaultPinned)
+                        .map_err(|e| e.to_string())?;
+                let warm = timed(reps, || {}, || ours(&path, &other))?;
+                let name = format!(
+                    "pinned-io, warm, {threads} threads × {} chunks",
+                    crate::report::size_label(chunk as u64)
+                );
+                row(&mut section, &name, &case, bytes, warm, h2d_rate);
+            }
+        }
+        if label == "large" {
+            // The reads alone, into page-locked memory: what the crew's reading costs.
+            let file = pinned_io::DataFile::open(&path).map_err(|e| e.to_string())?;
+            let len = file.len() as usize;
+            let mut host = PinnedVec::<u8>::with_capacity(len).map_err(|e| e.to_string())?;
+            host.resize(len, 0);
+            let reads = timed(
+                reps,
+                || {},
+                || {
+                    reader
+                        .read_to_host(&file, 0, &mut host)
+                        .map_err(|e| e.to_string())
+                },
+            )?;
+            row(
+                &mut section,
+                "pinned-io, into page-locked memory only, warm",
+                &case,
+                len,
+                reads,
+                h2d_rate,
+            );
+        }
         let first_ms = Spread::of(
             (0..reps)
                 .map(|_| first_tensor(&path, &reader).map(|s| s * 1e3))
@@ -376,6 +459,7 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Section, 
                 },
                 || ours(&path, &reader),
             )?;
+            let cold_rate = Spread::of(cold.iter().map(|&s| gbps(bytes, s)).collect()).median;
             row(
                 &mut section,
                 "pinned-io, cold",
@@ -384,6 +468,20 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Section, 
                 cold,
                 ceiling_rate,
             );
+            if let Some(others) = other_devices(&reader) {
+                let cold = timed(
+                    cold_reps,
+                    || {
+                        drop_caches();
+                    },
+                    || ours_onto(&path, &reader, &others),
+                )?;
+                let name = format!(
+                    "pinned-io, cold, onto {} GPUs (read once; % of one GPU)",
+                    others.len() + 1
+                );
+                row(&mut section, &name, &case, bytes, cold, cold_rate);
+            }
             let vec = timed(
                 cold_reps,
                 || {

@@ -488,7 +488,166 @@ pub const GOALS: &[Goal] = &[
         goal: "≥ 95%",
         readme: false,
     },
+    Goal {
+        name: "loader, host collate, 8 workers, from a `.npy` file (warm)",
+        figure: Figure::PercentOf(
+            read("loader", LOADER_NPY, LOADER_SPREAD),
+            read("loader", LOADER_MEMORY, LOADER_SPREAD),
+        ),
+        unit: "% of memory",
+        decimals: 1,
+        reference: &[Reference::Same(
+            "the same loader over memory",
+            read("loader", LOADER_MEMORY, LOADER_SPREAD),
+            "batches/s",
+            0,
+        )],
+        target: Target::AtLeast(90.0),
+        goal: "≥ 90%",
+        readme: false,
+    },
+    Goal {
+        name: "file → device, 8 GiB checkpoint, warm",
+        figure: Figure::Read(read("files", FILES_WARM, FILES_SPREAD)),
+        unit: "GB/s",
+        decimals: 1,
+        reference: &[
+            Reference::Anchor("safetensors→cuda 6.61 GB/s; torch cpu+pin 35.1; C++ ring 51.0"),
+            Reference::Same(
+                "page-locked H2D",
+                read("files", FILES_H2D, FILES_SPREAD),
+                "GB/s",
+                1,
+            ),
+        ],
+        target: Target::AtLeast(50.0),
+        goal: "≥ 50 GB/s",
+        readme: true,
+    },
+    Goal {
+        name: "file → device, 8 GiB checkpoint, warm, share of page-locked H2D",
+        figure: Figure::PercentOf(
+            read("files", FILES_WARM, FILES_SPREAD),
+            read("files", FILES_H2D, FILES_SPREAD),
+        ),
+        unit: "%",
+        decimals: 1,
+        reference: &[Reference::Same(
+            "page-locked H2D",
+            read("files", FILES_H2D, FILES_SPREAD),
+            "GB/s",
+            1,
+        )],
+        target: Target::AtLeast(90.0),
+        goal: "≥ 90%",
+        readme: false,
+    },
+    Goal {
+        name: "file → device, 8 GiB checkpoint, cold",
+        figure: Figure::PercentOf(
+            read("files", FILES_COLD, FILES_SPREAD),
+            read("files", FILES_CEILING, FILES_SPREAD),
+        ),
+        unit: "% of the disk",
+        decimals: 1,
+        reference: &[Reference::Same(
+            "16 threads of 8 MiB `O_DIRECT` reads",
+            read("files", FILES_CEILING, FILES_SPREAD),
+            "GB/s",
+            2,
+        )],
+        target: Target::AtLeast(95.0),
+        goal: "≥ 95%",
+        readme: true,
+    },
+    Goal {
+        name: "file → device, first tensor usable (warm)",
+        figure: Figure::Read(read("files", FILES_FIRST, FILES_SPREAD)),
+        unit: "ms",
+        decimals: 2,
+        reference: &[],
+        target: Target::AtMost(5.0),
+        goal: "≤ 5 ms",
+        readme: false,
+    },
+    Goal {
+        name: "file → device, pinned memory held",
+        figure: Figure::Read(read(
+            "files",
+            &[("path", Pick::Is("pinned memory held by the reader (MiB)"))],
+            Columns::One("min"),
+        )),
+        unit: "MiB",
+        decimals: 0,
+        reference: &[],
+        target: Target::AtMost(256.0),
+        goal: "≤ 256 MiB",
+        readme: false,
+    },
+    Goal {
+        name: "file → several GPUs, cold, read once",
+        figure: Figure::Read(read(
+            "files",
+            &[
+                (
+                    "path",
+                    Pick::OneOf(&[
+                        "pinned-io, cold, onto 2 GPUs (read once; % of one GPU)",
+                        "pinned-io, cold, onto 4 GPUs (read once; % of one GPU)",
+                        "pinned-io, cold, onto 8 GPUs (read once; % of one GPU)",
+                    ]),
+                ),
+                ("checkpoint", FILES_LARGE),
+            ],
+            Columns::One("% of ref"),
+        )),
+        unit: "% of one GPU's rate",
+        decimals: 1,
+        reference: &[Reference::Same(
+            "one GPU, cold",
+            read("files", FILES_COLD, FILES_SPREAD),
+            "GB/s",
+            2,
+        )],
+        target: Target::AtLeast(87.0),
+        goal: "≥ 87% (≤ 1.15× the time)",
+        readme: false,
+    },
 ];
+
+const FILES_SPREAD: Columns = Columns::Spread("min", "median", "max");
+const FILES_LARGE: Pick = Pick::OneOf(&["large: 205 × 40 MiB", "large: 100 × 10 MiB"]);
+const FILES_WARM: &[(&str, Pick)] = &[
+    ("path", Pick::Is("pinned-io, warm")),
+    ("checkpoint", FILES_LARGE),
+];
+const FILES_H2D: &[(&str, Pick)] = &[
+    ("path", Pick::Is("page-locked H2D, 1 GiB (reference)")),
+    ("checkpoint", FILES_LARGE),
+];
+const FILES_COLD: &[(&str, Pick)] = &[
+    ("path", Pick::Is("pinned-io, cold")),
+    ("checkpoint", FILES_LARGE),
+];
+const FILES_CEILING: &[(&str, Pick)] = &[
+    (
+        "path",
+        Pick::Is("disk ceiling: 16 threads of 8 MiB O_DIRECT reads, cold (reference)"),
+    ),
+    ("checkpoint", FILES_LARGE),
+];
+const FILES_FIRST: &[(&str, Pick)] = &[
+    ("path", Pick::Is("pinned-io, first tensor usable (ms)")),
+    ("checkpoint", FILES_LARGE),
+];
+const LOADER_NPY: &[(&str, Pick)] = &[(
+    "mode",
+    Pick::Is("host collate, 8 workers, from a .npy file in the page cache (alternating)"),
+)];
+const LOADER_MEMORY: &[(&str, Pick)] = &[(
+    "mode",
+    Pick::Is("host collate, 8 workers, from memory (alternating)"),
+)];
 
 const COLD_CUDA_HOST_ALLOC: Reference = Reference::Same(
     "`cudaHostAlloc`",

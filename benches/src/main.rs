@@ -45,7 +45,7 @@ struct Options {
 
 #[derive(Clone, Debug, PartialEq, Eq, Subcommand)]
 enum Command {
-    /// Everything this machine supports (the default).
+    /// Everything this machine supports but `files` (the default).
     All,
     /// The CUDA runtime, driver and devices found, and the host's memory facts.
     Info,
@@ -72,8 +72,11 @@ enum Command {
     },
     /// Writes benches/RESULTS.md, benches/RESULTS.svg and the README's figures from a record.
     Results {
-        /// The record (JSON written by --record).
-        record: PathBuf,
+        /// The records (JSON written by --record): the sections of a later one replace those
+        /// of the same name in an earlier one (`pinned-bench` and `pinned-bench files` make
+        /// two).
+        #[arg(required = true)]
+        records: Vec<PathBuf>,
         /// The workspace to write into (the one this tool was built from by default).
         #[arg(long, value_name = "DIR")]
         root: Option<PathBuf>,
@@ -100,8 +103,8 @@ impl Command {
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     let options = Options::parse_from(&args);
-    if let Some(Command::Results { record, root }) = &options.command {
-        return write_results(record, root.as_ref());
+    if let Some(Command::Results { records, root }) = &options.command {
+        return write_results(records, root.as_ref());
     }
     let command = options.command.as_ref().unwrap_or(&Command::All).name();
     let files_dir = match &options.command {
@@ -120,16 +123,17 @@ fn main() -> ExitCode {
     write_files(&options, &report)
 }
 
-/// The `results` subcommand, which measures nothing: writes the results files from `record`.
-fn write_results(record: &Path, root: Option<&PathBuf>) -> ExitCode {
+/// The `results` subcommand, which measures nothing: writes the results files from `records`.
+fn write_results(records: &[PathBuf], root: Option<&PathBuf>) -> ExitCode {
     let root = root
         .cloned()
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join(".."));
-    match results::write(record, &root) {
+    match results::write(records, &root) {
         Ok(()) => {
+            let names: Vec<_> = records.iter().map(|r| r.display().to_string()).collect();
             println!(
                 "RESULTS.md, RESULTS.svg and the README's figures written from {}",
-                record.display()
+                names.join(" and ")
             );
             ExitCode::SUCCESS
         }
@@ -232,7 +236,8 @@ fn run(command: &str, quick: bool, files_dir: &Path) -> Report {
     if all || command == "loader" {
         report.sections.extend(loader::run(quick, &mut progress));
     }
-    if (all || command == "files") && cuda {
+    // Not part of `all`: it writes checkpoints of several GiB, and drops the page cache.
+    if command == "files" && cuda {
         match files::run(quick, files_dir, &mut progress) {
             Ok(section) => report.sections.push(section),
             Err(e) => report.skipped.push(format!("files failed: {e}")),
@@ -257,7 +262,7 @@ fn steps(command: &str, quick: bool, cuda: bool) -> usize {
     if staged && cuda {
         steps += staged::steps(quick);
     }
-    if (all || command == "files") && cuda {
+    if command == "files" && cuda {
         steps += files::steps();
     }
     if all || command == "alloc" {
@@ -322,12 +327,20 @@ mod tests {
         let o = parse(&["--record", "benches/results", "loader"]).unwrap();
         assert_eq!(o.record, Some("benches/results".into()));
         assert_eq!(o.command, Some(Command::Loader));
-        let o = parse(&["results", "r.json"]).unwrap();
+        let o = parse(&["results", "r.json", "files.json"]).unwrap();
         assert_eq!(
             o.command,
             Some(Command::Results {
-                record: "r.json".into(),
+                records: vec!["r.json".into(), "files.json".into()],
                 root: None
+            })
+        );
+        assert!(parse(&["results"]).is_err(), "a record is needed");
+        let o = parse(&["files", "--dir", "/data"]).unwrap();
+        assert_eq!(
+            o.command,
+            Some(Command::Files {
+                dir: "/data".into()
             })
         );
     }

@@ -1,46 +1,47 @@
 //! RESULTS.md and the README's figures are generated from the newest record: regenerating them
 //! must give the committed text. And the generator on a small record written by hand.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use pinned_bench::report::{Report, Section, Value};
-use pinned_bench::results::{readme_block, readme_figures, replace_readme_figures, results_md};
+use pinned_bench::results::{
+    Run, listed_records, merged, read_run, readme_block, readme_figures, replace_readme_figures,
+    results_md,
+};
 
 fn manifest() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// The newest record in `benches/results/` by file name, if any.
-fn newest_record() -> Option<PathBuf> {
-    let entries = std::fs::read_dir(manifest().join("results")).ok()?;
-    entries
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "json"))
-        .max_by(|a, b| a.file_name().cmp(&b.file_name()))
-}
-
 #[test]
-fn committed_results_match_the_newest_record() {
-    let Some(record) = newest_record() else {
-        println!("no record in benches/results/ yet: nothing to compare");
+fn committed_results_match_the_records_they_list() {
+    let committed = std::fs::read_to_string(manifest().join("RESULTS.md")).unwrap();
+    let names = listed_records(&committed);
+    if names.is_empty() {
+        println!("RESULTS.md lists no record yet: nothing to compare");
         return;
-    };
-    let report = Report::from_json(&std::fs::read_to_string(&record).unwrap()).unwrap();
-    let name = record.file_name().unwrap().to_string_lossy();
+    }
+    let runs: Vec<Run> = names
+        .iter()
+        .map(|name| read_run(&manifest().join("results").join(name)).unwrap())
+        .collect();
     let regenerate = format!(
         "run `cargo run -p pinned-bench -- results {}`",
-        record.display()
+        names
+            .iter()
+            .map(|n| format!("benches/results/{n}"))
+            .collect::<Vec<_>>()
+            .join(" ")
     );
-    let committed = std::fs::read_to_string(manifest().join("RESULTS.md")).unwrap();
     assert!(
-        committed == results_md(&report, &name),
-        "benches/RESULTS.md differs from what {name} gives: {regenerate}"
+        committed == results_md(&runs),
+        "benches/RESULTS.md differs from what its records give: {regenerate}"
     );
     let readme = std::fs::read_to_string(manifest().join("../README.md")).unwrap();
     let figures = readme_figures(&readme).expect("the README's figures markers");
     assert!(
-        figures == readme_block(&report),
-        "the README's figures differ from what {name} gives: {regenerate}"
+        figures == readme_block(&merged(&runs)),
+        "the README's figures differ from what its records give: {regenerate}"
     );
 }
 
@@ -66,7 +67,10 @@ fn the_fixture_reads_back_as_it_was_written() {
 
 #[test]
 fn a_met_goal_a_missed_goal_and_a_missing_figure() {
-    let text = results_md(&fixture(), "2026-11-26-nvidia-h100-80gb-hbm3-abc1234.json");
+    let text = results_md(&[Run {
+        name: "2026-11-26-nvidia-h100-80gb-hbm3-abc1234.json".into(),
+        report: fixture(),
+    }]);
     assert!(text.lines().count() <= 120, "{text}");
     assert!(
         text.starts_with("# Results: NVIDIA H100 80GB HBM3\n"),

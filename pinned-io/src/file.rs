@@ -1,10 +1,11 @@
 //! A file to read from: a buffered descriptor, and one that bypasses the page cache
 //! (`O_DIRECT`) where the file system allows it.
 //!
-//! A piece of a read asks the kernel first for what the page cache holds (`preadv2` with
-//! `RWF_NOWAIT`, which returns at once what needs no storage access) and reads the rest past
-//! the cache, in whole aligned blocks: data in the cache comes at memory speed, data on
-//! storage at the device's speed without the copy through the cache.
+//! A piece of a read asks the kernel first whether the page cache holds it (`mincore` on a
+//! mapping of the file that is never read through, which starts no I/O, unlike a read that
+//! declines to wait) and reads it through the cache if so, else past the cache in whole
+//! aligned blocks: data in the cache comes at memory speed, data on storage at the device's
+//! speed without the copy through the cache.
 
 use std::fs::File;
 use std::io;
@@ -50,6 +51,8 @@ struct Opened {
     direct: Option<File>,
     /// Cleared when the file system refuses a direct read after all.
     direct_works: AtomicBool,
+    /// Where the page cache's residency of the file is asked; `None` where it cannot be.
+    residency: Option<Residency>,
     len: u64,
     cached_bytes: AtomicU64,
     direct_bytes: AtomicU64,
@@ -79,8 +82,10 @@ impl DataFile {
             .custom_flags(libc::O_DIRECT)
             .open(path)
             .ok();
+        let residency = Residency::map(&buffered, metadata.len());
         Ok(Self(Arc::new(Opened {
             path: path.to_owned(),
+            residency,
             direct_works: AtomicBool::new(direct.is_some()),
             direct,
             buffered,
@@ -156,52 +161,52 @@ impl DataFile {
         mode: ReadMode,
         scratch: bool,
     ) -> Result<()> {
-        let direct = scratch && mode != ReadMode::Buffered && self.can_read_direct();
+        let direct = scratch
+            && self.can_read_direct()
+            && match mode {
+                ReadMode::Buffered => false,
+                ReadMode::Direct => true,
+                ReadMode::Auto => !self.cached(offset, len),
+            };
         let mut done = 0;
-        if !direct || mode == ReadMode::Auto {
-            // SAFETY: `buf` is writable for `len` and ours (the contract).
-            let whole = unsafe { std::slice::from_raw_parts_mut(buf, len) };
-            done = self.read_cached(whole, offset, direct)?;
-        }
-        if done < len && direct {
-            // SAFETY: forwarded from the caller, for the rest of `buf` (still congruent).
-            done += unsafe {
-                self.read_direct(buf.wrapping_add(done), len - done, offset + done as u64)
-            }?;
+        if direct {
+            // SAFETY: forwarded from the caller.
+            done = unsafe { self.read_direct(buf, len, offset) }?;
         }
         if done < len {
             // SAFETY: the rest of `buf`, writable and ours (the contract).
             let rest =
                 unsafe { std::slice::from_raw_parts_mut(buf.wrapping_add(done), len - done) };
-            self.read_cached(rest, offset + done as u64, false)?;
+            self.read_cached(rest, offset + done as u64)?;
         }
         Ok(())
     }
 
-    /// Reads through the page cache into `buf` from `offset`: all of it, or (with `nowait`)
-    /// what the cache holds from the start. Returns the bytes read.
-    fn read_cached(&self, buf: &mut [u8], offset: u64, nowait: bool) -> Result<usize> {
+    /// Whether the page cache holds every page of `offset..offset + len` (as far as the
+    /// kernel says; `true` where it cannot be asked, so that such reads stay cached).
+    fn cached(&self, offset: u64, len: usize) -> bool {
+        self.0
+            .residency
+            .as_ref()
+            .is_none_or(|residency| residency.all_resident(offset, len))
+    }
+
+    /// Reads all of `buf` through the page cache from `offset`.
+    fn read_cached(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         let mut done = 0;
         while done < buf.len() {
             let at = offset + done as u64;
-            let read = if nowait {
-                preadv2_nowait(&self.0.buffered, &mut buf[done..], at)
-            } else {
-                self.0.buffered.read_at(&mut buf[done..], at)
-            };
-            match read {
-                Ok(0) if nowait => break,
+            match self.0.buffered.read_at(&mut buf[done..], at) {
                 Ok(0) => return Err(self.truncated(at, buf.len() - done)),
                 Ok(n) => done += n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if nowait && nowait_declined(&e) => break,
                 Err(e) => return Err(Error::io(&self.0.path, "reading", e)),
             }
         }
         self.0
             .cached_bytes
             .fetch_add(done as u64, Ordering::Relaxed);
-        Ok(done)
+        Ok(())
     }
 
     /// Reads past the page cache the aligned blocks that cover the `len` bytes at `buf`
@@ -259,23 +264,70 @@ impl DataFile {
     }
 }
 
-/// `preadv2(RWF_NOWAIT)`: what the page cache holds at `offset`, without waiting for storage.
-fn preadv2_nowait(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-    let iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    };
-    let offset = libc::off_t::try_from(offset).map_err(|_| io::ErrorKind::InvalidInput)?;
-    // SAFETY: one iovec describing `buf`, writable for its length and borrowed for the call.
-    let read = unsafe { libc::preadv2(file.as_raw_fd(), &iov, 1, offset, libc::RWF_NOWAIT) };
-    usize::try_from(read).map_err(|_| io::Error::last_os_error())
+/// A shared read-only mapping of a file that is never read through: it only lets the kernel
+/// say which of the file's pages the page cache holds (`mincore`).
+#[derive(Debug)]
+struct Residency {
+    address: usize,
+    len: usize,
+    page: usize,
 }
 
-/// Whether a `RWF_NOWAIT` read declined rather than failed: the data needs storage
-/// (`EAGAIN`), or the kernel or file system does not take the flag.
-fn nowait_declined(error: &io::Error) -> bool {
-    matches!(
-        error.raw_os_error(),
-        Some(libc::EAGAIN | libc::EOPNOTSUPP | libc::ENOSYS | libc::EINVAL)
-    )
+impl Residency {
+    fn map(file: &File, len: u64) -> Option<Self> {
+        let len = usize::try_from(len).ok().filter(|&len| len > 0)?;
+        // SAFETY: `sysconf` reads a constant of the system.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok()?;
+        // SAFETY: a new shared read-only mapping of an open file, at an address the kernel
+        // picks; it is never read or written through (only `mincore` looks at it), so a
+        // file that shrinks cannot fault an access, and it is unmapped when dropped.
+        let address = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        (address != libc::MAP_FAILED).then_some(Self {
+            address: address as usize,
+            len,
+            page,
+        })
+    }
+
+    /// Whether every page of `offset..offset + len` is in the page cache; `false` where the
+    /// kernel cannot say.
+    fn all_resident(&self, offset: u64, len: usize) -> bool {
+        let Some(end) = usize::try_from(offset)
+            .ok()
+            .and_then(|o| o.checked_add(len))
+        else {
+            return false;
+        };
+        let start = offset as usize / self.page * self.page;
+        if end > self.len || len == 0 {
+            return len == 0;
+        }
+        let mut pages = vec![0u8; (end - start).div_ceil(self.page)];
+        // SAFETY: the range lies in the mapping (checked) and starts on a page; `pages` has a
+        // byte for each of its pages.
+        let asked = unsafe {
+            libc::mincore(
+                (self.address + start) as *mut libc::c_void,
+                end - start,
+                pages.as_mut_ptr(),
+            )
+        };
+        asked == 0 && pages.iter().all(|&page| page & 1 == 1)
+    }
+}
+
+impl Drop for Residency {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `map`, unmapped once; nothing refers into it.
+        unsafe { libc::munmap(self.address as *mut libc::c_void, self.len) };
+    }
 }

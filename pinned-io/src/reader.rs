@@ -16,10 +16,12 @@ use crate::plan::{self, Span};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ReaderConfig {
-    /// Bytes of one chunk of the pinned ring (a piece of a read is at most this, less two
-    /// pages of room for reads past the page cache). A multiple of 4096.
+    /// The most bytes of one read: a piece of a read fills one chunk of the pinned ring. A
+    /// multiple of 4096.
     pub chunk_bytes: usize,
-    /// Chunks in the ring: the pinned memory the reader holds is `chunk_bytes * chunks`.
+    /// Chunks in the ring: the pinned memory the reader holds is `chunks` times
+    /// `chunk_bytes` and two pages (room for reads past the page cache, which read whole
+    /// aligned blocks).
     pub chunks: usize,
     /// Threads reading at once, the calling thread among them.
     pub threads: usize,
@@ -31,18 +33,19 @@ impl ReaderConfig {
     /// The most threads a reader may have.
     pub const MAX_THREADS: usize = 256;
 
-    /// The defaults: 4 MiB chunks, two per thread, and as many threads as the machine has
-    /// cores, up to twelve; the mode the kernel picks per piece.
+    /// The defaults: 1 MiB chunks, four per thread, and as many threads as the machine has
+    /// cores, up to sixteen; the mode the kernel picks per piece.
     ///
-    /// Chunks of 4 MiB and a dozen threads filled an H100's PCIe link from the page cache
-    /// where fewer threads or larger chunks did not (RESULTS.md of the benches).
+    /// Reads from the page cache run fastest into memory the CPU's caches still hold: small
+    /// chunks, reused soon. The `files` section of `pinned-bench` measures the choice
+    /// against others (RESULTS.md of the benches).
     pub fn new() -> Self {
         let threads = std::thread::available_parallelism()
             .map_or(4, usize::from)
-            .min(12);
+            .min(16);
         Self {
-            chunk_bytes: 4 << 20,
-            chunks: 2 * threads,
+            chunk_bytes: 1 << 20,
+            chunks: 4 * threads,
             threads,
             mode: ReadMode::Auto,
         }
@@ -73,11 +76,10 @@ impl ReaderConfig {
     }
 
     fn check(&self) -> Result<()> {
-        if self.chunk_bytes < 4 * DIRECT_ALIGN || !self.chunk_bytes.is_multiple_of(DIRECT_ALIGN) {
+        if self.chunk_bytes == 0 || !self.chunk_bytes.is_multiple_of(DIRECT_ALIGN) {
             return Err(Error::Invalid(format!(
-                "a reader's chunks must be a multiple of {DIRECT_ALIGN} bytes and at least {} \
-                 (asked: {})",
-                4 * DIRECT_ALIGN,
+                "a reader's chunks must be a positive multiple of {DIRECT_ALIGN} bytes (asked: \
+                 {})",
                 self.chunk_bytes
             )));
         }
@@ -159,18 +161,14 @@ impl FileReader {
         A: PinnedAllocator + Send + Sync + 'static,
     {
         config.check()?;
-        let bytes = config
-            .chunk_bytes
-            .checked_mul(config.chunks)
-            .and_then(|bytes| bytes.checked_add(DIRECT_ALIGN))
+        let bytes = Ring::<Cuda>::bytes_for(config.chunk_bytes, config.chunks)
             .ok_or_else(|| Error::Invalid("a reader's ring overflows the address space".into()))?;
         let mut memory = PinnedVec::<u8, A>::with_capacity_in(bytes, allocator)?;
         let start = memory.as_mut_ptr();
-        let base = start.wrapping_add(start.align_offset(DIRECT_ALIGN));
         let dma = Cuda { device };
         let ring = Ring::new(
             dma,
-            base,
+            start,
             config.chunk_bytes,
             config.chunks,
             Box::new(memory),
@@ -234,7 +232,7 @@ impl FileReader {
                 target: 0,
             };
             let pieces = plan::cut(&[span], ring.capacity())?;
-            let sink = Box::new(|_, _: &Stream| Ok(()));
+            let sink = Box::new(|_: &[usize], _: &Stream| Ok(()));
             let job = Job::new(pieces, vec![file.clone()], mode, stream.clone(), 1, sink);
             engine::run(&job, ring, threads)
         })

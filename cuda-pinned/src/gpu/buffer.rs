@@ -3,8 +3,8 @@
 
 use std::fmt;
 use std::marker::PhantomData;
+use std::mem::MaybeUninit;
 use std::ops::RangeBounds;
-use std::sync::Arc;
 
 use bytemuck::{AnyBitPattern, NoUninit, Zeroable};
 
@@ -125,53 +125,6 @@ impl<T: Copy> DeviceBuffer<T> {
         Ok(buffer)
     }
 
-    /// `len` elements on `stream`'s device, zeroed on `stream`: returns without waiting for
-    /// the device, for memory that copies queued next on the same stream fill.
-    ///
-    /// Work on `stream` after the call sees zeros; copies through the buffer and its views on
-    /// other streams wait for the zeroing on the device.
-    ///
-    /// # Errors
-    ///
-    /// As [`zeroed`](Self::zeroed), and [`Error::Capturing`] on a stream capturing a graph.
-    pub fn zeroed_async(len: usize, stream: &Stream) -> Result<Self>
-    where
-        T: Zeroable,
-    {
-        let bytes = len
-            .checked_mul(size_of::<T>())
-            .ok_or(Error::CapacityOverflow)?;
-        let device = stream.device().raw();
-        if bytes == 0 {
-            return Ok(Self {
-                ptr: 0,
-                len,
-                device,
-                pending: PendingCopies::default(),
-                _owns: PhantomData,
-            });
-        }
-        if stream.is_capturing()? {
-            return Err(Error::Capturing);
-        }
-        let ptr = crate::context::on_device(device, || crate::raw::memory::device_malloc(bytes))?;
-        let buffer = Self {
-            ptr,
-            len,
-            device,
-            pending: PendingCopies::default(),
-            _owns: PhantomData,
-        };
-        crate::gpu::fence::enqueue(stream, |stream| {
-            // SAFETY: `ptr` is `bytes` bytes of device memory we own, on the stream's device;
-            // the buffer's drop waits for the work tracked below.
-            unsafe { crate::raw::memory::memset_async(ptr, 0, bytes, stream.as_raw()) }
-        })?;
-        let zeroed = stream.record_event()?;
-        buffer.pending.track(stream, Arc::new(zeroed));
-        Ok(buffer)
-    }
-
     /// A copy of `slice` on the calling thread's current device.
     ///
     /// # Examples
@@ -241,6 +194,35 @@ impl<T: Copy> DeviceBuffer<T> {
         T: AnyBitPattern,
     {
         self.slice(..).to_vec()
+    }
+}
+
+impl<T: Copy> DeviceBuffer<MaybeUninit<T>> {
+    /// `len` elements on `device`, not initialised: memory that copies fill next, without
+    /// a memset first.
+    ///
+    /// Its views give `MaybeUninit<T>`; a range that work has filled becomes `T` through
+    /// [`DeviceSlice::assume_init`].
+    ///
+    /// # Errors
+    ///
+    /// As [`zeroed`](DeviceBuffer::zeroed).
+    pub fn uninit_on(device: Device, len: usize) -> Result<Self> {
+        let bytes = len
+            .checked_mul(size_of::<T>())
+            .ok_or(Error::CapacityOverflow)?;
+        let ptr = if bytes == 0 {
+            0
+        } else {
+            crate::context::on_device(device.raw(), || crate::raw::memory::device_malloc(bytes))?
+        };
+        Ok(Self {
+            ptr,
+            len,
+            device: device.raw(),
+            pending: PendingCopies::default(),
+            _owns: PhantomData,
+        })
     }
 }
 

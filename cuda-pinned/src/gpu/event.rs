@@ -81,9 +81,13 @@ impl Event {
         Self::create(device.raw(), sys::cudaEventDefault)
     }
 
-    /// An event for ordering only, without timing (cheaper to record and query), on
+    /// An event for ordering only, without timing (cheaper to make, record and query), on
     /// `device`.
-    pub(crate) fn untimed_on(device: Device) -> Result<Self> {
+    ///
+    /// # Errors
+    ///
+    /// As [`on`](Self::on).
+    pub fn untimed_on(device: Device) -> Result<Self> {
         Self::create(device.raw(), sys::cudaEventDisableTiming)
     }
 

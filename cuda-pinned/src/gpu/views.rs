@@ -256,6 +256,22 @@ impl<'a, T> DeviceSlice<'a, T> {
     }
 }
 
+impl<'a, T> DeviceSlice<'a, std::mem::MaybeUninit<T>> {
+    /// The same range as initialised elements.
+    ///
+    /// # Safety
+    ///
+    /// Every element of the range has been written (each with a valid `T`) by work that
+    /// every use of the returned view is ordered after: on the stream that uses it, or
+    /// waited for on the host.
+    pub unsafe fn assume_init(self) -> DeviceSlice<'a, T> {
+        DeviceSlice {
+            range: self.range,
+            _elements: PhantomData,
+        }
+    }
+}
+
 impl<'a, T> DeviceSliceMut<'a, T> {
     /// Number of elements.
     pub fn len(&self) -> usize {

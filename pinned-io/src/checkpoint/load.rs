@@ -2,6 +2,7 @@
 //! them out to other devices as they land.
 
 use std::collections::HashMap;
+use std::mem::MaybeUninit;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
@@ -176,14 +177,14 @@ impl Checkpoint {
         let plan = self.plan(options)?;
         let device = reader.device();
         let stream = Stream::on(device)?;
-        let primary = OnDevice::new(device, &stream, &plan)?;
+        let primary = OnDevice::new(device, &plan)?;
         let mut replicas = Vec::with_capacity(options.replicas.len());
         for &other in &options.replicas {
             if device.can_access_peer(other)? {
                 other.enable_peer_access(device)?;
             }
             let stream = Stream::on(other)?;
-            replicas.push((OnDevice::new(other, &stream, &plan)?, stream));
+            replicas.push((OnDevice::new(other, &plan)?, stream));
         }
         let spans: Vec<Span> = plan
             .iter()
@@ -324,7 +325,7 @@ struct Ready {
 enum State {
     #[default]
     Pending,
-    Queued(Event),
+    Queued(Arc<Event>),
     Failed(String),
 }
 
@@ -359,16 +360,16 @@ impl Ready {
 /// The tensors on one device: their memory and their readiness.
 struct OnDevice {
     device: Device,
-    memory: Arc<DeviceBuffer<u8>>,
+    memory: Arc<DeviceBuffer<MaybeUninit<u8>>>,
     tensors: Vec<LoadedTensor>,
 }
 
 impl OnDevice {
-    fn new(device: Device, stream: &Stream, plan: &[Planned]) -> Result<Self> {
+    fn new(device: Device, plan: &[Planned]) -> Result<Self> {
         let bytes = plan.last().map_or(0, |p| p.at + p.extent.bytes());
         let bytes = usize::try_from(bytes)
             .map_err(|_| Error::Invalid("a checkpoint larger than the address space".into()))?;
-        let memory = Arc::new(DeviceBuffer::<u8>::zeroed_async(bytes, stream)?);
+        let memory = Arc::new(DeviceBuffer::<MaybeUninit<u8>>::uninit_on(device, bytes)?);
         let tensors = plan
             .iter()
             .map(|p| LoadedTensor {
@@ -389,15 +390,17 @@ impl OnDevice {
     }
 }
 
-/// The sink of a load: records each tensor's event as its last copy is queued, and copies it
-/// on to the replicas behind that event.
+/// The sink of a load: records one event behind the last copies of the tensors that landed
+/// together, and copies them on to the replicas behind it.
 fn fan_out(primary: &OnDevice, replicas: &[(OnDevice, Stream)]) -> Box<engine::Sink<Cuda>> {
+    let device = primary.device;
     let ready: Vec<Arc<Ready>> = primary.tensors.iter().map(|t| t.ready.clone()).collect();
     let places: Vec<(u64, usize)> = primary
         .tensors
         .iter()
-        .map(|t| (primary.memory.as_raw() + t.start as u64, t.bytes))
+        .map(|t| (t.start as u64, t.bytes))
         .collect();
+    let base = primary.memory.as_raw();
     let replicas: Vec<(Stream, u64, Vec<Arc<Ready>>)> = replicas
         .iter()
         .map(|(copy, stream)| {
@@ -405,24 +408,37 @@ fn fan_out(primary: &OnDevice, replicas: &[(OnDevice, Stream)]) -> Box<engine::S
             (stream.clone(), copy.memory.as_raw(), ready)
         })
         .collect();
-    let base = primary.memory.as_raw();
-    Box::new(move |target, stream: &Stream| {
-        let landed = stream.record_event()?;
-        let (src, bytes) = places[target];
+    Box::new(move |targets: &[usize], stream: &Stream| {
+        let mut landed = Event::untimed_on(device)?;
+        landed.record(stream)?;
+        let landed = Arc::new(landed);
         for (replica, replica_base, replica_ready) in &replicas {
             replica.wait_event(&landed)?;
-            let copy = RawCopy {
-                dst: replica_base + (src - base),
-                src,
-                bytes,
-            };
+            let copies: Vec<RawCopy> = targets
+                .iter()
+                .map(|&target| {
+                    let (at, bytes) = places[target];
+                    RawCopy {
+                        dst: replica_base + at,
+                        src: base + at,
+                        bytes,
+                    }
+                })
+                .collect();
             // SAFETY: both ranges lie in device allocations the load keeps until its streams
             // are done (its drop waits for them); the source's bytes were queued on `stream`,
             // which the replica's stream now waits for; nothing else writes either range.
-            unsafe { replica.copy_batch_raw(&[copy]) }?;
-            replica_ready[target].set(State::Queued(replica.record_event()?));
+            unsafe { replica.copy_batch_raw(&copies) }?;
+            let mut copied = Event::untimed_on(replica.device())?;
+            copied.record(replica)?;
+            let copied = Arc::new(copied);
+            for &target in targets {
+                replica_ready[target].set(State::Queued(copied.clone()));
+            }
         }
-        ready[target].set(State::Queued(landed));
+        for &target in targets {
+            ready[target].set(State::Queued(landed.clone()));
+        }
         Ok(())
     })
 }
@@ -613,7 +629,7 @@ pub struct LoadedTensor {
     name: String,
     dtype: Dtype,
     shape: Vec<usize>,
-    memory: Arc<DeviceBuffer<u8>>,
+    memory: Arc<DeviceBuffer<MaybeUninit<u8>>>,
     start: usize,
     bytes: usize,
     ready: Arc<Ready>,
@@ -679,7 +695,12 @@ impl LoadedTensor {
         Ok(self.view())
     }
 
+    /// The tensor's memory, once its copies are ordered before every use of it.
     fn view(&self) -> DeviceSlice<'_, u8> {
-        self.memory.slice(self.start..self.start + self.bytes)
+        let range = self.memory.slice(self.start..self.start + self.bytes);
+        // SAFETY: called once the tensor's copies, which write every byte of its range, are
+        // queued and the caller's stream waits for them (or the host did): every use of the
+        // view is ordered after them.
+        unsafe { range.assume_init() }
     }
 }

@@ -16,7 +16,7 @@ impl Dma for Cuda {
     type Event = Event;
 
     fn event(&self) -> Result<Event> {
-        Ok(Event::on(self.device)?)
+        Ok(Event::untimed_on(self.device)?)
     }
 
     unsafe fn copy(&self, stream: &Stream, chunk: *const u8, copies: &[ChunkCopy]) -> Result<()> {

@@ -61,11 +61,12 @@ struct Chunks<E> {
 }
 
 /// The ring: page-locked memory cut into chunks, each with room for a piece and the scratch
-/// of aligned reads around it.
+/// of aligned reads around it (a page before and after).
 pub(crate) struct Ring<D: Dma> {
     pub(crate) dma: D,
     base: usize,
-    chunk_bytes: usize,
+    /// The most bytes a piece holds.
+    capacity: usize,
     chunks: Mutex<Chunks<D::Event>>,
     freed: Condvar,
     /// The allocation (dropped once every chunk's copies are known to be over).
@@ -73,23 +74,32 @@ pub(crate) struct Ring<D: Dma> {
 }
 
 impl<D: Dma> Ring<D> {
-    /// A ring of `count` chunks of `chunk_bytes` at `base` (aligned to [`DIRECT_ALIGN`]),
-    /// in `memory`, which it keeps.
+    /// The bytes of memory a ring of `count` chunks for pieces of `capacity` bytes needs,
+    /// with room to align its start.
+    pub(crate) fn bytes_for(capacity: usize, count: usize) -> Option<usize> {
+        capacity
+            .checked_add(2 * DIRECT_ALIGN)?
+            .checked_mul(count)?
+            .checked_add(DIRECT_ALIGN)
+    }
+
+    /// A ring of `count` chunks for pieces of `capacity` bytes (a multiple of
+    /// [`DIRECT_ALIGN`]) in `memory`, which it keeps, from its first aligned byte `start` on
+    /// ([`bytes_for`](Self::bytes_for) bytes from `start`'s allocation).
     pub(crate) fn new(
         dma: D,
-        base: *mut u8,
-        chunk_bytes: usize,
+        start: *mut u8,
+        capacity: usize,
         count: usize,
         memory: Box<dyn Send + Sync>,
     ) -> Result<Self> {
-        debug_assert!(
-            (base as usize).is_multiple_of(DIRECT_ALIGN)
-                && chunk_bytes.is_multiple_of(DIRECT_ALIGN)
-        );
+        let base = start.wrapping_add(start.align_offset(DIRECT_ALIGN));
+        debug_assert!(capacity.is_multiple_of(DIRECT_ALIGN));
+        let stride = capacity + 2 * DIRECT_ALIGN;
         let mut free = VecDeque::with_capacity(count);
         for i in 0..count {
             free.push_back(Chunk {
-                offset: i * chunk_bytes,
+                offset: i * stride,
                 event: dma.event()?,
                 pending: false,
             });
@@ -97,7 +107,7 @@ impl<D: Dma> Ring<D> {
         Ok(Self {
             dma,
             base: base as usize,
-            chunk_bytes,
+            capacity,
             chunks: Mutex::new(Chunks {
                 free,
                 live: count,
@@ -108,9 +118,9 @@ impl<D: Dma> Ring<D> {
         })
     }
 
-    /// The most bytes one piece may hold: the chunk less the scratch of aligned reads.
+    /// The most bytes one piece may hold.
     pub(crate) fn capacity(&self) -> usize {
-        self.chunk_bytes - 2 * DIRECT_ALIGN
+        self.capacity
     }
 
     fn take(&self) -> Result<Chunk<D::Event>> {
@@ -185,8 +195,10 @@ impl<D: Dma> Drop for Taken<'_, D> {
     }
 }
 
-/// Called once per target, on the stream, once every copy of the target's bytes is queued.
-pub(crate) type Sink<D> = dyn Fn(usize, &<D as Dma>::Stream) -> Result<()> + Send + Sync + 'static;
+/// Called once for each target, on the stream, once every copy of the target's bytes is
+/// queued; targets completed by one piece come together.
+pub(crate) type Sink<D> =
+    dyn Fn(&[usize], &<D as Dma>::Stream) -> Result<()> + Send + Sync + 'static;
 
 /// One read: its pieces, the files they come from, and what completes as they land.
 pub(crate) struct Job<D: Dma> {
@@ -232,12 +244,14 @@ impl<D: Dma> Job<D> {
 
     /// Completes the targets that wait for no piece. Called once, before any thread works.
     pub(crate) fn start(&self) -> Result<()> {
-        for (target, remaining) in self.remaining.iter().enumerate() {
-            if remaining.load(Ordering::Relaxed) == 0 {
-                (self.sink)(target, &self.stream)?;
-            }
+        let empty: Vec<usize> = (self.remaining.iter().enumerate())
+            .filter(|(_, remaining)| remaining.load(Ordering::Relaxed) == 0)
+            .map(|(target, _)| target)
+            .collect();
+        if empty.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        (self.sink)(&empty, &self.stream)
     }
 
     /// Takes pieces and moves them through `ring` until none is left or one failed.
@@ -285,9 +299,10 @@ impl<D: Dma> Job<D> {
         let start = (ring.base + chunk.offset + skew) as *mut u8;
         let file = &self.files[piece.file];
         // SAFETY: the chunk is this thread's alone (taken from the free list) and its last
-        // copies are over; `skew` bytes before `start` and `capacity - len + DIRECT_ALIGN ≥
-        // DIRECT_ALIGN` after its `len` bytes lie in the chunk (`len ≤ capacity`); `start` is
-        // congruent to the piece's offset (the chunk is aligned).
+        // copies are over; it spans `capacity + 2 * DIRECT_ALIGN` bytes, so the `skew <
+        // DIRECT_ALIGN` bytes before `start` and the `capacity - len + DIRECT_ALIGN ≥
+        // DIRECT_ALIGN` after its `len ≤ capacity` bytes lie in it; `start` is congruent to
+        // the piece's offset (the chunk's start is aligned).
         let read = unsafe { file.read_at(start, piece.len, piece.offset, self.mode, true) };
         if let Err(error) = read {
             taken.give_back();
@@ -320,14 +335,13 @@ impl<D: Dma> Job<D> {
         let mut targets: Vec<usize> = piece.copies.iter().map(|c| c.target).collect();
         targets.sort_unstable();
         targets.dedup();
-        for target in targets {
-            // AcqRel: the thread that counts the last piece sees every other piece's copies
-            // queued before it records behind them.
-            if self.remaining[target].fetch_sub(1, Ordering::AcqRel) == 1 {
-                (self.sink)(target, &self.stream)?;
-            }
+        // AcqRel: the thread that counts the last piece sees every other piece's copies
+        // queued before it records behind them.
+        targets.retain(|&target| self.remaining[target].fetch_sub(1, Ordering::AcqRel) == 1);
+        if targets.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        (self.sink)(&targets, &self.stream)
     }
 }
 

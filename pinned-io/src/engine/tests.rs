@@ -106,11 +106,10 @@ impl Dma for Arc<Fake> {
     }
 }
 
-fn ring(fake: &Arc<Fake>, chunk_bytes: usize, count: usize) -> Ring<Arc<Fake>> {
-    let mut memory = vec![0u8; chunk_bytes * count + DIRECT_ALIGN];
-    let skew = memory.as_ptr().align_offset(DIRECT_ALIGN);
-    let base = memory[skew..].as_mut_ptr();
-    Ring::new(fake.clone(), base, chunk_bytes, count, Box::new(memory)).unwrap()
+fn ring(fake: &Arc<Fake>, capacity: usize, count: usize) -> Ring<Arc<Fake>> {
+    let mut memory = vec![0u8; Ring::<Arc<Fake>>::bytes_for(capacity, count).unwrap()];
+    let start = memory.as_mut_ptr();
+    Ring::new(fake.clone(), start, capacity, count, Box::new(memory)).unwrap()
 }
 
 fn file_of(len: usize) -> (tempfile::NamedTempFile, Vec<u8>) {
@@ -158,8 +157,8 @@ fn read(
         mode,
         (),
         spans.len(),
-        Box::new(move |target, _: &()| {
-            sink_seen.lock().unwrap().push(target);
+        Box::new(move |targets: &[usize], _: &()| {
+            sink_seen.lock().unwrap().extend_from_slice(targets);
             Ok(())
         }),
     );
@@ -216,7 +215,7 @@ proptest! {
         mut spans in spans(),
         mode in modes(),
         threads in 1usize..4,
-        blocks in 3usize..6,
+        blocks in 1usize..4,
     ) {
         let Outcome { result, dst, bytes, fake, mut seen } =
             read(&mut spans, 150_000, mode, threads, blocks * DIRECT_ALIGN);
@@ -285,7 +284,7 @@ fn a_failed_copy_is_the_jobs_error_and_its_chunk_is_reused_after_the_stream() {
         ReadMode::Buffered,
         (),
         1,
-        Box::new(|_, _: &()| Ok(())),
+        Box::new(|_: &[usize], _: &()| Ok(())),
     );
     let error = run(&job, &ring, 1).unwrap_err();
     assert!(error.to_string().contains("injected"), "{error}");
