@@ -267,6 +267,37 @@ fn row(
     section.row(cells);
 }
 
+/// The rows of copies onto `others` as well, warm and (where measured) cold, against one GPU.
+fn onto_others(
+    section: &mut Section,
+    reader: &FileReader,
+    others: &[cuda_pinned::Device],
+    reps: usize,
+    cases: &[(Written, String, f64, Option<f64>)],
+) -> Result<(), String> {
+    let gpus = others.len() + 1;
+    for (written, case, warm_rate, cold_rate) in cases {
+        let (path, bytes) = (&written.path, written.bytes);
+        ours_onto(path, reader, others)?;
+        let warm = timed(reps, || {}, || ours_onto(path, reader, others))?;
+        let name = format!("pinned-io, warm, onto {gpus} GPUs (read once; % of one GPU)");
+        row(section, &name, case, bytes, warm, *warm_rate);
+        if let Some(cold_rate) = cold_rate {
+            let reps = if reps < 5 { 1 } else { 3 };
+            let cold = timed(
+                reps,
+                || {
+                    drop_caches();
+                },
+                || ours_onto(path, reader, others),
+            )?;
+            let name = format!("pinned-io, cold, onto {gpus} GPUs (read once; % of one GPU)");
+            row(section, &name, case, bytes, cold, *cold_rate);
+        }
+    }
+    Ok(())
+}
+
 /// Runs the section in `dir` (a directory on the disk to measure).
 pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Section, String> {
     let mut section = Section::new(
@@ -287,6 +318,9 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Section, 
     let reader = FileReader::new().map_err(|e| e.to_string())?;
     let stream = Stream::new().map_err(|e| e.to_string())?;
     let may_drop = drop_caches();
+    // Copies onto the other GPUs come last: peer access, once enabled, makes every later
+    // device allocation of the process dearer.
+    let mut later = Vec::new();
     for (label, count, each) in cases {
         let written = write_checkpoint(
             dir,
@@ -323,14 +357,6 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Section, 
         );
         let warm = timed(reps, || {}, || ours(&path, &reader))?;
         let warm_rate = Spread::of(warm.iter().map(|&s| gbps(bytes, s)).collect()).median;
-        if let Some(others) = other_devices(&reader) {
-            let onto = timed(reps, || {}, || ours_onto(&path, &reader, &others))?;
-            let name = format!(
-                "pinned-io, warm, onto {} GPUs (read once; % of one GPU)",
-                others.len() + 1
-            );
-            row(&mut section, &name, &case, bytes, onto, warm_rate);
-        }
         row(
             &mut section,
             "pinned-io, warm",
@@ -432,6 +458,7 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Section, 
                 ]),
             }
         }
+        let mut cold_rate = None;
         if may_drop {
             let cold_reps = if quick { 1 } else { 3 };
             let file_len = std::fs::metadata(&path).map_err(|e| e.to_string())?.len() as usize;
@@ -459,7 +486,7 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Section, 
                 },
                 || ours(&path, &reader),
             )?;
-            let cold_rate = Spread::of(cold.iter().map(|&s| gbps(bytes, s)).collect()).median;
+            cold_rate = Some(Spread::of(cold.iter().map(|&s| gbps(bytes, s)).collect()).median);
             row(
                 &mut section,
                 "pinned-io, cold",
@@ -468,20 +495,6 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Section, 
                 cold,
                 ceiling_rate,
             );
-            if let Some(others) = other_devices(&reader) {
-                let cold = timed(
-                    cold_reps,
-                    || {
-                        drop_caches();
-                    },
-                    || ours_onto(&path, &reader, &others),
-                )?;
-                let name = format!(
-                    "pinned-io, cold, onto {} GPUs (read once; % of one GPU)",
-                    others.len() + 1
-                );
-                row(&mut section, &name, &case, bytes, cold, cold_rate);
-            }
             let vec = timed(
                 cold_reps,
                 || {
@@ -517,7 +530,11 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Section, 
                 ]),
             }
         }
+        later.push((written, case, warm_rate, cold_rate));
         progress.step(&format!("files: {label}"));
+    }
+    if let Some(others) = other_devices(&reader) {
+        onto_others(&mut section, &reader, &others, reps, &later)?;
     }
     if !may_drop {
         section.row(vec![

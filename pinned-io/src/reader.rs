@@ -6,8 +6,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use bytemuck::AnyBitPattern;
 use cuda_pinned::{DefaultPinned, Device, DeviceSliceMut, PinnedAllocator, PinnedVec, Stream};
 
+use crate::engine::crew::Crew;
 use crate::engine::cuda::Cuda;
-use crate::engine::{self, Job, Ring};
+use crate::engine::{Job, Ring};
 use crate::error::{Error, Result};
 use crate::file::{DIRECT_ALIGN, DataFile, ReadMode};
 use crate::plan::{self, Span};
@@ -125,7 +126,8 @@ impl Default for ReaderConfig {
 /// # Ok::<(), pinned_io::Error>(())
 /// ```
 pub struct FileReader {
-    pub(crate) ring: Arc<Ring<Cuda>>,
+    pub(crate) crew: Arc<Crew<Cuda>>,
+    device: Device,
     config: ReaderConfig,
 }
 
@@ -174,14 +176,15 @@ impl FileReader {
             Box::new(memory),
         )?;
         Ok(Self {
-            ring: Arc::new(ring),
+            crew: Arc::new(Crew::new(ring, config.threads)?),
+            device,
             config,
         })
     }
 
     /// The device it copies to.
     pub fn device(&self) -> Device {
-        self.ring.dma.device
+        self.device
     }
 
     /// The configuration in use.
@@ -218,8 +221,7 @@ impl FileReader {
                 dst.device().ordinal()
             )));
         }
-        let ring = &self.ring;
-        let threads = self.config.threads;
+        let crew = &self.crew;
         let mode = self.config.mode;
         dst.track_writes(stream, |address| {
             let span = Span {
@@ -231,10 +233,10 @@ impl FileReader {
                 dst: address,
                 target: 0,
             };
-            let pieces = plan::cut(&[span], ring.capacity())?;
+            let pieces = plan::cut(&[span], crew.ring().capacity())?;
             let sink = Box::new(|_: &[usize], _: &Stream| Ok(()));
             let job = Job::new(pieces, vec![file.clone()], mode, stream.clone(), 1, sink);
-            engine::run(&job, ring, threads)
+            crew.run(&Arc::new(job))
         })
     }
 
@@ -248,7 +250,7 @@ impl FileReader {
     pub fn read_to_host(&self, file: &DataFile, offset: u64, dst: &mut [u8]) -> Result<()> {
         file.check_range(offset, dst.len() as u64)?;
         let dst_len = dst.len();
-        let piece = self.ring.capacity();
+        let piece = self.crew.ring().capacity();
         let parts = Mutex::new(dst.chunks_mut(piece).enumerate());
         let work = || -> Result<()> {
             loop {

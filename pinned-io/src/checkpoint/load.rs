@@ -4,9 +4,7 @@
 use std::collections::HashMap;
 use std::mem::MaybeUninit;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
-use std::thread::JoinHandle;
 
 use cuda_pinned::{Device, DeviceBuffer, DeviceSlice, Event, RawCopy, Stream};
 use safetensors::Dtype;
@@ -14,8 +12,9 @@ use safetensors::Dtype;
 use super::header::{Header, TensorSpec};
 use super::index::ShardIndex;
 use super::split::{Split, extent};
+use crate::engine::crew::Crew;
 use crate::engine::cuda::Cuda;
-use crate::engine::{self, Dma, Job, Ring};
+use crate::engine::{self, Job};
 use crate::error::{Error, Result};
 use crate::file::DataFile;
 use crate::plan::{self, Span};
@@ -199,30 +198,46 @@ impl Checkpoint {
                 target,
             })
             .collect();
-        let pieces = plan::cut(&spans, reader.ring.capacity())?;
+        let pieces = plan::cut(&spans, reader.crew.ring().capacity())?;
         let sink = fan_out(&primary, &replicas);
-        let job = Arc::new(Job::new(
+        let replicas: Vec<OnDevice> = replicas.into_iter().map(|(copy, _)| copy).collect();
+        // Whatever never landed when the job ends fails, so that no waiter hangs.
+        let all_ready: Vec<Arc<Ready>> = std::iter::once(&primary)
+            .chain(&replicas)
+            .flat_map(|copy| copy.tensors.iter().map(|t| t.ready.clone()))
+            .collect();
+        let done = Box::new(move |job: &Job<Cuda>| {
+            let why = match job.error_message() {
+                Some(error) => format!("the checkpoint's load failed: {error}"),
+                None => "the checkpoint's load stopped".to_owned(),
+            };
+            for ready in &all_ready {
+                ready.set(State::Failed(why.clone()));
+            }
+        });
+        let job = Job::new(
             pieces,
             self.files.clone(),
             reader.config().mode,
             stream.clone(),
             plan.len(),
             sink,
-        ));
-        let loading = Loading {
+        )
+        .when_done(done);
+        let job = Arc::new(job);
+        reader.crew.submit(&job);
+        Ok(Loading {
             primary,
-            replicas: replicas.into_iter().map(|(copy, _)| copy).collect(),
+            replicas,
             names: plan
                 .iter()
                 .enumerate()
                 .map(|(i, p)| (p.name.clone(), i))
                 .collect(),
-            threads: Vec::new(),
             job,
-            ring: reader.ring.clone(),
+            crew: reader.crew.clone(),
             stream,
-        };
-        loading.start(reader.config().threads)
+        })
     }
 
     /// Where each selected tensor's bytes lie in its file and on the device.
@@ -450,9 +465,9 @@ pub struct Loading {
     primary: OnDevice,
     replicas: Vec<OnDevice>,
     names: HashMap<String, usize>,
-    threads: Vec<JoinHandle<()>>,
     job: Arc<Job<Cuda>>,
-    ring: Arc<Ring<Cuda>>,
+    /// Kept while loading: its threads do the work.
+    crew: Arc<Crew<Cuda>>,
     stream: Stream,
 }
 
@@ -467,60 +482,6 @@ impl std::fmt::Debug for Loading {
 }
 
 impl Loading {
-    fn start(mut self, threads: usize) -> Result<Self> {
-        self.job.start()?;
-        let threads = threads.max(1).min(self.job.pieces.len().max(1));
-        let running = Arc::new(AtomicUsize::new(threads));
-        let all_ready: Vec<Arc<Ready>> = self
-            .primary
-            .tensors
-            .iter()
-            .chain(self.replicas.iter().flat_map(|r| &r.tensors))
-            .map(|t| t.ready.clone())
-            .collect();
-        let all_ready = Arc::new(all_ready);
-        let fail_all = move |all_ready: &[Arc<Ready>], why: String| {
-            for ready in all_ready {
-                ready.set(State::Failed(why.clone()));
-            }
-        };
-        for i in 0..threads {
-            let (job, ring, left, ready) = (
-                self.job.clone(),
-                self.ring.clone(),
-                running.clone(),
-                all_ready.clone(),
-            );
-            let spawned = std::thread::Builder::new()
-                .name(format!("pinned-io-load-{i}"))
-                .spawn(move || {
-                    match ring.dma.use_device() {
-                        Ok(()) => job.work(&ring),
-                        Err(error) => job.fail(error),
-                    }
-                    // The last thread out fails whatever never landed, so no waiter hangs.
-                    if left.fetch_sub(1, Ordering::AcqRel) == 1 {
-                        fail_all(&ready, stopped(&job));
-                    }
-                });
-            match spawned {
-                Ok(handle) => self.threads.push(handle),
-                Err(error) => {
-                    let error = Error::Invalid(format!("starting a reading thread: {error}"));
-                    self.job.fail(error);
-                    // The threads that did start stop early; the last one out (or this
-                    // thread, if none started) fails the tensors.
-                    let never = threads - i;
-                    if running.fetch_sub(never, Ordering::AcqRel) == never {
-                        fail_all(&all_ready, stopped(&self.job));
-                    }
-                    break;
-                }
-            }
-        }
-        Ok(self)
-    }
-
     /// The tensor named `name`, if the load selected it.
     pub fn tensor(&self, name: &str) -> Option<&LoadedTensor> {
         self.names.get(name).map(|&i| &self.primary.tensors[i])
@@ -546,8 +507,8 @@ impl Loading {
     /// The first error of the load (naming the file, and the tensor where one is at fault),
     /// or the CUDA error of waiting.
     pub fn wait(mut self) -> Result<Loaded> {
-        self.join();
-        engine::finish(&self.job, &self.ring)?;
+        self.job.wait_finished();
+        engine::finish(&self.job, self.crew.ring())?;
         self.stream.synchronize()?;
         for copy in &self.replicas {
             for tensor in &copy.tensors {
@@ -563,36 +524,19 @@ impl Loading {
         );
         Ok(Loaded { names, copies })
     }
-
-    fn join(&mut self) {
-        for thread in self.threads.drain(..) {
-            if let Err(payload) = thread.join() {
-                // A panic's payload may panic when dropped: leaked.
-                std::mem::forget(payload);
-            }
-        }
-    }
 }
 
 impl Drop for Loading {
     fn drop(&mut self) {
-        if !self.threads.is_empty() {
+        if !self.job.exhausted() {
             self.job.fail(Error::Invalid("the load was dropped".into()));
-            self.join();
         }
+        self.job.wait_finished();
         // No copy of the load may run once its memory can be freed.
         let _ = self.stream.synchronize();
         for tensor in self.replicas.iter().flat_map(|r| &r.tensors) {
             let _ = tensor.wait();
         }
-    }
-}
-
-/// Why tensors that never landed did not.
-fn stopped<D: engine::Dma>(job: &Job<D>) -> String {
-    match job.error_message() {
-        Some(error) => format!("the checkpoint's load failed: {error}"),
-        None => "the checkpoint's load stopped".to_owned(),
     }
 }
 

@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::file::{DIRECT_ALIGN, DataFile, ReadMode};
 use crate::plan::{ChunkCopy, Piece, pieces_per_target};
 
+pub(crate) mod crew;
 pub(crate) mod cuda;
 #[cfg(test)]
 mod tests;
@@ -200,6 +201,9 @@ impl<D: Dma> Drop for Taken<'_, D> {
 pub(crate) type Sink<D> =
     dyn Fn(&[usize], &<D as Dma>::Stream) -> Result<()> + Send + Sync + 'static;
 
+/// Called once when every piece of a job has been moved or skipped (after a failure).
+pub(crate) type Done<D> = dyn Fn(&Job<D>) + Send + Sync + 'static;
+
 /// One read: its pieces, the files they come from, and what completes as they land.
 pub(crate) struct Job<D: Dma> {
     pub(crate) pieces: Vec<Piece>,
@@ -212,6 +216,10 @@ pub(crate) struct Job<D: Dma> {
     sink: Box<Sink<D>>,
     failed: AtomicBool,
     error: Mutex<Option<Error>>,
+    /// Pieces moved or skipped so far, and whether the job is complete (`done` has run).
+    finished: Mutex<(usize, bool)>,
+    all_finished: Condvar,
+    done: Option<Box<Done<D>>>,
 }
 
 impl<D: Dma> Job<D> {
@@ -239,32 +247,82 @@ impl<D: Dma> Job<D> {
             sink,
             failed: AtomicBool::new(false),
             error: Mutex::new(None),
+            finished: Mutex::new((0, false)),
+            all_finished: Condvar::new(),
+            done: None,
         }
     }
 
-    /// Completes the targets that wait for no piece. Called once, before any thread works.
-    pub(crate) fn start(&self) -> Result<()> {
+    /// The job, with `done` called once when every piece is moved or skipped.
+    pub(crate) fn when_done(mut self, done: Box<Done<D>>) -> Self {
+        self.done = Some(done);
+        self
+    }
+
+    /// Completes the targets that wait for no piece (and the job, if it has none). Called
+    /// once, before any thread works; an error fails the job.
+    pub(crate) fn start(&self) {
         let empty: Vec<usize> = (self.remaining.iter().enumerate())
             .filter(|(_, remaining)| remaining.load(Ordering::Relaxed) == 0)
             .map(|(target, _)| target)
             .collect();
-        if empty.is_empty() {
-            return Ok(());
+        if !empty.is_empty()
+            && let Err(error) = (self.sink)(&empty, &self.stream)
+        {
+            self.fail(error);
         }
-        (self.sink)(&empty, &self.stream)
+        if self.pieces.is_empty() {
+            self.count_finished(0);
+        }
     }
 
-    /// Takes pieces and moves them through `ring` until none is left or one failed.
+    /// Whether every piece has been taken by a thread.
+    pub(crate) fn exhausted(&self) -> bool {
+        self.next.load(Ordering::Relaxed) >= self.pieces.len()
+    }
+
+    /// Takes pieces and moves them through `ring` until none is left; after a failure the
+    /// rest are skipped.
     pub(crate) fn work(&self, ring: &Ring<D>) {
         loop {
             let index = self.next.fetch_add(1, Ordering::Relaxed);
-            if index >= self.pieces.len() || self.failed.load(Ordering::Relaxed) {
+            if index >= self.pieces.len() {
                 return;
             }
-            if let Err(error) = self.move_piece(ring, &self.pieces[index]) {
+            // Counted as finished however it ends, a panic included.
+            let counted = Counted { job: self };
+            if !self.failed.load(Ordering::Relaxed)
+                && let Err(error) = self.move_piece(ring, &self.pieces[index])
+            {
                 self.fail(error);
-                return;
             }
+            drop(counted);
+        }
+    }
+
+    /// Counts `pieces` more pieces finished; the last one calls `done` and wakes the waiters.
+    fn count_finished(&self, pieces: usize) {
+        let mut finished = lock(&self.finished);
+        finished.0 += pieces;
+        if finished.0 < self.pieces.len() {
+            return;
+        }
+        drop(finished);
+        // Complete however `done` ends, a panic included: no waiter hangs.
+        let _complete = Complete { job: self };
+        if let Some(done) = &self.done {
+            done(self);
+        }
+    }
+
+    /// Waits until every piece is moved or skipped and `done` has run.
+    pub(crate) fn wait_finished(&self) {
+        let mut finished = lock(&self.finished);
+        while !finished.1 {
+            finished = self
+                .all_finished
+                .wait(finished)
+                .unwrap_or_else(PoisonError::into_inner);
         }
     }
 
@@ -345,27 +403,31 @@ impl<D: Dma> Job<D> {
     }
 }
 
-/// Runs `job` on the calling thread and up to `threads - 1` more, and returns once every
-/// piece's copies are queued; after a failure, once the stream is done with them.
-pub(crate) fn run<D: Dma>(job: &Job<D>, ring: &Ring<D>, threads: usize) -> Result<()> {
-    job.start()?;
-    let helpers = threads.max(1).min(job.pieces.len()).saturating_sub(1);
-    std::thread::scope(|scope| {
-        for i in 0..helpers {
-            let spawned = std::thread::Builder::new()
-                .name(format!("pinned-io-{i}"))
-                .spawn_scoped(scope, || {
-                    if let Err(error) = ring.dma.use_device() {
-                        return job.fail(error);
-                    }
-                    job.work(ring);
-                });
-            // A thread the system refuses leaves its pieces to the others.
-            drop(spawned);
+/// Marks a job complete when dropped, and wakes its waiters.
+struct Complete<'a, D: Dma> {
+    job: &'a Job<D>,
+}
+
+impl<D: Dma> Drop for Complete<'_, D> {
+    fn drop(&mut self) {
+        lock(&self.job.finished).1 = true;
+        self.job.all_finished.notify_all();
+    }
+}
+
+/// Counts a piece finished when dropped; a panic while moving it fails the job.
+struct Counted<'a, D: Dma> {
+    job: &'a Job<D>,
+}
+
+impl<D: Dma> Drop for Counted<'_, D> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.job
+                .fail(Error::Invalid("a reading thread panicked".into()));
         }
-        job.work(ring);
-    });
-    finish(job, ring)
+        self.job.count_finished(1);
+    }
 }
 
 /// The job's outcome once its threads are done: after a failure, the stream is waited for so

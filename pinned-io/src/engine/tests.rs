@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use proptest::prelude::*;
 
+use super::crew::Crew;
 use super::*;
 use crate::plan::{Span, cut};
 
@@ -146,8 +147,8 @@ fn read(
     let fake = Arc::new(Fake::default());
     fake.dst_base.store(base as usize, Ordering::Relaxed);
     *fake.writes.lock().unwrap() = vec![0; total as usize];
-    let ring = ring(&fake, chunk, 3);
-    let pieces = cut(spans, ring.capacity()).unwrap();
+    let crew = Crew::new(ring(&fake, chunk, 3), threads).unwrap();
+    let pieces = cut(spans, crew.ring().capacity()).unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
     let sink_seen = seen.clone();
     let files = vec![DataFile::open(file.path()).unwrap()];
@@ -162,7 +163,7 @@ fn read(
             Ok(())
         }),
     );
-    let result = run(&job, &ring, threads);
+    let result = crew.run(&Arc::new(job));
     fake.drain();
     let seen = seen.lock().unwrap().clone();
     Outcome {
@@ -266,7 +267,7 @@ fn a_failed_copy_is_the_jobs_error_and_its_chunk_is_reused_after_the_stream() {
     fake.dst_base
         .store(dst.as_mut_ptr() as usize, Ordering::Relaxed);
     *fake.writes.lock().unwrap() = vec![0; 64 << 10];
-    let ring = ring(&fake, 3 * DIRECT_ALIGN, 2);
+    let crew = Crew::new(ring(&fake, 3 * DIRECT_ALIGN, 2), 1).unwrap();
     let spans = [Span {
         file: 0,
         offset: 0,
@@ -277,7 +278,7 @@ fn a_failed_copy_is_the_jobs_error_and_its_chunk_is_reused_after_the_stream() {
         target: 0,
     }];
     let files = vec![DataFile::open(file.path()).unwrap()];
-    let pieces = cut(&spans, ring.capacity()).unwrap();
+    let pieces = cut(&spans, crew.ring().capacity()).unwrap();
     let job = Job::new(
         pieces,
         files,
@@ -286,7 +287,7 @@ fn a_failed_copy_is_the_jobs_error_and_its_chunk_is_reused_after_the_stream() {
         1,
         Box::new(|_: &[usize], _: &()| Ok(())),
     );
-    let error = run(&job, &ring, 1).unwrap_err();
+    let error = crew.run(&Arc::new(job)).unwrap_err();
     assert!(error.to_string().contains("injected"), "{error}");
-    assert_eq!(lock(&ring.chunks).live, 2, "a chunk was lost");
+    assert_eq!(lock(&crew.ring().chunks).live, 2, "a chunk was lost");
 }

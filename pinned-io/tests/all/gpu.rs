@@ -268,3 +268,52 @@ fn replicas_on_other_devices_match() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn where_the_first_tensor_waits() {
+    let tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = (0..100)
+        .map(|i| {
+            (
+                format!("t{i:03}"),
+                Dtype::U8,
+                vec![10 << 20],
+                pattern(10 << 20, i),
+            )
+        })
+        .collect();
+    let file = checkpoint(&tensors);
+    for chunk in [1usize << 20, 4 << 20] {
+        let config = ReaderConfig::new().chunk_bytes(chunk).chunks(64);
+        let reader = FileReader::with_config_in(
+            Device::current().unwrap(),
+            config,
+            cuda_pinned::DefaultPinned,
+        )
+        .unwrap();
+        for _ in 0..3 {
+            let start = std::time::Instant::now();
+            let checkpoint = Checkpoint::open(file.path()).unwrap();
+            let opened = start.elapsed();
+            let loading = checkpoint.load(&reader, &LoadOptions::new()).unwrap();
+            let loaded = start.elapsed();
+            let stream = Stream::new().unwrap();
+            loading.tensors()[0].ready_on(&stream).unwrap();
+            let queued = start.elapsed();
+            loading.tensors()[0].wait().unwrap();
+            let landed = start.elapsed();
+            let all = loading.wait().unwrap();
+            let done = start.elapsed();
+            drop(all);
+            eprintln!(
+                "chunk {} KiB: open {:?} load {:?} first queued {:?} first landed {:?} all {:?}",
+                chunk >> 10,
+                opened,
+                loaded,
+                queued,
+                landed,
+                done
+            );
+        }
+    }
+}
