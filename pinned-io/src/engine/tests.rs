@@ -291,3 +291,80 @@ fn a_failed_copy_is_the_jobs_error_and_its_chunk_is_reused_after_the_stream() {
     assert!(error.to_string().contains("injected"), "{error}");
     assert_eq!(lock(&crew.ring().chunks).live, 2, "a chunk was lost");
 }
+
+/// A job of `spans` pieces of a fresh file, for the crew tests.
+fn job_for(
+    crew: &Crew<Arc<Fake>>,
+    dst: &mut [u8],
+    sink: Box<Sink<Arc<Fake>>>,
+) -> (tempfile::NamedTempFile, Job<Arc<Fake>>) {
+    let (file, _) = file_of(dst.len());
+    let span = Span {
+        file: 0,
+        offset: 0,
+        width: dst.len() as u64,
+        rows: 1,
+        pitch: dst.len() as u64,
+        dst: dst.as_mut_ptr() as u64,
+        target: 0,
+    };
+    let pieces = cut(&[span], crew.ring().capacity()).unwrap();
+    let files = vec![DataFile::open(file.path()).unwrap()];
+    (
+        file,
+        Job::new(pieces, files, ReadMode::Buffered, (), 1, sink),
+    )
+}
+
+#[test]
+fn a_submitted_job_completes_on_the_crew_alone_and_calls_done_once() {
+    let fake = Arc::new(Fake::default());
+    let mut dst = vec![0u8; 40_000];
+    fake.dst_base
+        .store(dst.as_mut_ptr() as usize, Ordering::Relaxed);
+    *fake.writes.lock().unwrap() = vec![0; dst.len()];
+    let crew = Crew::new(ring(&fake, DIRECT_ALIGN, 2), 3).unwrap();
+    let sinks = Arc::new(AtomicUsize::new(0));
+    let dones = Arc::new(AtomicUsize::new(0));
+    let (seen, finished) = (sinks.clone(), dones.clone());
+    let sink = Box::new(move |_: &[usize], _: &()| {
+        seen.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    });
+    let (_file, job) = job_for(&crew, &mut dst, sink);
+    let job = Arc::new(job.when_done(Box::new(move |_| {
+        finished.fetch_add(1, Ordering::Relaxed);
+    })));
+    crew.submit(&job);
+    job.wait_finished();
+    assert!(job.take_error().is_none());
+    assert_eq!(
+        (sinks.load(Ordering::Relaxed), dones.load(Ordering::Relaxed)),
+        (1, 1)
+    );
+    fake.drain();
+    assert!(fake.writes.lock().unwrap().iter().all(|&w| w == 1));
+}
+
+#[test]
+fn a_panicking_sink_fails_the_job_and_nobody_hangs() {
+    let fake = Arc::new(Fake::default());
+    let mut dst = vec![0u8; 40_000];
+    fake.dst_base
+        .store(dst.as_mut_ptr() as usize, Ordering::Relaxed);
+    *fake.writes.lock().unwrap() = vec![0; dst.len()];
+    let crew = Crew::new(ring(&fake, DIRECT_ALIGN, 2), 2).unwrap();
+    let sink = Box::new(|_: &[usize], _: &()| -> Result<()> { panic!("a sink that panics") });
+    let (_file, job) = job_for(&crew, &mut dst, sink);
+    let job = Arc::new(job);
+    crew.submit(&job);
+    job.wait_finished();
+    let error = job.take_error().expect("the job failed");
+    assert!(error.to_string().contains("panicked"), "{error}");
+    // The crew goes on: its threads survived the panic.
+    let (_file, job) = job_for(&crew, &mut dst, Box::new(|_: &[usize], _: &()| Ok(())));
+    let job = Arc::new(job);
+    crew.submit(&job);
+    job.wait_finished();
+    assert!(job.take_error().is_none());
+}
