@@ -177,9 +177,14 @@ impl Checkpoint {
         let device = reader.device();
         let stream = Stream::on(device)?;
         let primary = OnDevice::new(device, &plan)?;
-        let mut replicas = Vec::with_capacity(options.replicas.len());
+        let mut replicas: Vec<(OnDevice, Stream)> = Vec::with_capacity(options.replicas.len());
         for &other in &options.replicas {
-            if device.can_access_peer(other)? {
+            // The reader's own device, or one named twice, holds its copy already.
+            if other == device || replicas.iter().any(|(copy, _)| copy.device == other) {
+                continue;
+            }
+            // The replica's stream reads the reader's device's memory.
+            if other.can_access_peer(device)? {
                 other.enable_peer_access(device)?;
             }
             let stream = Stream::on(other)?;
@@ -322,7 +327,8 @@ impl LoadOptions {
     }
 
     /// Copies of every tensor on `devices` too, read from storage once: each tensor is copied
-    /// device to device (over NVLink where the devices reach each other) as it lands.
+    /// device to device (over NVLink where the devices reach each other) as it lands. The
+    /// reader's own device, and a device named twice, are taken once.
     pub fn replicate_to(mut self, devices: impl IntoIterator<Item = Device>) -> Self {
         self.replicas = devices.into_iter().collect();
         self

@@ -268,3 +268,60 @@ fn replicas_on_other_devices_match() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_sharded_checkpoint_loads_from_its_index() {
+    let tensors = mixed_tensors();
+    let dir = tempfile::tempdir().unwrap();
+    let (first, second) = tensors.split_at(3);
+    let mut weight_map = serde_json::Map::new();
+    for (shard, part) in [
+        ("model-00001-of-00002.safetensors", first),
+        ("model-00002-of-00002.safetensors", second),
+    ] {
+        let views: Vec<(String, TensorView<'_>)> = part
+            .iter()
+            .map(|(name, dtype, shape, data)| {
+                (
+                    name.clone(),
+                    TensorView::new(*dtype, shape.clone(), data).unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &dir.path().join(shard)).unwrap();
+        for (name, ..) in part {
+            weight_map.insert(name.clone(), shard.into());
+        }
+    }
+    let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
+    // The directory finds its index.
+    let checkpoint = Checkpoint::open(dir.path()).unwrap();
+    assert_eq!(checkpoint.files().count(), 2);
+    let reader = small_reader(ReadMode::Auto);
+    let loaded = checkpoint
+        .load(&reader, &LoadOptions::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    for (name, _, _, data) in &tensors {
+        let got = loaded
+            .tensor(name)
+            .unwrap()
+            .wait()
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        assert!(got == *data, "tensor {name}");
+    }
+    // A filter loads only what it keeps.
+    let options = LoadOptions::new().only(|t| t.name() == "t5");
+    let loaded = checkpoint.load(&reader, &options).unwrap().wait().unwrap();
+    assert_eq!(loaded.tensors().len(), 1);
+    assert!(loaded.tensor("t0").is_none());
+}
