@@ -367,22 +367,24 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Section, 
         );
         if label == "large" {
             // Other crews than the default: what the defaults were chosen by.
-            for (threads, chunk) in [
-                (8, 1usize << 20),
-                (24, 1 << 20),
-                (16, 256 << 10),
-                (16, 4 << 20),
+            for (threads, chunk, per_thread) in [
+                (12, 1usize << 20, 4),
+                (24, 512 << 10, 4),
+                (16, 512 << 10, 4),
+                (16, 1 << 20, 2),
+                (16, 2 << 20, 2),
+                (32, 1 << 20, 2),
             ] {
                 let config = ReaderConfig::new()
                     .threads(threads)
                     .chunk_bytes(chunk)
-                    .chunks(4 * threads);
+                    .chunks(per_thread * threads);
                 let other =
                     FileReader::with_config_in(reader.device(), config, cuda_pinned::DefaultPinned)
                         .map_err(|e| e.to_string())?;
                 let warm = timed(reps, || {}, || ours(&path, &other))?;
                 let name = format!(
-                    "pinned-io, warm, {threads} threads × {} chunks",
+                    "pinned-io, warm, {threads} threads, {per_thread} chunks each of {}",
                     crate::report::size_label(chunk as u64)
                 );
                 row(&mut section, &name, &case, bytes, warm, h2d_rate);
