@@ -5,12 +5,14 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::mem::MaybeUninit;
 use std::ops::RangeBounds;
+use std::sync::Arc;
 
 use bytemuck::{AnyBitPattern, NoUninit, Zeroable};
 
 use crate::error::Error;
 use crate::error::Result;
 use crate::gpu::device::Device;
+use crate::gpu::event::Event;
 
 use crate::gpu::pending::PendingCopies;
 use crate::gpu::stream::Stream;
@@ -259,6 +261,16 @@ impl<T> DeviceBuffer<T> {
     pub fn order_after_copies(&self, stream: &Stream) -> Result<()> {
         crate::gpu::device::check_same_device("the stream", self.device, stream.device().raw())?;
         self.pending.order_before(stream)
+    }
+
+    /// Tells the buffer that work on `stream`, up to `event` (recorded there), writes it:
+    /// copies through the buffer and its views on other streams then wait for `event` first,
+    /// and dropping the buffer waits for it.
+    ///
+    /// For memory that other code fills with copies or kernels of its own, whose views are
+    /// handed out before that work has finished on the device.
+    pub fn track_event(&self, stream: &Stream, event: Arc<Event>) {
+        self.pending.track(stream, event);
     }
 
     /// A view of the elements in `range`, to copy from.

@@ -205,7 +205,8 @@ impl Checkpoint {
             .collect();
         let pieces = plan::cut(&spans, reader.crew.ring().capacity())?;
         let sink = fan_out(&primary, &replicas);
-        let replicas: Vec<OnDevice> = replicas.into_iter().map(|(copy, _)| copy).collect();
+        let (replicas, replica_streams): (Vec<OnDevice>, Vec<Stream>) =
+            replicas.into_iter().unzip();
         // Whatever never landed when the job ends fails, so that no waiter hangs.
         let all_ready: Vec<Arc<Ready>> = std::iter::once(&primary)
             .chain(&replicas)
@@ -242,6 +243,7 @@ impl Checkpoint {
             job,
             crew: reader.crew.clone(),
             stream,
+            replica_streams,
         })
     }
 
@@ -411,6 +413,9 @@ impl OnDevice {
     }
 }
 
+/// A replica's device memory, shared by its tensors and the sink that fills it.
+type ReplicaMemory = Arc<DeviceBuffer<MaybeUninit<u8>>>;
+
 /// The sink of a load: records one event behind the last copies of the tensors that landed
 /// together, and copies them on to the replicas behind it.
 fn fan_out(primary: &OnDevice, replicas: &[(OnDevice, Stream)]) -> Box<engine::Sink<Cuda>> {
@@ -421,19 +426,24 @@ fn fan_out(primary: &OnDevice, replicas: &[(OnDevice, Stream)]) -> Box<engine::S
         .iter()
         .map(|t| (t.start as u64, t.bytes))
         .collect();
-    let base = primary.memory.as_raw();
-    let replicas: Vec<(Stream, u64, Vec<Arc<Ready>>)> = replicas
+    let memory = primary.memory.clone();
+    let base = memory.as_raw();
+    let replicas: Vec<(Stream, ReplicaMemory, Vec<Arc<Ready>>)> = replicas
         .iter()
         .map(|(copy, stream)| {
             let ready = copy.tensors.iter().map(|t| t.ready.clone()).collect();
-            (stream.clone(), copy.memory.as_raw(), ready)
+            (stream.clone(), copy.memory.clone(), ready)
         })
         .collect();
     Box::new(move |targets: &[usize], stream: &Stream| {
         let mut landed = Event::untimed_on(device)?;
         landed.record(stream)?;
         let landed = Arc::new(landed);
-        for (replica, replica_base, replica_ready) in &replicas {
+        // Copies through the tensors' views on other streams, and the memory's drop, wait
+        // for their landing.
+        memory.track_event(stream, landed.clone());
+        for (replica, replica_memory, replica_ready) in &replicas {
+            let replica_base = replica_memory.as_raw();
             replica.wait_event(&landed)?;
             let copies: Vec<RawCopy> = targets
                 .iter()
@@ -453,6 +463,7 @@ fn fan_out(primary: &OnDevice, replicas: &[(OnDevice, Stream)]) -> Box<engine::S
             let mut copied = Event::untimed_on(replica.device())?;
             copied.record(replica)?;
             let copied = Arc::new(copied);
+            replica_memory.track_event(replica, copied.clone());
             for &target in targets {
                 replica_ready[target].set(State::Queued(copied.clone()));
             }
@@ -475,6 +486,7 @@ pub struct Loading {
     /// Kept while loading: its threads do the work.
     crew: Arc<Crew<Cuda>>,
     stream: Stream,
+    replica_streams: Vec<Stream>,
 }
 
 impl std::fmt::Debug for Loading {
@@ -516,10 +528,8 @@ impl Loading {
         self.job.wait_finished();
         engine::finish(&self.job, self.crew.ring())?;
         self.stream.synchronize()?;
-        for copy in &self.replicas {
-            for tensor in &copy.tensors {
-                tensor.wait()?;
-            }
+        for stream in &self.replica_streams {
+            stream.synchronize()?;
         }
         let names = std::mem::take(&mut self.names);
         let mut copies = vec![std::mem::take(&mut self.primary.tensors)];
@@ -538,10 +548,11 @@ impl Drop for Loading {
             self.job.fail(Error::Invalid("the load was dropped".into()));
         }
         self.job.wait_finished();
-        // No copy of the load may run once its memory can be freed.
+        // No copy of the load may run once its memory can be freed: the replicas' streams
+        // too, where a failed copy may have left some queued without an event.
         let _ = self.stream.synchronize();
-        for tensor in self.replicas.iter().flat_map(|r| &r.tensors) {
-            let _ = tensor.wait();
+        for stream in &self.replica_streams {
+            let _ = stream.synchronize();
         }
     }
 }
@@ -645,12 +656,13 @@ impl LoadedTensor {
         Ok(self.view())
     }
 
-    /// The tensor's memory, once its copies are ordered before every use of it.
+    /// The tensor's memory, once its copies are queued and ordered before every use of it.
     fn view(&self) -> DeviceSlice<'_, u8> {
         let range = self.memory.slice(self.start..self.start + self.bytes);
         // SAFETY: called once the tensor's copies, which write every byte of its range, are
-        // queued and the caller's stream waits for them (or the host did): every use of the
-        // view is ordered after them.
+        // queued and the event behind them is known: the caller's stream waits for it (or the
+        // host did), and the buffer tracks it (the sink), so that copies through the view on
+        // any other stream wait for it too.
         unsafe { range.assume_init() }
     }
 }

@@ -291,10 +291,8 @@ impl<D: Dma> Job<D> {
             }
             // Counted as finished however it ends, a panic included.
             let counted = Counted { job: self };
-            if !self.failed.load(Ordering::Relaxed)
-                && let Err(error) = self.move_piece(ring, &self.pieces[index])
-            {
-                self.fail(error);
+            if !self.failed.load(Ordering::Relaxed) {
+                self.move_piece(ring, &self.pieces[index]);
             }
             drop(counted);
         }
@@ -342,14 +340,33 @@ impl<D: Dma> Job<D> {
         lock(&self.error).as_ref().map(ToString::to_string)
     }
 
-    fn move_piece(&self, ring: &Ring<D>, piece: &Piece) -> Result<()> {
+    /// Moves one piece through a chunk of `ring`; a failure is the job's.
+    fn move_piece(&self, ring: &Ring<D>, piece: &Piece) {
+        let chunk = match ring.take() {
+            Ok(chunk) => chunk,
+            Err(error) => return self.fail(error),
+        };
         let mut taken = Taken {
             ring,
-            chunk: Some(ring.take()?),
+            chunk: Some(chunk),
         };
+        // The failure is recorded before `taken` may drop the chunk as lost: a thread that the
+        // loss wakes then finds the job failed, its first error the cause.
+        if let Err(error) = self.fill_and_queue(ring, &mut taken, piece) {
+            self.fail(error);
+        }
+    }
+
+    /// Fills the taken chunk with `piece` and queues its copies; gives the chunk back where
+    /// its copies are accounted for (else it is lost when `taken` drops).
+    fn fill_and_queue(
+        &self,
+        ring: &Ring<D>,
+        taken: &mut Taken<'_, D>,
+        piece: &Piece,
+    ) -> Result<()> {
         let chunk = taken.chunk.as_mut().expect("taken");
         if chunk.pending {
-            // Not waited for: the chunk is lost when `taken` drops.
             ring.dma.wait(&chunk.event)?;
             chunk.pending = false;
         }

@@ -12,7 +12,11 @@ use super::*;
 use crate::plan::{Span, cut};
 
 enum Op {
-    Copy { src: usize, copy: ChunkCopy },
+    Copy {
+        src: usize,
+        copy: ChunkCopy,
+        snap: Vec<u8>,
+    },
     Record(Arc<AtomicBool>),
 }
 
@@ -26,6 +30,16 @@ struct Fake {
     /// Fail the copy call with this number (counted from 1).
     fail_copy: Option<usize>,
     copy_calls: AtomicUsize,
+    /// Fail the record call with this number (counted from 1), after the copies are queued.
+    fail_record: Option<usize>,
+    record_calls: AtomicUsize,
+    /// Fail the event wait with this number (counted from 1); the work stays queued.
+    fail_wait: Option<usize>,
+    wait_calls: AtomicUsize,
+    /// Every stream wait fails (nothing drains).
+    fail_wait_stream: bool,
+    /// Copies that ran after their source bytes changed (a chunk reused too early).
+    clobbered: AtomicUsize,
 }
 
 impl Fake {
@@ -37,7 +51,18 @@ impl Fake {
         let mut writes = self.writes.lock().unwrap();
         for op in ops {
             match op {
-                Op::Copy { src, copy } => {
+                Op::Copy { src, copy, snap } => {
+                    let mut now = Vec::new();
+                    for row in 0..copy.rows {
+                        let from = src + row * copy.pitch;
+                        // SAFETY: as below.
+                        now.extend_from_slice(unsafe {
+                            std::slice::from_raw_parts(from as *const u8, copy.width)
+                        });
+                    }
+                    if now != snap {
+                        self.clobbered.fetch_add(1, Ordering::Relaxed);
+                    }
                     for row in 0..copy.rows {
                         let from = src + row * copy.pitch;
                         let to = copy.dst as usize + row * copy.width;
@@ -55,7 +80,7 @@ impl Fake {
                         };
                     }
                 }
-                Op::Record(done) => done.store(true, Ordering::Relaxed),
+                Op::Record(done) => done.store(true, Ordering::Release),
             }
         }
     }
@@ -76,28 +101,48 @@ impl Dma for Arc<Fake> {
         }
         let mut stream = self.stream.lock().unwrap();
         for copy in copies {
+            let src = chunk as usize + copy.from;
+            let mut snap = Vec::new();
+            for row in 0..copy.rows {
+                // SAFETY: the filled bytes of the chunk (the contract).
+                snap.extend_from_slice(unsafe {
+                    std::slice::from_raw_parts((src + row * copy.pitch) as *const u8, copy.width)
+                });
+            }
             stream.push(Op::Copy {
-                src: chunk as usize + copy.from,
+                src,
                 copy: *copy,
+                snap,
             });
         }
         Ok(())
     }
 
     fn record(&self, event: &mut Self::Event, _: &()) -> Result<()> {
+        let call = self.record_calls.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.fail_record == Some(call) {
+            return Err(Error::Invalid("injected record failure".into()));
+        }
         event.store(false, Ordering::Relaxed);
         self.stream.lock().unwrap().push(Op::Record(event.clone()));
         Ok(())
     }
 
     fn wait(&self, event: &Self::Event) -> Result<()> {
-        if !event.load(Ordering::Relaxed) {
+        let call = self.wait_calls.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.fail_wait == Some(call) {
+            return Err(Error::Invalid("injected wait failure".into()));
+        }
+        if !event.load(Ordering::Acquire) {
             self.drain();
         }
         Ok(())
     }
 
     fn wait_stream(&self, _: &()) -> Result<()> {
+        if self.fail_wait_stream {
+            return Err(Error::Invalid("injected stream wait failure".into()));
+        }
         self.drain();
         Ok(())
     }
@@ -367,4 +412,251 @@ fn a_panicking_sink_fails_the_job_and_nobody_hangs() {
     crew.submit(&job);
     job.wait_finished();
     assert!(job.take_error().is_none());
+}
+
+// Fault injection: every way the device can fail, against the ring's promises.
+
+/// Memory that says when it is freed.
+struct Watched(#[allow(dead_code)] Vec<u8>, Arc<AtomicBool>);
+impl Drop for Watched {
+    fn drop(&mut self) {
+        self.1.store(true, Ordering::Relaxed);
+    }
+}
+
+struct Faulty {
+    result: Result<()>,
+    fake: Arc<Fake>,
+    live: usize,
+    lost: bool,
+    freed: bool,
+    dst: Vec<u8>,
+    bytes: Vec<u8>,
+    sink_calls: usize,
+}
+
+/// One span of `len` bytes read through `count` chunks of `chunk` bytes by `threads` threads
+/// against `fake`; `sink_fails` makes the sink fail on its n-th call.
+fn faulty(
+    fake: Fake,
+    len: usize,
+    chunk: usize,
+    count: usize,
+    threads: usize,
+    sink_fails: Option<usize>,
+) -> Faulty {
+    let (file, bytes) = file_of(len);
+    let fake = Arc::new(fake);
+    let mut dst = vec![0u8; len];
+    fake.dst_base
+        .store(dst.as_mut_ptr() as usize, Ordering::Relaxed);
+    *fake.writes.lock().unwrap() = vec![0; len];
+    let freed = Arc::new(AtomicBool::new(false));
+    let mut memory = vec![0u8; Ring::<Arc<Fake>>::bytes_for(chunk, count).unwrap()];
+    let start = memory.as_mut_ptr();
+    let ring = Ring::new(
+        fake.clone(),
+        start,
+        chunk,
+        count,
+        Box::new(Watched(memory, freed.clone())),
+    )
+    .unwrap();
+    // Many small targets: one per 1000 bytes, so the sink is called often.
+    let spans: Vec<Span> = (0..len.div_ceil(1000))
+        .map(|i| {
+            let w = (len - i * 1000).min(1000) as u64;
+            Span {
+                file: 0,
+                offset: (i * 1000) as u64,
+                width: w,
+                rows: 1,
+                pitch: w,
+                dst: dst.as_mut_ptr() as u64 + (i * 1000) as u64,
+                target: i,
+            }
+        })
+        .collect();
+    let pieces = cut(&spans, chunk).unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let sink_calls = calls.clone();
+    let job = Job::new(
+        pieces,
+        vec![DataFile::open(file.path()).unwrap()],
+        ReadMode::Buffered,
+        (),
+        spans.len(),
+        Box::new(move |_: &[usize], _: &()| {
+            let n = calls.fetch_add(1, Ordering::Relaxed) + 1;
+            if sink_fails == Some(n) {
+                return Err(Error::Invalid("injected sink failure".into()));
+            }
+            Ok(())
+        }),
+    );
+    let crew = Crew::new(ring, threads).unwrap();
+    let result = crew.run(&Arc::new(job));
+    let (live, lost) = {
+        let c = lock(&crew.ring().chunks);
+        (c.live, c.lost)
+    };
+    drop(crew);
+    // Whatever is still queued runs now (the fake's "device" finishing late).
+    let fake2 = fake.clone();
+    if !fake2.fail_wait_stream {
+        fake2.drain();
+    }
+    Faulty {
+        result,
+        fake,
+        live,
+        lost,
+        freed: freed.load(Ordering::Relaxed),
+        dst,
+        bytes,
+        sink_calls: sink_calls.load(Ordering::Relaxed),
+    }
+}
+
+fn check_written_bytes_are_right(f: &Faulty) {
+    let writes = f.fake.writes.lock().unwrap();
+    for (i, &w) in writes.iter().enumerate() {
+        assert!(w <= 1, "byte {i} written {w} times");
+        if w == 1 {
+            assert_eq!(f.dst[i], f.bytes[i], "byte {i} wrong");
+        }
+    }
+    assert_eq!(
+        f.fake.clobbered.load(Ordering::Relaxed),
+        0,
+        "a chunk was reused under a copy"
+    );
+}
+
+#[test]
+fn record_fails_stream_drains_chunk_kept() {
+    for threads in [1, 3] {
+        let f = faulty(
+            Fake {
+                fail_record: Some(3),
+                ..Fake::default()
+            },
+            200_000,
+            8192,
+            3,
+            threads,
+            None,
+        );
+        let e = f.result.as_ref().unwrap_err().to_string();
+        assert!(e.contains("injected record"), "{e}");
+        assert_eq!(f.live, 3);
+        assert!(!f.lost);
+        assert!(f.freed, "ring memory not freed although settled");
+        check_written_bytes_are_right(&f);
+    }
+}
+
+#[test]
+fn record_fails_stream_wait_fails_chunk_lost_memory_kept() {
+    for threads in [1, 3] {
+        let f = faulty(
+            Fake {
+                fail_record: Some(2),
+                fail_wait_stream: true,
+                ..Fake::default()
+            },
+            200_000,
+            8192,
+            3,
+            threads,
+            None,
+        );
+        let e = f.result.as_ref().unwrap_err().to_string();
+        assert!(e.contains("injected record"), "{e}");
+        assert_eq!(f.live, 2, "threads {threads}");
+        assert!(f.lost);
+        assert!(!f.freed, "ring memory freed while a copy out of it may run");
+        // (no drain: the fake's stream never finishes; nothing to check in dst)
+        assert_eq!(f.fake.clobbered.load(Ordering::Relaxed), 0);
+    }
+}
+
+#[test]
+fn event_wait_fails_chunk_lost_memory_kept() {
+    for threads in [1, 3] {
+        let f = faulty(
+            Fake {
+                fail_wait: Some(2),
+                ..Fake::default()
+            },
+            200_000,
+            8192,
+            2,
+            threads,
+            None,
+        );
+        let e = f.result.as_ref().unwrap_err().to_string();
+        assert!(e.contains("injected wait"), "{e}");
+        assert_eq!(f.live, 1);
+        assert!(!f.freed);
+        check_written_bytes_are_right(&f);
+    }
+}
+
+#[test]
+fn sink_fails_first_error_reported_ring_whole() {
+    for threads in [1, 3] {
+        let f = faulty(Fake::default(), 200_000, 8192, 3, threads, Some(4));
+        let e = f.result.as_ref().unwrap_err().to_string();
+        assert!(e.contains("injected sink"), "{e}");
+        assert_eq!(f.live, 3);
+        assert!(f.freed);
+        assert!(f.sink_calls >= 4);
+        check_written_bytes_are_right(&f);
+    }
+}
+
+#[test]
+fn every_chunk_lost_no_hang() {
+    // One chunk; the first record fails and the stream never drains: the chunk is lost, and
+    // threads waiting for a chunk must wake and fail, not hang.
+    for threads in [1, 2, 4] {
+        let f = faulty(
+            Fake {
+                fail_record: Some(1),
+                fail_wait_stream: true,
+                ..Fake::default()
+            },
+            200_000,
+            4096,
+            1,
+            threads,
+            None,
+        );
+        let e = f.result.as_ref().unwrap_err().to_string();
+        assert!(e.contains("injected record"), "first error should win: {e}");
+        assert_eq!(f.live, 0);
+        assert!(!f.freed);
+    }
+}
+
+#[test]
+fn copy_fails_with_threads_bytes_right() {
+    for threads in [2, 4] {
+        let f = faulty(
+            Fake {
+                fail_copy: Some(5),
+                ..Fake::default()
+            },
+            300_000,
+            4096,
+            2,
+            threads,
+            None,
+        );
+        assert!(f.result.is_err());
+        assert_eq!(f.live, 2);
+        assert!(f.freed);
+        check_written_bytes_are_right(&f);
+    }
 }

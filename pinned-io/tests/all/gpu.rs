@@ -325,3 +325,34 @@ fn a_sharded_checkpoint_loads_from_its_index() {
     assert_eq!(loaded.tensors().len(), 1);
     assert!(loaded.tensor("t0").is_none());
 }
+
+/// A view from `ready_on(&s)` used on another stream (its own `to_vec`) is still ordered
+/// after the tensor's copies: the memory tracks their event.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_ready_view_read_on_another_stream_sees_the_whole_tensor() {
+    let len = 256usize << 20;
+    let data = pattern(len, 3);
+    let file = checkpoint(&[("w".into(), Dtype::U8, vec![len], data.clone())]);
+    let checkpoint = Checkpoint::open(file.path()).unwrap();
+    let config = ReaderConfig::new()
+        .chunk_bytes(64 << 20)
+        .chunks(3)
+        .threads(3)
+        .mode(ReadMode::Buffered);
+    let reader = FileReader::with_config_in(
+        Device::current().unwrap(),
+        config,
+        cuda_pinned::DefaultPinned,
+    )
+    .unwrap();
+    for _ in 0..3 {
+        let loading = checkpoint.load(&reader, &LoadOptions::new()).unwrap();
+        let stream = Stream::new().unwrap();
+        let view = loading.tensor("w").unwrap().ready_on(&stream).unwrap();
+        assert!(
+            view.to_vec().unwrap() == data,
+            "read before the tensor landed"
+        );
+    }
+}

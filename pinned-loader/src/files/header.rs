@@ -126,6 +126,13 @@ fn layout(header: Dict, data_offset: u64, file_len: u64) -> Result<Layout, Strin
         return Err("shape (): a 0-d array has no axis of samples".into());
     };
     let too_large = || format!("shape {:?}: the array's size overflows", header.shape);
+    if len > 0 && sample_shape.contains(&0) {
+        // Samples of no bytes: a few bytes of file could claim any number of them.
+        return Err(format!(
+            "shape {:?}: samples of zero elements hold nothing to load",
+            header.shape
+        ));
+    }
     let sample_bytes = sample_shape
         .iter()
         .try_fold(item_bytes, |bytes, &axis| bytes.checked_mul(axis))

@@ -122,8 +122,10 @@ fn single_bytes_take_any_byte_order() {
 }
 
 /// A shape numpy could write, small enough that its data fits a test's file length.
+/// Shapes of any number of samples (none included), each of at least one element.
 fn shapes() -> impl Strategy<Value = Vec<usize>> {
-    prop::collection::vec(0usize..6, 1..5)
+    (0usize..6, prop::collection::vec(1usize..6, 0..4))
+        .prop_map(|(len, sample)| std::iter::once(len).chain(sample).collect())
 }
 
 /// Spacing numpy does not write but Python reads the same.
@@ -231,4 +233,11 @@ proptest! {
             prop_assert_eq!(layout.sample_bytes, elements * layout.item_bytes);
         }
     }
+}
+
+#[test]
+fn samples_of_zero_bytes_are_refused_however_many_the_header_claims() {
+    let h = head(1, &numpy_dict("|u1", &[1usize << 40, 0]));
+    let error = parse(&h, h.len() as u64).unwrap_err();
+    assert!(error.contains("zero elements"), "{error}");
 }
