@@ -144,12 +144,17 @@ fn write_header(out: &mut String, runs: &[Run], report: &Report) {
             "  - **Command:** `{}`",
             shown_command(&run.report.command)
         );
+        let gpus = (run.report.machine.iter())
+            .filter(|(key, _)| {
+                key.strip_prefix("device ")
+                    .is_some_and(|n| n.parse::<u32>().is_ok())
+            })
+            .count();
         let _ = writeln!(
             out,
-            "  - **Machine:** {}, {} CPUs, {} GPUs",
+            "  - **Machine:** {gpus} × {}, {} CPUs",
             fact(&run.report, "device 0"),
             fact(&run.report, "cpus"),
-            fact(&run.report, "devices"),
         );
     }
     for skipped in &report.skipped {
