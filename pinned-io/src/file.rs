@@ -26,7 +26,8 @@ pub(crate) const DIRECT_ALIGN: usize = 4096;
 #[non_exhaustive]
 pub enum ReadMode {
     /// Through the page cache where it holds the data, past it where it does not, asked of
-    /// the kernel per piece.
+    /// the kernel per piece. Data read past the cache does not enter it: a second read of a
+    /// file that was not cached goes to storage again.
     #[default]
     Auto,
     /// Always through the page cache (the data stays cached for the next reader).
