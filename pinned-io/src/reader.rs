@@ -24,7 +24,8 @@ pub struct ReaderConfig {
     /// `chunk_bytes` and two pages (room for reads past the page cache, which read whole
     /// aligned blocks).
     pub chunks: usize,
-    /// Threads reading at once, the calling thread among them.
+    /// Threads of the reader's crew, which live as long as the reader (a caller of
+    /// [`FileReader::read_to_device`] reads beside them).
     pub threads: usize,
     /// Through the page cache, past it, or as the kernel says per piece.
     pub mode: ReadMode,
@@ -105,10 +106,10 @@ impl Default for ReaderConfig {
 
 /// Reads byte ranges of files onto one device, or into host memory, with a crew of threads.
 ///
-/// The threads read pieces of a file into the chunks of a pinned ring while the DMA engine
-/// copies the filled chunks to the device: reads and copies overlap, and the pinned memory
-/// held is the ring's, whatever the size of a read. Share one reader between threads; make
-/// one per device.
+/// Its threads, started with it, read pieces of a file into the chunks of a pinned ring while
+/// the DMA engine copies the filled chunks to the device: reads and copies overlap, and the
+/// pinned memory held is the ring's, whatever the size of a read. Share one reader between
+/// threads; make one per device.
 ///
 /// # Examples
 ///
@@ -241,7 +242,8 @@ impl FileReader {
     }
 
     /// Reads the bytes of `file` from `offset` into `dst` (pinned memory the caller owns, or
-    /// any memory), with the reader's threads, through the page cache.
+    /// any memory) through the page cache, on as many threads as the reader's crew has
+    /// (started for the call; the crew's own threads are bound to its ring).
     ///
     /// # Errors
     ///
