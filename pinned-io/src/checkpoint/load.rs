@@ -164,8 +164,8 @@ impl Checkpoint {
     /// the replicas' devices), and returns at once: each tensor is ready on its own event.
     ///
     /// The reader's threads read while the DMA engine copies; pinned memory is the reader's
-    /// ring only, whatever the checkpoint's size. Each selected tensor's device memory is
-    /// one allocation per device for the whole load.
+    /// ring only, whatever the checkpoint's size. The selected tensors share one device
+    /// allocation per device.
     ///
     /// # Errors
     ///
