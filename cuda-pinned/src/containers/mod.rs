@@ -3,5 +3,6 @@
 
 pub(crate) mod block;
 pub(crate) mod boxed;
+mod fill;
 pub(crate) mod pin_memory;
 pub(crate) mod vec;

@@ -8,6 +8,7 @@ mod boxed;
 mod copies;
 mod devices;
 mod errors;
+mod fill;
 mod pin;
 mod staging;
 mod unwind;
