@@ -42,16 +42,7 @@ impl Read for Scripted {
 const SCALE: usize = if cfg!(miri) { 1_000 } else { 100_000 };
 
 fn config() -> ProptestConfig {
-    ProptestConfig {
-        cases: if cfg!(miri) { 4 } else { 64 },
-        // Miri isolates the program from the file system.
-        failure_persistence: if cfg!(miri) {
-            None
-        } else {
-            ProptestConfig::default().failure_persistence
-        },
-        ..ProptestConfig::default()
-    }
+    crate::support::proptest_config(64, 4)
 }
 
 proptest! {

@@ -120,3 +120,18 @@ unsafe impl PinnedAllocator for Counting {
         )))
     }
 }
+
+/// Proptest's configuration: `cases` cases, `miri_cases` under Miri, which also isolates the
+/// program from the file system where failures would be saved.
+pub fn proptest_config(cases: u32, miri_cases: u32) -> proptest::prelude::ProptestConfig {
+    let default = proptest::prelude::ProptestConfig::default();
+    proptest::prelude::ProptestConfig {
+        cases: if cfg!(miri) { miri_cases } else { cases },
+        failure_persistence: if cfg!(miri) {
+            None
+        } else {
+            default.failure_persistence.clone()
+        },
+        ..default
+    }
+}

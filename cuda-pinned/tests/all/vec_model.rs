@@ -37,16 +37,7 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 fn config() -> ProptestConfig {
-    ProptestConfig {
-        cases: if cfg!(miri) { 8 } else { 256 },
-        // Miri isolates the program from the file system.
-        failure_persistence: if cfg!(miri) {
-            None
-        } else {
-            ProptestConfig::default().failure_persistence
-        },
-        ..ProptestConfig::default()
-    }
+    crate::support::proptest_config(256, 8)
 }
 
 proptest! {
