@@ -507,6 +507,24 @@ pub const GOALS: &[Goal] = &[
         readme: false,
     },
     Goal {
+        name: "loader, a cudarc training loop without `unsafe`",
+        figure: Figure::PercentOf(
+            read("loader", LOADER_CUDARC, LOADER_SPREAD),
+            read("loader", LOADER_RAW_STEP, LOADER_SPREAD),
+        ),
+        unit: "% of the raw-address step",
+        decimals: 1,
+        reference: &[Reference::Same(
+            "the raw-address step",
+            read("loader", LOADER_RAW_STEP, LOADER_SPREAD),
+            "batches/s",
+            0,
+        )],
+        target: Target::AtLeast(95.0),
+        goal: "≥ 95% (the same within noise)",
+        readme: false,
+    },
+    Goal {
         name: "file → device, 8 GiB checkpoint, warm",
         figure: Figure::Read(read("files", FILES_WARM, FILES_SPREAD)),
         unit: "GB/s",
@@ -670,6 +688,14 @@ const STAGED_UP_16M_256M: &[(&str, Pick)] = &[
     ("direction", Pick::Is("H2D")),
     ("size", Pick::SizeIn(16 * MIB, 256 * MIB)),
 ];
+const LOADER_CUDARC: &[(&str, Pick)] = &[(
+    "mode",
+    Pick::Is("host collate, 8 workers, cudarc step, no unsafe (alternating)"),
+)];
+const LOADER_RAW_STEP: &[(&str, Pick)] = &[(
+    "mode",
+    Pick::Is("host collate, 8 workers, raw-address step (alternating)"),
+)];
 const LOADER_SPREAD: Columns = Columns::Spread("steady b/s min", "median", "max");
 const LOADER_CONTIGUOUS: &[(&str, Pick)] = &[(
     "mode",

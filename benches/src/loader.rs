@@ -7,7 +7,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cuda_pinned::{DeviceBuffer, Stream};
+use cuda_pinned::{CudarcCopies, DeviceBuffer, Stream};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use pinned_loader::{
     Assembly, BoxError, Dataset, DeviceLoader, Field, Loader, LoaderConfig, LoaderError,
     LoaderStats, NpyDataset, PinnedSamples,
@@ -257,6 +258,34 @@ fn collate_rows(
         streaming,
         section,
     );
+    if cuda {
+        // A cudarc program's loop, safe (the batch ready on cudarc's stream, its images
+        // copied into cudarc's memory by a tracked copy) against the raw-address step, run
+        // for run.
+        progress.step("loader, cudarc shape");
+        let (mut raw, mut cudarc) = (Vec::new(), Vec::new());
+        for rep in 0..reps {
+            for (shape, runs) in [(Shape::Raw, &mut raw), (Shape::Cudarc, &mut cudarc)] {
+                runs.push(collate_run_shaped(
+                    images.clone(),
+                    collate_config(8, rep),
+                    batches,
+                    cuda,
+                    shape,
+                ));
+            }
+        }
+        push_row(
+            "host collate, 8 workers, raw-address step (alternating)".into(),
+            raw,
+            section,
+        );
+        push_row(
+            "host collate, 8 workers, cudarc step, no unsafe (alternating)".into(),
+            cudarc,
+            section,
+        );
+    }
 }
 
 /// Measures device gather and the one-contiguous-copy reference; these need CUDA.
@@ -329,26 +358,58 @@ fn memcpy_and_notes(batches: usize, reps: usize, section: &mut Section) {
     );
 }
 
-/// Device work for each step: the consumer's stream rewrites a scratch buffer.
+/// How the consumer's step reaches the batch: through a stream of this workspace and the
+/// batch's raw address (the reference), or as a cudarc program does, safely.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    Raw,
+    Cudarc,
+}
+
+/// Device work for each step: the consumer's stream rewrites a scratch buffer from the batch.
 struct Consumer {
     stream: Stream,
     scratch: DeviceBuffer<u8>,
+    /// cudarc's stream (adopted as `stream`) and scratch memory, for the cudarc shape.
+    cudarc: Option<(Arc<CudaStream>, CudaSlice<u8>)>,
 }
 
 impl Consumer {
-    fn new() -> Result<Self, LoaderError> {
-        Ok(Self {
-            stream: Stream::new()?,
-            scratch: DeviceBuffer::zeroed(1 << 20)?,
+    fn new(shape: Shape) -> Result<Self, LoaderError> {
+        let scratch = DeviceBuffer::zeroed(1 << 20)?;
+        Ok(match shape {
+            Shape::Raw => Self {
+                stream: Stream::new()?,
+                scratch,
+                cudarc: None,
+            },
+            Shape::Cudarc => {
+                let cudarc = CudaContext::new(0)
+                    .and_then(|ctx| ctx.new_stream())
+                    .map_err(cuda_pinned::Error::from)?;
+                let theirs = cudarc
+                    .alloc_zeros::<u8>(1 << 20)
+                    .map_err(cuda_pinned::Error::from)?;
+                Self {
+                    stream: Stream::from_cudarc(&cudarc)?,
+                    scratch,
+                    cudarc: Some((cudarc, theirs)),
+                }
+            }
         })
     }
 
     /// Queues a 1 MiB device-to-device copy from the batch's images.
     fn work(&mut self, images: cuda_pinned::DeviceSlice<'_, u8>) -> Result<(), LoaderError> {
+        let bytes = (1 << 20).min(images.len());
+        if let Some((cudarc, theirs)) = &mut self.cudarc {
+            cudarc.copy_device_to_cudarc(images.slice(..bytes), &mut theirs.slice_mut(..bytes))?;
+            return Ok(());
+        }
         let copy = cuda_pinned::RawCopy {
             dst: self.scratch.as_raw(),
             src: images.as_raw(),
-            bytes: (1 << 20).min(images.len()),
+            bytes,
         };
         // SAFETY: both ranges are device memory of that length, the source ready on this
         // stream (it waited for the batch), the scratch buffer used by this stream alone.
@@ -363,12 +424,23 @@ fn collate_run<D: Dataset<Fields = (Field<u8>, Field<i64>)>>(
     batches: usize,
     cuda: bool,
 ) -> Result<Run, LoaderError> {
+    collate_run_shaped(images, config, batches, cuda, Shape::Raw)
+}
+
+/// As [`collate_run`], with the consumer's step reaching the batch as `shape` says.
+fn collate_run_shaped<D: Dataset<Fields = (Field<u8>, Field<i64>)>>(
+    images: D,
+    config: LoaderConfig,
+    batches: usize,
+    cuda: bool,
+    shape: Shape,
+) -> Result<Run, LoaderError> {
     let started = Started::now();
     let loader = Loader::new(images, config)?;
     let construction_ms = started.at.elapsed().as_secs_f64() * 1e3;
     if cuda {
         let mut device = DeviceLoader::new(loader, Assembly::HostCollate)?;
-        let marks = drive(&mut device, batches)?;
+        let marks = drive(&mut device, batches, shape)?;
         let stats = device.stats();
         Ok(started.finish(marks, batches, construction_ms, &stats))
     } else {
@@ -399,7 +471,7 @@ fn gather_run<D: Dataset<Fields = (Field<u8>, Field<i64>)>>(
     let loader = Loader::new(dataset, LoaderConfig::new(BATCH).shuffle(seed))?;
     let mut device = DeviceLoader::new(loader, Assembly::DeviceGather)?;
     let construction_ms = started.at.elapsed().as_secs_f64() * 1e3;
-    let marks = drive(&mut device, batches)?;
+    let marks = drive(&mut device, batches, Shape::Raw)?;
     let stats = device.stats();
     Ok(started.finish(marks, batches, construction_ms, &stats))
 }
@@ -437,8 +509,9 @@ impl Marks {
 fn drive<D: Dataset<Fields = (Field<u8>, Field<i64>)>>(
     device: &mut DeviceLoader<D>,
     batches: usize,
+    shape: Shape,
 ) -> Result<Marks, LoaderError> {
-    let mut consumer = Consumer::new()?;
+    let mut consumer = Consumer::new(shape)?;
     let mut marks = Marks::default();
     let mut done = 0;
     'epochs: for epoch in 0.. {
@@ -503,7 +576,7 @@ impl Started {
 /// the link's limit for this batch, measured in the same run.
 fn contiguous_copies(batches: usize, reps: usize) -> Result<Spread, LoaderError> {
     let bytes = BATCH * (IMAGE + 8);
-    let mut consumer = Consumer::new()?;
+    let mut consumer = Consumer::new(Shape::Raw)?;
     let copy = Stream::new()?;
     let mut source = Some(cuda_pinned::PinnedVec::<u8>::zeroed(bytes)?);
     let mut device = DeviceBuffer::<u8>::zeroed(bytes)?;

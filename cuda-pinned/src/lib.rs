@@ -19,7 +19,43 @@
 //! | `raw`, `context` | one CUDA call per function, and the context and capture-mode policy around them |
 //! | `interop` | cudarc (the `cudarc` feature) and allocator-api2 |
 //!
-//! # Example
+//! # With cudarc
+//!
+//! Most Rust GPU code runs its kernels through cudarc; with the `cudarc` feature this crate's
+//! copies run on cudarc's streams and its device memory goes to cudarc's kernels and copies.
+//! The waiting rule: a stream may use memory written by another stream's work only after it
+//! waited for that work on the device, and memory is reused or freed only after every stream
+//! that used it has passed that use. Copies through this crate keep the rule themselves; for
+//! a kernel, adopt its stream ([`Stream::from_cudarc`]) and make it wait for the memory
+//! ([`DeviceBuffer::record_stream`], or a loader batch's `ready_on`) before the launch:
+//!
+//! ```no_run
+//! # #[cfg(feature = "cudarc")]
+//! # fn demo(kernel: &cudarc::driver::CudaFunction) -> Result<(), Box<dyn std::error::Error>> {
+//! use cuda_pinned::{CudarcCopies, DeviceBuffer, PinnedVec, Stream};
+//! use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
+//!
+//! let cudarc_stream = CudaContext::new(0)?.new_stream()?;
+//! let stream = Stream::from_cudarc(&cudarc_stream)?;
+//!
+//! // An upload into cudarc's memory: returns at once, the buffer travels with the copy.
+//! let mut weights = cudarc_stream.alloc_zeros::<f32>(1024)?;
+//! let upload = cudarc_stream.copy_to_device(PinnedVec::from_slice(&[0.5f32; 1024])?, &mut weights)?;
+//!
+//! // This crate's device memory as a kernel argument: the kernel's stream waits for its
+//! // copies, and the buffer is freed only after that stream's work.
+//! let input = DeviceBuffer::from_slice(&[1.0f32; 1024])?;
+//! input.record_stream(&stream)?;
+//! let input = input.slice(..);
+//! let mut launch = cudarc_stream.launch_builder(kernel);
+//! launch.arg(&input).arg(&mut weights);
+//! // SAFETY: the kernel takes two arrays of 1,024 floats and stays in bounds.
+//! unsafe { launch.launch(LaunchConfig::for_num_elems(1024)) }?;
+//! let pinned = upload.wait()?; // back, free to refill
+//! # Ok(()) }
+//! ```
+//!
+//! # Without cudarc
 //!
 //! ```
 //! use cuda_pinned::{DeviceBuffer, PinnedVec, Stream};
@@ -85,6 +121,7 @@ pub use gpu::views::{DeviceSlice, DeviceSliceMut};
 pub use copy::batch::{RawCopy, RawCopy2d};
 pub use copy::nontemporal::copy_streaming;
 pub use copy::tracked::{HostBuffer, Transfer};
+pub use copy::window::Window;
 #[cfg(feature = "cudarc")]
 pub use interop::cudarc::CudarcCopies;
 pub use staging::{StagedCopy, Stager, StagingConfig};

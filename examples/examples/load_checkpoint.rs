@@ -81,13 +81,12 @@ fn main() -> Result<(), Box<dyn Error>> {
         // cudarc's stream waits, on the device, for the first tensor only.
         let stream = Stream::from_cudarc(&cu_stream)?;
         let bytes = first.ready_on(&stream)?;
-        let (address, len) = (bytes.as_raw(), bytes.len() as u64);
+        let len = bytes.len() as u64;
         let mut launch = cu_stream.launch_builder(&sum);
-        launch.arg(&address).arg(&len).arg(&mut total);
-        // SAFETY: the kernel reads `len` bytes from `address`, the first tensor's memory,
-        // which `loading` keeps until the stream is done with it (its `wait` below comes
-        // after the sum is read back) and which the stream waits for (above); it writes only
-        // `total`.
+        launch.arg(&bytes).arg(&len).arg(&mut total);
+        // SAFETY: the kernel reads the `len` bytes of the first tensor, whose memory
+        // `loading` keeps until the stream is done with it (its `wait` below comes after the
+        // sum is read back) and which the stream waits for (above); it writes only `total`.
         unsafe { launch.launch(LaunchConfig::for_num_elems(1 << 16)) }?;
         len
     };

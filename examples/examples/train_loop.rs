@@ -10,7 +10,7 @@
 
 use std::time::Instant;
 
-use cuda_pinned::{DeviceBuffer, RawCopy, Stream};
+use cuda_pinned::{DeviceBuffer, Stream};
 use pinned_loader::{
     Assembly, BoxError, Dataset, DeviceLoader, Field, Loader, LoaderConfig, LoaderError,
 };
@@ -80,15 +80,9 @@ fn main() -> Result<(), LoaderError> {
             let mut batch = batch?;
             // The stream waits for the upload on the device; the host goes on.
             let (images, _labels) = batch.ready_on(&stream)?;
-            // A stand-in for the training step: read the images on the stream.
-            let step = RawCopy {
-                dst: activations.slice_mut(..).as_raw(),
-                src: images.as_raw(),
-                bytes: 1 << 20,
-            };
-            // SAFETY: device ranges of that length; `images` is ready on `stream` and stays
-            // allocated until `stream` has passed this work (the batch records it on drop).
-            unsafe { stream.copy_batch_raw(&[step])? };
+            // A stand-in for the training step: read the images on the stream (the batch is
+            // reused only after the stream has passed this copy).
+            stream.copy_device_to_device(images.slice(..1 << 20), &mut activations)?;
         }
         stream.synchronize()?;
         println!("epoch {epoch} done");

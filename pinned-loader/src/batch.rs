@@ -1,19 +1,24 @@
-//! `HostBatch`: a batch in pinned memory, and the slots batches are made in.
+//! `HostBatch`: a batch in pinned memory, the slots batches are made in, and a batch's fields
+//! as host buffers that copies take by value.
 
+use std::marker::PhantomData;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use cuda_pinned::Transfer;
+use bytemuck::Pod;
+use cuda_pinned::{HostBuffer, PendingUses, Transfer};
 use pinned_pool::Pool;
 
 use crate::arena::{Arena, Part};
 use crate::fields::Fields;
 
 /// One field's pinned region of a slot: ready for the host, still being read by an upload,
-/// or lost to a failed upload (made anew when the slot is next filled).
+/// given back by a user's copy that may still run, or lost (to a failed upload; made anew when
+/// the slot is next filled).
 pub(crate) enum Region {
     Ready(Part),
     Uploading(Transfer<Part>),
+    Released(Part, PendingUses),
     Lost,
 }
 
@@ -64,6 +69,13 @@ impl Slot {
             let part = match std::mem::replace(region, Region::Lost) {
                 Region::Ready(part) => Some(part),
                 Region::Uploading(upload) => upload.wait().ok(),
+                Region::Released(part, uses) => match uses.wait() {
+                    Ok(()) => Some(part),
+                    Err(_) => {
+                        part.release_after(uses);
+                        None
+                    }
+                },
                 Region::Lost => None,
             };
             let mut part = match part {
@@ -169,6 +181,62 @@ impl<F: Fields> HostBatch<F> {
         self.fields.host(&mut regions)
     }
 
+    /// The fields as host buffers that async copies take by value: for `(Field<u8>,
+    /// Field<i64>)`, `(FieldBuffer<u8>, FieldBuffer<i64>)` of `len` samples each.
+    ///
+    /// Hand them to [`Stream::copy_to_device`](cuda_pinned::Stream::copy_to_device), or to
+    /// cudarc's stream through [`CudarcCopies`](cuda_pinned::CudarcCopies) (the `cudarc`
+    /// feature): the batch is already pinned, so nothing is copied on the host. The loader
+    /// gets the batch's memory back once every buffer is dropped and every copy of them has
+    /// ended.
+    ///
+    /// ```no_run
+    /// use cuda_pinned::{DeviceBuffer, Stream};
+    /// use pinned_loader::{Dataset, Field, Loader, LoaderConfig};
+    ///
+    /// fn upload_all<D>(images: D) -> Result<(), Box<dyn std::error::Error>>
+    /// where
+    ///     D: Dataset<Fields = (Field<u8>, Field<i64>)>,
+    /// {
+    ///     let mut loader = Loader::new(images, LoaderConfig::new(16).drop_last(true))?;
+    ///     let stream = Stream::new()?;
+    ///     let mut on_device = DeviceBuffer::<u8>::zeroed(16 * 3072)?;
+    ///     for batch in loader.epoch(0) {
+    ///         let (images, labels) = batch?.into_buffers();
+    ///         let upload = stream.copy_to_device(images, &mut on_device)?;
+    ///         // ... queue work on `stream`, read `labels` on the host ...
+    ///         drop(upload); // the loader gets the memory back once the copy has ended
+    ///     }
+    ///     Ok(())
+    /// }
+    /// ```
+    pub fn into_buffers(mut self) -> F::Buffers {
+        let slot = self.slot.take().expect("a delivered batch has its slot");
+        let lent = Arc::new(Lent {
+            regions: Mutex::new(slot.regions.iter().map(|_| Region::Lost).collect()),
+            home: self.home.clone(),
+        });
+        let samples = self.len;
+        let mut buffers = slot
+            .regions
+            .into_iter()
+            .zip(self.sample_bytes.iter())
+            .enumerate()
+            .map(|(index, (region, &bytes))| {
+                let Region::Ready(mut part) = region else {
+                    unreachable!("a delivered batch is ready")
+                };
+                part.set_len(samples * bytes);
+                FieldBuffer {
+                    part: Some(part),
+                    index,
+                    lent: lent.clone(),
+                    _element: PhantomData,
+                }
+            });
+        self.fields.buffers(&mut buffers)
+    }
+
     /// Takes the slot out (the batch then gives nothing back when dropped).
     pub(crate) fn into_slot(mut self) -> Slot {
         self.slot.take().expect("a delivered batch has its slot")
@@ -189,5 +257,137 @@ impl<F: Fields> std::fmt::Debug for HostBatch<F> {
             .field("index", &self.index)
             .field("len", &self.len)
             .finish_non_exhaustive()
+    }
+}
+
+/// One field of a [`HostBatch`] as a host buffer of its own ([`HostBatch::into_buffers`]):
+/// `len` samples of the field in pinned memory, which async copies take by value.
+///
+/// The batch's memory goes back to its loader once every field buffer of the batch is dropped,
+/// after the copies that used them.
+pub struct FieldBuffer<T> {
+    /// `None` only once given back.
+    part: Option<Part>,
+    index: usize,
+    lent: Arc<Lent>,
+    _element: PhantomData<T>,
+}
+
+/// The regions of a slot whose fields are lent out as buffers; the slot goes home when the
+/// last buffer is gone.
+struct Lent {
+    regions: Mutex<Vec<Region>>,
+    home: Arc<SlotPool>,
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        let regions = std::mem::take(
+            self.regions
+                .get_mut()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        self.home.give(Slot { regions });
+    }
+}
+
+impl FieldBuffer<u8> {
+    /// The same bytes as elements of `T`.
+    pub(crate) fn cast<T: Pod>(mut self) -> FieldBuffer<T> {
+        let bytes = self.part().as_slice();
+        assert!(
+            bytes.len().is_multiple_of(size_of::<T>().max(1))
+                && (bytes.as_ptr() as usize).is_multiple_of(align_of::<T>()),
+            "a field's region holds whole, aligned elements"
+        );
+        FieldBuffer {
+            part: self.part.take(),
+            index: self.index,
+            lent: self.lent.clone(),
+            _element: PhantomData,
+        }
+    }
+}
+
+impl<T: Pod> FieldBuffer<T> {
+    /// Elements in the buffer.
+    pub fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+
+    /// Whether the buffer has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The elements.
+    pub fn as_slice(&self) -> &[T] {
+        bytemuck::cast_slice(self.part().as_slice())
+    }
+
+    /// The elements, writable (a download lands here; a transform before an upload).
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
+        bytemuck::cast_slice_mut(self.part_mut().as_mut_slice())
+    }
+}
+
+impl<T> FieldBuffer<T> {
+    fn part(&self) -> &Part {
+        self.part
+            .as_ref()
+            .expect("a field buffer has its part until it is given back")
+    }
+
+    fn part_mut(&mut self) -> &mut Part {
+        self.part
+            .as_mut()
+            .expect("a field buffer has its part until it is given back")
+    }
+
+    /// Puts the region back into its slot.
+    fn give_back(&mut self, region: impl FnOnce(Part) -> Region) {
+        if let Some(part) = self.part.take() {
+            let mut regions = self
+                .lent
+                .regions
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            regions[self.index] = region(part);
+        }
+    }
+}
+
+impl<T> Drop for FieldBuffer<T> {
+    fn drop(&mut self) {
+        self.give_back(Region::Ready);
+    }
+}
+
+impl<T> std::fmt::Debug for FieldBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FieldBuffer")
+            .field(
+                "bytes",
+                &self.part.as_ref().map_or(0, |part| part.as_slice().len()),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+// SAFETY: the buffer owns its part: `len` initialised bytes of page-locked memory that nothing
+// else reaches, on the heap (moving the buffer moves no bytes), holding whole, aligned `T`s
+// (checked when it was cast), and any bit pattern is a `T` (`Pod`). Released, the part goes
+// back to its slot with `pending`, which the loader waits for before it writes the region
+// again (or, should waiting fail, hands to the arena, which waits or leaks).
+unsafe impl<T: Pod> HostBuffer for FieldBuffer<T> {
+    type Elem = T;
+
+    fn host_parts(&mut self) -> (*mut T, usize) {
+        let elements = self.as_mut_slice();
+        (elements.as_mut_ptr(), elements.len())
+    }
+
+    fn release_after(mut self, pending: PendingUses) {
+        self.give_back(|part| Region::Released(part, pending));
     }
 }

@@ -6,6 +6,7 @@ use std::marker::PhantomData;
 use bytemuck::Pod;
 use cuda_pinned::DeviceSlice;
 
+use crate::batch::FieldBuffer;
 use crate::error::BoxError;
 
 /// The fields of a batch and typed views of them.
@@ -22,6 +23,8 @@ pub trait Fields: Clone + Send + Sync + 'static {
     type Host<'a>;
     /// A batch's fields on the device: `(DeviceSlice<u8>, DeviceSlice<i64>)`.
     type Device<'a>;
+    /// A batch's fields as host buffers that copies take: `(FieldBuffer<u8>, FieldBuffer<i64>)`.
+    type Buffers;
 
     /// Bytes per sample of each field, in order.
     fn sample_bytes(&self) -> Vec<usize>;
@@ -41,6 +44,9 @@ pub trait Fields: Clone + Send + Sync + 'static {
         &self,
         regions: &mut dyn Iterator<Item = DeviceSlice<'a, u8>>,
     ) -> Self::Device<'a>;
+
+    /// Typed host buffers of a batch, from one buffer of bytes per field.
+    fn buffers(&self, regions: &mut dyn Iterator<Item = FieldBuffer<u8>>) -> Self::Buffers;
 }
 
 /// A field of `per_sample` elements of `T` per sample: an image of `3 * 224 * 224` bytes is
@@ -80,6 +86,7 @@ impl<T: Pod + Send + Sync> Fields for Field<T> {
     type Sample<'a> = &'a mut [T];
     type Host<'a> = &'a [T];
     type Device<'a> = DeviceSlice<'a, T>;
+    type Buffers = FieldBuffer<T>;
 
     fn sample_bytes(&self) -> Vec<usize> {
         // Saturated: a sample this large fails the loader's size checks.
@@ -108,6 +115,10 @@ impl<T: Pod + Send + Sync> Fields for Field<T> {
             .cast()
             .expect("device regions hold whole, aligned elements")
     }
+
+    fn buffers(&self, regions: &mut dyn Iterator<Item = FieldBuffer<u8>>) -> FieldBuffer<T> {
+        regions.next().expect(MISSING).cast()
+    }
 }
 
 macro_rules! tuple_fields {
@@ -116,6 +127,7 @@ macro_rules! tuple_fields {
             type Sample<'a> = ($($name::Sample<'a>,)+);
             type Host<'a> = ($($name::Host<'a>,)+);
             type Device<'a> = ($($name::Device<'a>,)+);
+            type Buffers = ($($name::Buffers,)+);
 
             #[allow(non_snake_case, reason = "bindings named after the type parameters")]
             fn sample_bytes(&self) -> Vec<usize> {
@@ -151,6 +163,12 @@ macro_rules! tuple_fields {
             ) -> Self::Device<'a> {
                 let ($($name,)+) = self;
                 ($($name.device(regions),)+)
+            }
+
+            #[allow(non_snake_case, reason = "bindings named after the type parameters")]
+            fn buffers(&self, regions: &mut dyn Iterator<Item = FieldBuffer<u8>>) -> Self::Buffers {
+                let ($($name,)+) = self;
+                ($($name.buffers(regions),)+)
             }
         }
     };

@@ -7,6 +7,48 @@
 //! host. The pinned working set is reserved before the first batch, as one block from the
 //! pool (one registration), so nothing is pinned on the hot path.
 //!
+//! # With cudarc
+//!
+//! A training loop over cudarc (the `cudarc` feature): each batch is made ready on cudarc's
+//! stream, and its fields go to cudarc's kernels as arguments and to its copies. The waiting
+//! rule is kept on both sides: [`DeviceBatch::ready_on`] makes the stream wait, on the device,
+//! for the batch's upload, and a dropped batch's memory is reused only after every stream it
+//! was made ready on has passed the work queued there, kernels included. Launch on such a
+//! stream.
+//!
+//! ```no_run
+//! # #[cfg(feature = "cudarc")]
+//! # fn demo<D>(data: D, train_step: &cudarc::driver::CudaFunction) -> Result<(), Box<dyn std::error::Error>>
+//! # where D: pinned_loader::Dataset<Fields = (pinned_loader::Field<u8>, pinned_loader::Field<i64>)> {
+//! use cuda_pinned::Stream;
+//! use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
+//! use pinned_loader::{Assembly, DeviceLoader, Loader, LoaderConfig};
+//!
+//! let cudarc_stream = CudaContext::new(0)?.new_stream()?;
+//! let stream = Stream::from_cudarc(&cudarc_stream)?;
+//! let loader = Loader::new(data, LoaderConfig::new(256).workers(8).shuffle(0))?;
+//! let mut device = DeviceLoader::new(loader, Assembly::HostCollate)?;
+//! let mut loss = cudarc_stream.alloc_zeros::<f32>(1)?;
+//! for epoch in 0..10 {
+//!     for batch in device.epoch(epoch) {
+//!         let mut batch = batch?;
+//!         let samples = batch.len() as u32;
+//!         let (images, labels) = batch.ready_on(&stream)?;
+//!         let mut step = cudarc_stream.launch_builder(train_step);
+//!         step.arg(&images).arg(&labels).arg(&mut loss).arg(&samples);
+//!         // SAFETY: the kernel's parameters are these, and it stays in bounds.
+//!         unsafe { step.launch(LaunchConfig::for_num_elems(samples)) }?;
+//!     } // each batch goes back to the loader here, reused once the kernel is done
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! Without a kernel, `CudarcCopies::copy_device_to_cudarc` copies a field into cudarc's memory,
+//! and a [`HostBatch`]'s fields ([`HostBatch::into_buffers`]) go to tracked uploads as they are,
+//! pinned already.
+//!
+//! # On the host
+//!
 //! ```
 //! use pinned_loader::{BoxError, Dataset, Field, Loader, LoaderConfig};
 //!
@@ -95,7 +137,7 @@ mod sampler;
 mod stats;
 
 // Loaders, their epochs and batches.
-pub use batch::HostBatch;
+pub use batch::{FieldBuffer, HostBatch};
 pub use config::LoaderConfig;
 pub use device::{Assembly, DeviceBatch, DeviceEpoch, DeviceLoader};
 pub use loader::{Epoch, Loader};

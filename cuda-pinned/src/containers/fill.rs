@@ -1,12 +1,16 @@
-//! Filling a [`PinnedVec<u8>`]'s spare capacity from a reader or a file: the length grows by
-//! exactly the bytes read, whatever ends the reading.
+//! Filling a [`PinnedVec`]'s spare capacity without a zeroing pass: from a reader or a file (the
+//! length grows by exactly the bytes read, whatever ends the reading), or from a slice with
+//! non-temporal stores.
 
 use std::fs::File;
 use std::io::{self, Read};
 use std::mem::MaybeUninit;
 use std::os::fd::AsRawFd;
 
+use bytemuck::NoUninit;
+
 use crate::containers::vec::PinnedVec;
+use crate::error::Result;
 use crate::memory::allocator::PinnedAllocator;
 
 /// Bytes a [`Read`] is offered at a time: each piece is zeroed just before it is read into
@@ -121,5 +125,41 @@ impl<A: PinnedAllocator> PinnedVec<u8, A> {
     fn reserve_for_reading(&mut self, additional: usize) -> io::Result<()> {
         self.try_reserve(additional)
             .map_err(|e| io::Error::new(io::ErrorKind::OutOfMemory, e))
+    }
+}
+
+impl<T: NoUninit, A: PinnedAllocator> PinnedVec<T, A> {
+    /// Appends `src` with non-temporal stores ([`copy_streaming`](crate::copy_streaming)),
+    /// straight into the spare capacity: for a buffer that a copy to the device reads next, and
+    /// the CPU does not.
+    ///
+    /// ```
+    /// use cuda_pinned::PinnedVec;
+    /// let mut batch = PinnedVec::<f32>::with_capacity(0)?;
+    /// batch.extend_streaming(&[0.5; 4096])?;
+    /// assert_eq!((batch.len(), batch[4095]), (4096, 0.5));
+    /// # Ok::<(), cuda_pinned::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::CapacityOverflow`](crate::Error::CapacityOverflow) or the allocator's error
+    /// when room cannot be made; the vector is then unchanged.
+    pub fn extend_streaming(&mut self, src: &[T]) -> Result<()> {
+        self.try_reserve(src.len())?;
+        let room = &mut self.spare_capacity_mut()[..src.len()];
+        // SAFETY: `room` holds `size_of_val(src)` writable bytes of the spare capacity,
+        // uniquely borrowed (so apart from `src`); `src` is initialised (`NoUninit`).
+        unsafe {
+            crate::copy::nontemporal::copy_bytes_streaming(
+                src.as_ptr().cast(),
+                room.as_mut_ptr().cast(),
+                size_of_val(src),
+            );
+        }
+        // SAFETY: the first `src.len()` elements of the spare capacity now hold copies of
+        // valid `T`s (`NoUninit` types are plain bytes), within the reserved capacity.
+        unsafe { self.set_len(self.len() + src.len()) };
+        Ok(())
     }
 }

@@ -1,7 +1,9 @@
-//! Copies between host and device: tracked async copies that hold their host buffer, batches
+//! Copies: tracked async copies that hold their host buffer, copies between device memory, batches
 //! of raw copies, and the cut at chunk boundaries every copy goes through.
 
 pub(crate) mod batch;
+pub(crate) mod device;
 pub(crate) mod nontemporal;
 pub(crate) mod split;
 pub(crate) mod tracked;
+pub(crate) mod window;

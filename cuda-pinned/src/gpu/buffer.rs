@@ -273,6 +273,34 @@ impl<T> DeviceBuffer<T> {
         self.pending.track(stream, event);
     }
 
+    /// Counts all work on `stream` as a use of the buffer: work this crate cannot see, such as
+    /// kernels that read or write it (through cudarc's launch builder, or its
+    /// [raw address](Self::as_raw)).
+    ///
+    /// The stream is first ordered after the buffer's copies on other streams. From then on,
+    /// copies through the buffer on other streams wait for everything queued on `stream`
+    /// before them, and the buffer is freed only after `stream` has passed the work queued
+    /// before the drop: kernels launched before or after this call are covered alike. The
+    /// buffer's name for what [`PinnedVec::record_stream`](crate::PinnedVec::record_stream)
+    /// does for host memory.
+    ///
+    /// Dropped while `stream` is capturing a graph, the buffer is never freed: the graph may
+    /// use it at any launch.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::DeviceMismatch`] for a stream of another device, [`Error::Capturing`] on a
+    /// stream capturing a graph, or the CUDA error of ordering the stream.
+    pub fn record_stream(&self, stream: &Stream) -> Result<()> {
+        crate::gpu::device::check_same_device("the stream", self.device, stream.device().raw())?;
+        crate::context::on_device(self.device, || {
+            stream.refuse_capture()?;
+            self.pending.order_before(stream)
+        })?;
+        self.pending.record_stream(stream);
+        Ok(())
+    }
+
     /// A view of the elements in `range`, to copy from.
     ///
     /// # Panics

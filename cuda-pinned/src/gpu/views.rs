@@ -107,6 +107,10 @@ fn stop_unwaited(error: &Error) -> ! {
 }
 
 /// A read-only view of a range of a [`DeviceBuffer`](crate::DeviceBuffer): a copy source.
+///
+/// With the `cudarc` feature it is also a cudarc kernel argument (`launch.arg(&view)`); the
+/// kernel must run on a stream that was ordered with the memory: a batch's or tensor's
+/// `ready_on` stream, or one the buffer [recorded](crate::DeviceBuffer::record_stream).
 pub struct DeviceSlice<'a, T> {
     pub(crate) range: DeviceRange<'a>,
     pub(crate) _elements: PhantomData<&'a [T]>,
@@ -121,6 +125,9 @@ impl<T> Clone for DeviceSlice<'_, T> {
 impl<T> Copy for DeviceSlice<'_, T> {}
 
 /// A unique view of a range of a [`DeviceBuffer`](crate::DeviceBuffer): a copy destination (and source).
+///
+/// With the `cudarc` feature it is also a cudarc kernel argument the kernel may write
+/// (`launch.arg(&mut view)`), under the rule [`DeviceSlice`] states.
 pub struct DeviceSliceMut<'a, T> {
     pub(crate) range: DeviceRange<'a>,
     pub(crate) _unique: PhantomData<&'a mut [T]>,

@@ -1,5 +1,5 @@
-//! Working with cudarc (the `cudarc` feature): its streams adopted as ours, and tracked copies
-//! between our buffers and its device memory.
+//! Working with cudarc (the `cudarc` feature): its streams adopted as ours, our device views as
+//! its kernel arguments, and tracked copies between our buffers and its device memory.
 //!
 //! Our buffers do not implement cudarc's `HostSlice`, through which `stream.memcpy_htod(&buf,
 //! ..)` would take them by reference. cudarc ends such a copy by waiting for the stream in
@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use bytemuck::{AnyBitPattern, NoUninit};
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, LaunchArgs, PushKernelArg};
 
 use crate::copy::tracked::HostBuffer;
 use crate::copy::tracked::Transfer;
@@ -23,6 +23,7 @@ use crate::error::Error;
 use crate::error::Result;
 use crate::gpu::stream::Owner;
 use crate::gpu::stream::Stream;
+use crate::gpu::views::{DeviceSlice, DeviceSliceMut};
 
 impl Stream {
     /// Adopts a cudarc stream for copies and for buffers' recorded uses.
@@ -114,6 +115,40 @@ pub trait CudarcCopies {
         B: HostBuffer,
         B::Elem: AnyBitPattern,
         D: DevicePtr<B::Elem>;
+
+    /// Queues a copy of `src` (a [`DeviceBuffer`](crate::DeviceBuffer) of this crate, or a view
+    /// of one: a loader batch's field) into cudarc's `dst` on this stream, tracked on both
+    /// sides: after the buffer's copies on other streams and cudarc's earlier uses of `dst`;
+    /// the buffer is freed only after it, and cudarc orders later uses of `dst` after it.
+    ///
+    /// # Errors
+    ///
+    /// As [`copy_to_device`](Self::copy_to_device), with [`Error::DeviceMismatch`] also for
+    /// a buffer of another device than the stream's.
+    fn copy_device_to_cudarc<'s, T, D>(
+        &self,
+        src: impl Into<DeviceSlice<'s, T>>,
+        dst: &mut D,
+    ) -> Result<()>
+    where
+        T: Copy + 's,
+        D: DevicePtrMut<T>;
+
+    /// Queues a copy of cudarc's `src` into `dst` (a [`DeviceBuffer`](crate::DeviceBuffer) of
+    /// this crate, or a view of one) on this stream, tracked on both sides as in
+    /// [`copy_device_to_cudarc`](Self::copy_device_to_cudarc).
+    ///
+    /// # Errors
+    ///
+    /// As [`copy_device_to_cudarc`](Self::copy_device_to_cudarc).
+    fn copy_cudarc_to_device<'d, T, S>(
+        &self,
+        src: &S,
+        dst: impl Into<DeviceSliceMut<'d, T>>,
+    ) -> Result<()>
+    where
+        T: Copy + 'd,
+        S: DevicePtr<T>;
 }
 
 impl CudarcCopies for Arc<CudaStream> {
@@ -151,6 +186,86 @@ impl CudarcCopies for Arc<CudaStream> {
             // writes of `src` after the read event recorded when `_read` drops.
             unsafe { stream.copy_from_device_ptr(address, dst) }
         })
+    }
+
+    fn copy_device_to_cudarc<'s, T, D>(
+        &self,
+        src: impl Into<DeviceSlice<'s, T>>,
+        dst: &mut D,
+    ) -> Result<()>
+    where
+        T: Copy + 's,
+        D: DevicePtrMut<T>,
+    {
+        let src = src.into().range;
+        let stream = prepare(self, src.len, dst.len(), dst.stream())?;
+        src.check_stream(&stream)?;
+        crate::context::on_device(ordinal(self), || {
+            stream.refuse_capture()?;
+            let (address, _written) = dst.device_ptr_mut(self);
+            // SAFETY: `dst` is a live cudarc allocation of the view's length (checked), freed
+            // by cudarc only after the write event recorded when `_written` drops (after the
+            // copy is queued), and borrowed uniquely; the view lies in a live buffer that
+            // records the copy and is freed only after it. The two are different allocations.
+            unsafe {
+                crate::copy::device::queue_tracked(
+                    &stream,
+                    address,
+                    src.address,
+                    src.len * size_of::<T>(),
+                    &[src],
+                )
+            }
+        })
+    }
+
+    fn copy_cudarc_to_device<'d, T, S>(
+        &self,
+        src: &S,
+        dst: impl Into<DeviceSliceMut<'d, T>>,
+    ) -> Result<()>
+    where
+        T: Copy + 'd,
+        S: DevicePtr<T>,
+    {
+        let dst = dst.into().range;
+        let stream = prepare(self, dst.len, src.len(), src.stream())?;
+        dst.check_stream(&stream)?;
+        crate::context::on_device(ordinal(self), || {
+            stream.refuse_capture()?;
+            let (address, _read) = src.device_ptr(self);
+            // SAFETY: as in `copy_device_to_cudarc`, with cudarc's memory read (cudarc orders
+            // its later writes after the read event recorded when `_read` drops) and this
+            // crate's view written, borrowed uniquely.
+            unsafe {
+                crate::copy::device::queue_tracked(
+                    &stream,
+                    dst.address,
+                    address,
+                    dst.len * size_of::<T>(),
+                    &[dst],
+                )
+            }
+        })
+    }
+}
+
+// SAFETY: what cudarc's launch receives for the argument is a pointer to the view's device
+// address (a `u64`, as a kernel's pointer parameter takes it), borrowed for the builder's
+// life. Ordering the kernel's stream with the memory is the launch's caller's part (cudarc's
+// `launch` is `unsafe`), as the views' docs say.
+unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b DeviceSlice<'_, T>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b DeviceSlice<'_, T>) -> &mut Self {
+        self.arg(&arg.range.address)
+    }
+}
+
+// SAFETY: as for `DeviceSlice`, for a view the kernel may write.
+unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b mut DeviceSliceMut<'_, T>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b mut DeviceSliceMut<'_, T>) -> &mut Self {
+        self.arg(&arg.range.address)
     }
 }
 

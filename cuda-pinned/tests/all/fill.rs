@@ -1,9 +1,10 @@
-//! `PinnedVec<u8>::read_from` and `read_from_file_at`: the length is exactly what was read,
-//! whatever ends the reading.
+//! Filling spare capacity: `PinnedVec<u8>::read_from` and `read_from_file_at` (the length is
+//! exactly what was read, whatever ends the reading), and `extend_streaming`; windows of a
+//! buffer as a copy's host side.
 
 use std::io::{self, Read, Write};
 
-use cuda_pinned::PinnedVec;
+use cuda_pinned::{HostBuffer, PinnedVec, Window};
 use proptest::prelude::*;
 
 /// A reader of `data` that yields at most `step` bytes a call, fails with `fail` once `fail_at`
@@ -118,4 +119,48 @@ fn a_file_range_is_read_up_to_its_end() {
     assert!(bytes[5_004..] == data[98_000..]);
     assert!(bytes.read_from_file_at(&file, u64::MAX, 10).is_err());
     std::fs::remove_file(path).unwrap();
+}
+
+proptest! {
+    #![proptest_config(crate::support::proptest_config(64, 4))]
+
+    /// `extend_streaming` appends exactly `src` after what was there, at any length (the
+    /// non-temporal path starts at 4 KiB) and any alignment of the end of the vector.
+    #[test]
+    fn extend_streaming_appends_exactly_the_slice(
+        head in 0usize..100,
+        len in prop_oneof![0usize..64, 4090usize..4200, 20_000usize..20_100],
+        seed: u8,
+    ) {
+        let src: Vec<u32> = (0..len as u32).map(|i| i.wrapping_mul(2_654_435_761) ^ u32::from(seed)).collect();
+        let mut v = PinnedVec::<u32>::with_capacity(0).unwrap();
+        v.extend((0..head as u32).map(|i| !i));
+        v.extend_streaming(&src).unwrap();
+        prop_assert_eq!(v.len(), head + len);
+        prop_assert!(v[..head].iter().enumerate().all(|(i, &x)| x == !(i as u32)));
+        prop_assert_eq!(&v[head..], &src[..]);
+    }
+
+    /// A window reports exactly its range of the buffer, wherever it is moved, and gives the
+    /// whole buffer back.
+    #[test]
+    fn a_window_reports_its_range_of_the_buffer(len in 0usize..200, a in 0usize..200, b in 0usize..200) {
+        let (start, end) = (a.min(b).min(len), a.max(b).min(len));
+        let v = PinnedVec::from_slice(&vec![7u16; len]).unwrap();
+        let base = v.as_ptr() as usize;
+        let mut window = Window::new(v, start..end);
+        prop_assert_eq!(window.range(), start..end);
+        let (ptr, n) = window.host_parts();
+        prop_assert_eq!((ptr as usize, n), (base.wrapping_add(2 * start), end - start));
+        window.set_range(..);
+        prop_assert_eq!(window.host_parts().1, len);
+        prop_assert_eq!(window.into_inner().len(), len);
+    }
+}
+
+#[test]
+#[should_panic(expected = "out of bounds")]
+fn a_window_past_the_buffer_panics_as_slicing_does() {
+    let v = PinnedVec::from_slice(&[1u8; 10]).unwrap();
+    let _ = Window::new(v, 5..11);
 }

@@ -6,6 +6,7 @@ mod support;
 mod allocator_api2;
 mod boxed;
 mod copies;
+mod device_copies;
 mod devices;
 mod errors;
 mod fill;

@@ -462,3 +462,66 @@ fn copies_wait_and_allocate_during_a_global_capture_alone() {
         );
     }
 }
+
+/// This crate's device memory and cudarc's copy into each other on a cudarc stream, ordered
+/// after the writers on both sides: an upload on a stream of ours (held back) before the copy
+/// into cudarc's memory, and a copy back after cudarc's own.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_buffers_and_cudarc_memory_copy_into_each_other_in_order() {
+    let cudarc = cudarc_stream();
+    let ours = Stream::new().unwrap();
+    let len = 8 << 20;
+    let data = pattern(len, 13);
+    let mut buffer = cuda_pinned::DeviceBuffer::<u8>::zeroed(len).unwrap();
+    block_ours(&ours, 300);
+    let upload = ours
+        .copy_to_device(PinnedVec::from_slice(&data).unwrap(), &mut buffer)
+        .unwrap();
+    let mut theirs = cudarc.alloc_zeros::<u8>(len).unwrap();
+    cudarc.copy_device_to_cudarc(&buffer, &mut theirs).unwrap();
+    assert_eq!(
+        cudarc.clone_dtoh(&theirs).unwrap(),
+        data,
+        "cudarc's copy ran before the upload"
+    );
+
+    // cudarc writes its memory, then it comes back into a range of ours.
+    let ones = cudarc.clone_htod(&vec![1u8; 4096]).unwrap();
+    cudarc
+        .memcpy_dtod(&ones, &mut theirs.slice_mut(..4096))
+        .unwrap();
+    let mut back = cuda_pinned::DeviceBuffer::<u8>::zeroed(4096 + 7).unwrap();
+    cudarc
+        .copy_cudarc_to_device(&theirs.slice(..4096), back.slice_mut(7..))
+        .unwrap();
+    let back = back.to_vec().unwrap();
+    assert!(back[..7].iter().all(|&b| b == 0) && back[7..].iter().all(|&b| b == 1));
+
+    let refused = cudarc.copy_device_to_cudarc(&buffer, &mut ones.clone());
+    assert!(matches!(refused, Err(Error::LengthMismatch { .. })));
+    upload.wait().unwrap();
+}
+
+/// A buffer of ours that a cudarc copy reads, dropped at once, is freed only after the copy.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_device_buffer_read_by_a_cudarc_copy_outlives_it() {
+    let cudarc = cudarc_stream();
+    let data = pattern(4 << 20, 19);
+    let buffer = cuda_pinned::DeviceBuffer::from_slice(&data).unwrap();
+    let mut theirs = cudarc.alloc_zeros::<u8>(data.len()).unwrap();
+    block(&cudarc, 200);
+    cudarc.copy_device_to_cudarc(&buffer, &mut theirs).unwrap();
+    drop(buffer);
+    // Fresh device memory scribbled over, where the freed buffer's pages would go.
+    let _scribble = cuda_pinned::DeviceBuffer::from_slice(&vec![0xEEu8; 4 << 20]).unwrap();
+    assert_eq!(cudarc.clone_dtoh(&theirs).unwrap(), data);
+}
+
+/// Holds a stream of ours back for `ms` milliseconds.
+fn block_ours(stream: &Stream, ms: u64) {
+    stream
+        .launch_host_fn(move || std::thread::sleep(Duration::from_millis(ms)))
+        .unwrap();
+}

@@ -11,14 +11,14 @@ use pinned_loader::{
     Assembly, BoxError, Dataset, DeviceLoader, Field, Loader, LoaderConfig, PinnedSamples,
 };
 
-const IMAGE: usize = 3 * 32 * 32;
+pub(crate) const IMAGE: usize = 3 * 32 * 32;
 
 /// Sample `i`: an image of bytes `(i * 7 + k) % 251`, and the label `i`.
-struct Images {
-    len: usize,
+pub(crate) struct Images {
+    pub(crate) len: usize,
 }
 
-fn image(i: usize) -> Vec<u8> {
+pub(crate) fn image(i: usize) -> Vec<u8> {
     (0..IMAGE).map(|k| ((i * 7 + k) % 251) as u8).collect()
 }
 
@@ -182,6 +182,52 @@ fn host_batches_of_a_loader_copy_to_the_device() {
         assert!(sample == image(*label as usize));
     }
     drop(stream);
+}
+
+/// Host batches' fields go to tracked copies as they are, without pinning again: every
+/// upload lands intact, and a batch whose upload was dropped unwaited while its stream was
+/// held is not refilled under it (few slots force the reuse).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn host_batch_fields_upload_as_tracked_buffers() {
+    let stream = Stream::new().unwrap();
+    let config = LoaderConfig::new(16).workers(2).prefetch(1);
+    let mut loader = Loader::new(Images { len: 16 * 12 }, config).unwrap();
+    let released = Arc::new(AtomicBool::new(false));
+    let flag = released.clone();
+    stream
+        .launch_host_fn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            flag.store(true, Ordering::SeqCst);
+        })
+        .unwrap();
+    let mut devices = Vec::new();
+    for batch in loader.epoch(0) {
+        let (pixels, labels) = batch.unwrap().into_buffers();
+        let mut on_device = (
+            cuda_pinned::DeviceBuffer::<u8>::zeroed(pixels.len()).unwrap(),
+            cuda_pinned::DeviceBuffer::<i64>::zeroed(labels.len()).unwrap(),
+        );
+        // Dropped unwaited: the loader may refill the memory only after the copies.
+        drop(stream.copy_to_device(pixels, &mut on_device.0).unwrap());
+        drop(stream.copy_to_device(labels, &mut on_device.1).unwrap());
+        devices.push(on_device);
+    }
+    assert_eq!(devices.len(), 12);
+    let mut seen = Vec::new();
+    for (pixels, labels) in &devices {
+        let (pixels, labels) = (pixels.to_vec().unwrap(), labels.to_vec().unwrap());
+        for (label, sample) in labels.iter().zip(pixels.chunks(IMAGE)) {
+            assert!(
+                sample == image(*label as usize),
+                "sample {label} arrived damaged"
+            );
+        }
+        seen.extend(labels);
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, (0..16 * 12).collect::<Vec<i64>>());
+    assert!(released.load(Ordering::SeqCst));
 }
 
 #[test]

@@ -742,3 +742,45 @@ fn errors_that_panic_when_dropped_by_a_worker_stop_no_worker() {
         "{results:?}"
     );
 }
+
+/// A batch's fields as buffers hold the batch's samples; the loader gets the memory back once
+/// every buffer is gone, in any order, and keeps delivering with few slots; buffers kept past
+/// the loader keep its block until they go.
+#[test]
+fn batches_as_buffers_give_their_memory_back_when_the_last_goes() {
+    let pool = Arc::new(Pool::new());
+    let cfg = config(8, 2).prefetch(1).pool(pool.clone());
+    let mut loader = Loader::new(Indexed::new(200), cfg).unwrap();
+    let mut kept = None;
+    for epoch in 0..3 {
+        let mut labels_seen = Vec::new();
+        for (k, batch) in loader.epoch(epoch).enumerate() {
+            let batch = batch.unwrap();
+            let expected = batch.indices().to_vec();
+            let (mut a, b) = batch.into_buffers();
+            assert_eq!((a.len(), b.len()), (3 * expected.len(), expected.len()));
+            for (sample, label) in a.as_slice().chunks(3).zip(b.as_slice()) {
+                assert!(sample.iter().all(|&x| i64::from(x) == *label));
+            }
+            assert!(b.as_slice().iter().map(|&l| l as usize).eq(expected));
+            labels_seen.extend_from_slice(b.as_slice());
+            a.as_mut_slice().fill(u32::MAX); // the buffers are the caller's to write
+            match k % 3 {
+                0 => drop((a, b)),
+                1 => drop((b, a)),
+                _ if kept.is_none() => kept = Some(b),
+                _ => drop(b),
+            }
+        }
+        labels_seen.sort_unstable();
+        assert_eq!(labels_seen, (0..200).collect::<Vec<i64>>(), "epoch {epoch}");
+    }
+    drop(loader);
+    assert_eq!(
+        pool.stats().active_requests.current,
+        1,
+        "a kept buffer holds the block"
+    );
+    drop(kept);
+    assert_eq!(pool.stats().active_requests.current, 0);
+}

@@ -5,3 +5,5 @@ mod device;
 mod epochs;
 mod files;
 mod indices;
+#[cfg(feature = "cudarc")]
+mod with_cudarc;
