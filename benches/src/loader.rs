@@ -4,6 +4,7 @@
 //! host's `memcpy` bandwidth in the same run (host collate cannot beat it); the same images read
 //! from a `.npy` file, warm and cold, against memory and the disk's random-read ceiling.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -75,8 +76,8 @@ fn worker_counts() -> Vec<usize> {
 }
 
 /// Work items, for the progress bar.
-pub fn steps(cuda: bool) -> usize {
-    worker_counts().len() + 4 + usize::from(cuda) * 2
+pub fn steps(cuda: bool, traced: bool) -> usize {
+    worker_counts().len() + 4 + usize::from(cuda) * 3 + usize::from(traced)
 }
 
 /// One run's figures: batches/s once warm, over the whole run from construction on, and over
@@ -111,7 +112,7 @@ fn process_cpu_time() -> Duration {
 }
 
 /// Runs the section.
-pub fn run(quick: bool, progress: &mut Progress) -> Vec<Section> {
+pub fn run(quick: bool, trace: Option<&Path>, progress: &mut Progress) -> Vec<Section> {
     let cuda = cuda_pinned::is_available();
     let batches = if quick { 400 } else { 3_000 };
     let reps = if quick { 3 } else { 5 };
@@ -125,7 +126,36 @@ pub fn run(quick: bool, progress: &mut Progress) -> Vec<Section> {
     }
     progress.step("loader, host memcpy");
     memcpy_and_notes(batches, reps, &mut section);
+    if let Some(path) = trace {
+        progress.step("loader, traced run");
+        match traced_run(&images, cuda, path) {
+            Ok(()) => section.notes.push(format!(
+                "a traced run (host collate, 8 workers, {TRACED} batches) is in {}",
+                path.display()
+            )),
+            Err(e) => section.notes.push(format!("traced run: {e}")),
+        }
+    }
     vec![section]
+}
+
+/// Batches of the traced run.
+const TRACED: usize = 300;
+
+/// One run of host collate with 8 workers, traced into a Chrome trace at `path`: the workers'
+/// fills, the uploads, the consumer's waits, the copies and waits below them.
+fn traced_run(images: &Arc<Images>, cuda: bool, path: &Path) -> Result<(), BoxError> {
+    use tracing_subscriber::layer::SubscriberExt;
+    let (chrome, flush) = tracing_chrome::ChromeLayerBuilder::new()
+        .file(path)
+        .include_args(true)
+        .build();
+    // The loader's workers are threads of their own: the subscriber is the process's.
+    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(chrome))?;
+    let run = collate_run(images.clone(), collate_config(8, 0), TRACED, cuda);
+    drop(flush);
+    run?;
+    Ok(())
 }
 
 /// The section's title and columns, kept apart so `run` reads as the order of measurements.

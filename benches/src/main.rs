@@ -62,7 +62,12 @@ enum Command {
     /// The caching pool: warm latency, threads, memory waste.
     Pool,
     /// The data loader: batches/s to the GPU by workers, device gather.
-    Loader,
+    Loader {
+        /// Also trace one run (host collate, 8 workers, 300 batches) into FILE, a Chrome
+        /// trace (open it at ui.perfetto.dev or chrome://tracing).
+        #[arg(long, value_name = "FILE")]
+        trace: Option<PathBuf>,
+    },
     /// Safetensors checkpoints from a file to the GPU, warm and cold, against the disk's
     /// ceiling, an mmap, a `Vec` and PyTorch.
     Files {
@@ -93,7 +98,7 @@ impl Command {
             Self::Staged => "staged",
             Self::Alloc => "alloc",
             Self::Pool => "pool",
-            Self::Loader => "loader",
+            Self::Loader { .. } => "loader",
             Self::Files { .. } => "files",
             Self::Results { .. } => "results",
         }
@@ -111,7 +116,11 @@ fn main() -> ExitCode {
         Some(Command::Files { dir }) => dir.clone(),
         _ => std::env::temp_dir(),
     };
-    let mut report = run(command, options.quick, &files_dir);
+    let trace = match &options.command {
+        Some(Command::Loader { trace }) => trace.clone(),
+        _ => None,
+    };
+    let mut report = run(command, options.quick, &files_dir, trace.as_deref());
     report.date = context::today();
     report.commit = context::COMMIT.to_owned();
     report.command = context::command_line(&args);
@@ -188,7 +197,7 @@ fn write_files(options: &Options, report: &Report) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-fn run(command: &str, quick: bool, files_dir: &Path) -> Report {
+fn run(command: &str, quick: bool, files_dir: &Path, trace: Option<&Path>) -> Report {
     let mut report = Report {
         machine: info::facts(),
         ..Report::default()
@@ -199,7 +208,7 @@ fn run(command: &str, quick: bool, files_dir: &Path) -> Report {
     let cuda = cuda_pinned::is_available();
     let all = command == "all";
     let staged = all || command == "bandwidth" || command == "staged";
-    let mut progress = Progress::new(steps(command, quick, cuda));
+    let mut progress = Progress::new(steps(command, quick, cuda, trace));
     if !cuda && (staged || command == "alloc" || command == "devices") {
         let why = why_no_gpu();
         report.skipped.push(format!("GPU parts skipped: {why}"));
@@ -234,7 +243,9 @@ fn run(command: &str, quick: bool, files_dir: &Path) -> Report {
         report.sections.extend(pool::run(quick, &mut progress));
     }
     if all || command == "loader" {
-        report.sections.extend(loader::run(quick, &mut progress));
+        report
+            .sections
+            .extend(loader::run(quick, trace, &mut progress));
     }
     // Not part of `all`: it writes checkpoints of several GiB, and drops the page cache.
     if command == "files" && cuda {
@@ -248,7 +259,7 @@ fn run(command: &str, quick: bool, files_dir: &Path) -> Report {
 }
 
 /// Work items `command` will run, for the progress bar, counted before anything runs.
-fn steps(command: &str, quick: bool, cuda: bool) -> usize {
+fn steps(command: &str, quick: bool, cuda: bool, trace: Option<&Path>) -> usize {
     let all = command == "all";
     let mut steps = 0;
     if (all || command == "bandwidth") && cuda {
@@ -275,7 +286,7 @@ fn steps(command: &str, quick: bool, cuda: bool) -> usize {
         steps += memcpy::steps();
     }
     if all || command == "loader" {
-        steps += loader::steps(cuda);
+        steps += loader::steps(cuda, trace.is_some());
     }
     steps
 }
@@ -326,7 +337,14 @@ mod tests {
         assert!(parse(&["--json"]).unwrap().json);
         let o = parse(&["--record", "benches/results", "loader"]).unwrap();
         assert_eq!(o.record, Some("benches/results".into()));
-        assert_eq!(o.command, Some(Command::Loader));
+        assert_eq!(o.command, Some(Command::Loader { trace: None }));
+        let o = parse(&["loader", "--trace", "loader.json"]).unwrap();
+        assert_eq!(
+            o.command,
+            Some(Command::Loader {
+                trace: Some("loader.json".into())
+            })
+        );
         let o = parse(&["results", "r.json", "files.json"]).unwrap();
         assert_eq!(
             o.command,

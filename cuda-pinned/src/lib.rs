@@ -6,7 +6,8 @@
 //! memory](guide#kinds-of-memory), tracks every async copy so that no buffer is freed, reused
 //! or touched by the host while the device still uses it, and copies ordinary memory near
 //! page-locked speed through a [`Stager`]. It loads CUDA at run time: it builds and runs
-//! without CUDA, where buffers are `mlock`ed memory. The [`guide`] explains the ideas; the
+//! without CUDA, where buffers are `mlock`ed memory. Pinning, copies, staged copies and waits
+//! are `tracing` spans (free when nothing subscribes). The [`guide`] explains the ideas; the
 //! rooms of the code are:
 //!
 //! | module | what |
@@ -18,6 +19,7 @@
 //! | `staging` | the [`Stager`]: copies from ordinary memory through a pinned ring |
 //! | `raw`, `context` | one CUDA call per function, and the context and capture-mode policy around them |
 //! | `interop` | cudarc (the `cudarc` feature) and allocator-api2 |
+//! | [`nvtx`](mod@crate::nvtx) | spans as NVTX ranges for Nsight Systems (the `nvtx` feature) |
 //!
 //! # With cudarc
 //!
@@ -88,6 +90,8 @@ mod error;
 mod gpu;
 mod interop;
 mod memory;
+#[cfg(feature = "nvtx")]
+pub mod nvtx;
 mod os;
 mod raw;
 mod staging;

@@ -296,6 +296,7 @@ pub(crate) unsafe fn lock(ptr: NonNull<u8>, bytes: usize) -> Result<()> {
     if cfg!(miri) {
         return Ok(());
     }
+    let _span = tracing::debug_span!("pin", kind = %"mlock", bytes).entered();
     // SAFETY: the caller guarantees the range is mapped.
     if unsafe { libc::mlock(ptr.as_ptr().cast(), bytes) } == 0 {
         return Ok(());

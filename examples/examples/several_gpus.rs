@@ -41,6 +41,8 @@ struct Report {
     batches: usize,
     seconds: f64,
     upload_gbps: f64,
+    /// What limited its last epoch.
+    verdict: String,
 }
 
 /// One rank: its device's loader and training stream, for three epochs.
@@ -81,6 +83,10 @@ fn train(
         batches,
         seconds: started.elapsed().as_secs_f64(),
         upload_gbps: loader.stats().upload_bandwidth() / 1e9,
+        verdict: loader
+            .epoch_stats()
+            .last()
+            .map_or_else(String::new, |epoch| epoch.verdict().to_string()),
     })
 }
 
@@ -118,6 +124,7 @@ fn main() -> Result<(), LoaderError> {
             report.batches as f64 / report.seconds,
             report.upload_gbps
         );
+        println!("  {}", report.verdict);
     }
     let stats = pool.stats();
     println!(

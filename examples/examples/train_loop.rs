@@ -1,5 +1,10 @@
 //! The training-loop shape PyTorch users know, fed by `pinned-loader`:
-//! `cargo run --release -p cuda-pinned-examples --example train_loop`.
+//! `cargo run --release -p cuda-pinned-examples --example train_loop [-- --trace FILE]`.
+//!
+//! It ends with each epoch's verdict: what limited it (data loading, uploads or the training
+//! step) and the figures behind the call. `--trace FILE` also writes a timeline of the run (the
+//! workers filling batches, the uploads, the consumer waiting, the copies below them) as a
+//! Chrome trace, to open at <https://ui.perfetto.dev> or `chrome://tracing`.
 //!
 //! ```text
 //! for epoch in 0..epochs:
@@ -8,7 +13,10 @@
 //!         train_step(images, labels)
 //! ```
 
+use std::path::PathBuf;
 use std::time::Instant;
+
+use clap::Parser;
 
 use cuda_pinned::{DeviceBuffer, Stream};
 use pinned_loader::{
@@ -39,7 +47,37 @@ impl Dataset for Images {
     }
 }
 
-fn main() -> Result<(), LoaderError> {
+/// The example's options.
+#[derive(Parser)]
+struct Options {
+    /// Write a Chrome trace of the run to FILE.
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let options = Options::parse();
+    // Kept to the end of the run: dropping it finishes the file.
+    let _trace = match &options.trace {
+        Some(path) => {
+            use tracing_subscriber::layer::SubscriberExt;
+            let (chrome, flush) = tracing_chrome::ChromeLayerBuilder::new()
+                .file(path)
+                .include_args(true)
+                .build();
+            tracing::subscriber::set_global_default(tracing_subscriber::registry().with(chrome))?;
+            Some(flush)
+        }
+        None => None,
+    };
+    train()?;
+    if let Some(path) = &options.trace {
+        println!("trace written to {}", path.display());
+    }
+    Ok(())
+}
+
+fn train() -> Result<(), LoaderError> {
     let images = Images {
         pixels: (0..512 * IMAGE).map(|i| (i % 251) as u8).collect(),
         labels: (0..512).collect(),
@@ -70,6 +108,9 @@ fn main() -> Result<(), LoaderError> {
             }
         }
         report(loader.stats(), started);
+        for epoch in loader.epoch_stats() {
+            println!("{}", epoch.verdict());
+        }
         return Ok(());
     }
     let stream = Stream::new()?; // the training stream
@@ -88,6 +129,10 @@ fn main() -> Result<(), LoaderError> {
         println!("epoch {epoch} done");
     }
     report(device.stats(), started);
+    // What limited each epoch: data loading, uploads or the training step, and the figures.
+    for epoch in device.epoch_stats() {
+        println!("{}", epoch.verdict());
+    }
     Ok(())
 }
 

@@ -13,7 +13,7 @@ use crate::dataset::Dataset;
 use crate::error::LoaderError;
 use crate::fields::Fields;
 use crate::loader::{Epoch, Loader};
-use crate::stats::LoaderStats;
+use crate::stats::{EpochStats, LoaderStats};
 
 /// How a device batch is assembled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -127,6 +127,11 @@ impl<D: Dataset> DeviceLoader<D> {
     /// What the loader has done so far, uploads included.
     pub fn stats(&self) -> LoaderStats {
         self.loader.stats()
+    }
+
+    /// Each epoch's figures, uploads included, the latest last ([`Loader::epoch_stats`]).
+    pub fn epoch_stats(&self) -> &[EpochStats] {
+        self.loader.epoch_stats()
     }
 
     /// The batches of epoch `epoch` on the device.
@@ -282,6 +287,7 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
         batch: HostBatch<D::Fields>,
     ) -> Result<DeviceBatch<D::Fields>, LoaderError> {
         let (len, index) = (batch.len(), batch.index());
+        let _span = tracing::debug_span!("upload", batch = index, samples = len).entered();
         let (order, range) = (batch.order.clone(), batch.range.clone());
         let mut device = self.take_slot()?;
         let start = match self.stream.record_event() {

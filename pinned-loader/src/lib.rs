@@ -152,4 +152,4 @@ pub use files::{FileError, NpyArray, NpyDataset, NpyElement, NpyFields, RecordDa
 
 // Errors and statistics.
 pub use error::{BoxError, LoaderError};
-pub use stats::LoaderStats;
+pub use stats::{EpochStats, Limit, LoaderStats, Verdict};

@@ -215,7 +215,11 @@ impl Pinner {
     /// A block of `size` bytes from `backend`, counted against the cap first (and given back
     /// to it on failure). A panicking backend is an error like any other: the thread goes on.
     fn pin<B: PinnedAllocator>(&self, backend: &B, size: usize) -> Result<Allocation, Error> {
-        count(&self.pinned, size, self.limit)?;
+        let _span = tracing::debug_span!("reserve top-up", bytes = size).entered();
+        if let Err(error) = count(&self.pinned, size, self.limit) {
+            tracing::warn!(bytes = size, %error, "reserve refused");
+            return Err(error);
+        }
         let layout =
             std::alloc::Layout::from_size_align(size, PAGE).map_err(|_| Error::CapacityOverflow);
         let block = layout.and_then(|layout| {
@@ -228,7 +232,8 @@ impl Pinner {
                 },
             )
         });
-        if block.is_err() {
+        if let Err(error) = &block {
+            tracing::warn!(bytes = size, %error, "reserve refused");
             self.pinned.fetch_sub(size, Ordering::Relaxed);
         }
         block

@@ -78,6 +78,15 @@ pub(crate) unsafe fn queue_tracked(
     if bytes == 0 {
         return Ok(());
     }
+    let _span = tracing::debug_span!(
+        "copy",
+        direction = %"device to device",
+        bytes,
+        memory = %"device",
+        stream = ?stream.as_raw(),
+        device = stream.device().raw(),
+    )
+    .entered();
     crate::gpu::fence::enqueue(stream, |stream| {
         for range in ranges {
             range.pending.order_before(stream)?;

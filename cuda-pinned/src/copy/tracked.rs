@@ -151,6 +151,7 @@ impl<B: HostBuffer> Transfer<B> {
     /// A CUDA error (the device is then in an error state). The buffer is not returned and
     /// its memory is leaked: nothing can prove the device has stopped using it.
     pub fn wait(self) -> Result<B> {
+        let _span = tracing::debug_span!("wait", what = %"copy").entered();
         let mut this = ManuallyDrop::new(self);
         this.event.synchronize()?;
         // SAFETY: `this` is never dropped, so the buffer is moved out exactly once; the copy
@@ -319,6 +320,15 @@ impl Stream {
     ) -> Result<Transfer<B>> {
         let (host_ptr, len) = host.host_parts();
         let bytes = check_sizes::<B::Elem>(self, len, tracked)?;
+        let _span = tracing::debug_span!(
+            "copy",
+            direction = %direction.name(),
+            bytes,
+            memory = %"page-locked",
+            stream = ?self.as_raw(),
+            device = self.device().raw(),
+        )
+        .entered();
         let (dst, src) = match direction {
             Direction::HostToDevice => (device as *mut _, host_ptr.cast_const().cast()),
             _ => (host_ptr.cast(), device as *const _),

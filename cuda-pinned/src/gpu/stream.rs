@@ -237,6 +237,7 @@ impl Stream {
     ///
     /// A CUDA error, including errors of earlier asynchronous work.
     pub fn synchronize(&self) -> Result<()> {
+        let _span = tracing::debug_span!("wait", what = %"stream").entered();
         // SAFETY: the handle is live while `self` exists. (On a thread without a context the
         // runtime would make its default device's current: the stream's own is used.)
         crate::context::on_device(self.handle.device, || unsafe {

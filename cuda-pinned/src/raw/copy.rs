@@ -23,6 +23,14 @@ pub(crate) enum Direction {
 }
 
 impl Direction {
+    /// How traces name it.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::HostToDevice => "host to device",
+            Self::DeviceToHost => "device to host",
+        }
+    }
+
     fn kind(self) -> sys::cudaMemcpyKind {
         match self {
             Self::HostToDevice => sys::cudaMemcpyKind::cudaMemcpyHostToDevice,

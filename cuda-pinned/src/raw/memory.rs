@@ -10,6 +10,7 @@ use super::driver_status;
 use crate::error::{Error, Result};
 
 pub(crate) fn host_alloc(bytes: usize, flags: u32) -> Result<NonNull<u8>> {
+    let _span = tracing::debug_span!("pin", kind = %"cudaHostAlloc", bytes).entered();
     let mut ptr = ptr::null_mut();
     cuda!(cudaHostAlloc(&mut ptr, bytes, flags))?;
     NonNull::new(ptr.cast()).ok_or(Error::OutOfMemory { requested: bytes })
@@ -27,6 +28,7 @@ pub(crate) unsafe fn free_host(ptr: NonNull<u8>) -> Result<()> {
 /// - `ptr..ptr + bytes` is memory this process has mapped and keeps mapped until
 ///   [`host_unregister`] is called on `ptr`.
 pub(crate) unsafe fn host_register(ptr: NonNull<u8>, bytes: usize, flags: u32) -> Result<()> {
+    let _span = tracing::debug_span!("pin", kind = %"cudaHostRegister", bytes).entered();
     cuda!(cudaHostRegister(ptr.as_ptr().cast(), bytes, flags))
 }
 

@@ -57,6 +57,7 @@ pub(crate) unsafe fn address_free(ptr: NonNull<u8>, bytes: usize) -> Result<()> 
 /// Creates `bytes` of page-locked memory on `node`; the handle keeps it until
 /// [`release`]d, and a mapping of it keeps it until [`unmap`]ped.
 pub(crate) fn create(bytes: usize, node: u32) -> Result<cu::CUmemGenericAllocationHandle> {
+    let _span = tracing::debug_span!("pin", kind = %"cuMemCreate", bytes, node).entered();
     let prop = host_numa_prop(node);
     let mut handle = 0;
     driver!(cuMemCreate(&mut handle, bytes, &prop, 0))?;

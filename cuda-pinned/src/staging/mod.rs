@@ -202,6 +202,15 @@ impl<A: PinnedAllocator> Stager<A> {
         let range = dst.into().range;
         let bytes = size_of_val(src);
         self.check(stream, range, src.len())?;
+        let _span = tracing::debug_span!(
+            "staged copy",
+            direction = %"host to device",
+            bytes,
+            memory = %"ordinary, staged",
+            stream = ?stream.as_raw(),
+            device = stream.device().raw(),
+        )
+        .entered();
         crate::gpu::fence::enqueue(stream, |stream| {
             range.pending.order_before(stream)?;
             // SAFETY: `src` is readable for `bytes` during the call; the device range is
@@ -398,6 +407,15 @@ impl<A: PinnedAllocator> Stager<A> {
         let range = src.into().range;
         let bytes = size_of_val(dst);
         self.check(stream, range, dst.len())?;
+        let _span = tracing::debug_span!(
+            "staged copy",
+            direction = %"device to host",
+            bytes,
+            memory = %"ordinary, staged",
+            stream = ?stream.as_raw(),
+            device = stream.device().raw(),
+        )
+        .entered();
         crate::gpu::fence::enqueue(stream, |stream| {
             range.pending.order_before(stream)?;
             if self.takes_driver_path(

@@ -126,7 +126,7 @@ unsafe impl PinnedAllocator for Counting {
 pub fn proptest_config(cases: u32, miri_cases: u32) -> proptest::prelude::ProptestConfig {
     let default = proptest::prelude::ProptestConfig::default();
     proptest::prelude::ProptestConfig {
-        cases: if cfg!(miri) { miri_cases } else { cases },
+        cases: capped(if cfg!(miri) { miri_cases } else { cases }),
         failure_persistence: if cfg!(miri) {
             None
         } else {
@@ -134,4 +134,13 @@ pub fn proptest_config(cases: u32, miri_cases: u32) -> proptest::prelude::Propte
         },
         ..default
     }
+}
+
+/// `cases`, capped by `PROPTEST_MAX_CASES` where it is set: the sanitizer runs, whose every
+/// case costs many times a plain run's, take fewer.
+fn capped(cases: u32) -> u32 {
+    std::env::var("PROPTEST_MAX_CASES")
+        .ok()
+        .and_then(|max| max.parse().ok())
+        .map_or(cases, |max: u32| cases.min(max))
 }

@@ -11,6 +11,7 @@ use super::workers::{Finished, Shared, Stop, Task};
 use crate::batch::{HostBatch, Slot};
 use crate::dataset::Dataset;
 use crate::error::LoaderError;
+use crate::stats::{EpochStats, LoaderStats};
 
 /// Batches of the epoch after the current one, begun once the current one had all of its own
 /// in the making ([`LoaderConfig::prefetch_next_epoch`]): its first batches are ready when it
@@ -29,6 +30,9 @@ pub(super) struct Ahead {
 /// A batch whose sample failed comes out as an error naming both; the next batch follows.
 pub struct Epoch<'l, D: Dataset> {
     pub(super) loader: &'l mut Loader<D>,
+    /// When the epoch began, and the loader's figures then.
+    pub(super) started: Instant,
+    pub(super) at_start: Box<LoaderStats>,
     pub(super) epoch: u64,
     pub(super) indices: Arc<Vec<usize>>,
     pub(super) batches: Vec<Range<usize>>,
@@ -138,7 +142,9 @@ impl<D: Dataset> Epoch<'_, D> {
         } else {
             self.dispatch();
             let waited = Instant::now();
+            let span = tracing::debug_span!("wait for batch", batch = self.delivered).entered();
             let found = self.wait_for_next(&shared, block)?;
+            drop(span);
             shared
                 .counters
                 .wait_ns
@@ -253,9 +259,16 @@ impl<D: Dataset> Drop for Epoch<'_, D> {
             _ => shared.next_generation().1,
         };
         shared.give_back(unclaimed);
+        let stats = EpochStats {
+            epoch: self.epoch,
+            wall: self.started.elapsed(),
+            workers: self.workers(),
+            totals: self.loader.stats().since(&self.at_start),
+        };
         let workers = std::mem::take(&mut self.own_workers);
         if !workers.is_empty() {
             shared.stop_workers(workers);
         }
+        self.loader.record_epoch(stats);
     }
 }

@@ -14,7 +14,7 @@ use crate::dataset::Dataset;
 use crate::error::LoaderError;
 use crate::fields::Fields;
 use crate::sampler::Sampler;
-use crate::stats::LoaderStats;
+use crate::stats::{EpochStats, LoaderStats};
 mod epoch;
 mod workers;
 
@@ -60,7 +60,12 @@ pub struct Loader<D: Dataset> {
     workers: Vec<JoinHandle<()>>,
     /// The next epoch's batches, begun while the last one ended.
     ahead: Option<Ahead>,
+    /// The figures of the epochs run, the latest last (at most `HISTORY`).
+    history: Vec<EpochStats>,
 }
+
+/// Epochs whose figures a loader keeps.
+const HISTORY: usize = 1024;
 
 impl<D: Dataset> Loader<D> {
     /// A loader over `dataset`.
@@ -122,6 +127,7 @@ impl<D: Dataset> Loader<D> {
             sampler,
             workers,
             ahead: None,
+            history: Vec::new(),
         })
     }
 
@@ -166,8 +172,11 @@ impl<D: Dataset> Loader<D> {
         } else {
             self.shared.spawn_workers(self.config.workers)
         };
+        let (started, at_start) = (Instant::now(), Box::new(self.stats()));
         Epoch {
             loader: self,
+            started,
+            at_start,
             epoch,
             indices,
             batches,
@@ -182,6 +191,20 @@ impl<D: Dataset> Loader<D> {
     /// What the loader has done so far.
     pub fn stats(&self) -> LoaderStats {
         self.shared.counters.read()
+    }
+
+    /// Each epoch's figures (the latest 1,024), the latest last; an epoch counts once its
+    /// iterator is dropped. [`EpochStats::verdict`] says what limited it.
+    pub fn epoch_stats(&self) -> &[EpochStats] {
+        &self.history
+    }
+
+    /// Remembers an epoch's figures.
+    fn record_epoch(&mut self, stats: EpochStats) {
+        if self.history.len() == HISTORY {
+            self.history.remove(0);
+        }
+        self.history.push(stats);
     }
 }
 

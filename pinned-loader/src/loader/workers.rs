@@ -183,6 +183,8 @@ impl<D: Dataset> Shared<D> {
 
     /// Fills a slot with the samples of `task`.
     pub(super) fn fill(&self, task: &Task) -> Result<(Slot, usize), Stop> {
+        let _span =
+            tracing::debug_span!("fill", batch = task.batch, samples = task.range.len()).entered();
         let start = Instant::now();
         let mut slot = self.take_slot().map_err(Stop::Failed)?;
         // A panic in the dataset's `Fields` goes here; the slot goes back either way.

@@ -784,3 +784,46 @@ fn batches_as_buffers_give_their_memory_back_when_the_last_goes() {
     drop(kept);
     assert_eq!(pool.stats().active_requests.current, 0);
 }
+
+/// Each epoch leaves its figures, and the verdict names what held it back: slow samples
+/// make data loading the limit, a slow consumer makes itself the limit.
+#[test]
+fn each_epoch_has_figures_and_a_verdict() {
+    let mut slow_data = Indexed::new(64);
+    slow_data.pause = Duration::from_millis(2);
+    let mut loader = Loader::new(slow_data, config(8, 2)).unwrap();
+    for epoch in 0..2 {
+        assert_eq!(run_epoch(&mut loader, epoch).len(), 8);
+    }
+    let stats = loader.epoch_stats();
+    assert_eq!(stats.len(), 2);
+    assert_eq!(
+        (
+            stats[1].epoch,
+            stats[1].totals.batches,
+            stats[1].totals.samples
+        ),
+        (1, 8, 64)
+    );
+    assert_eq!(stats[1].workers, 2);
+    let verdict = stats[1].verdict();
+    assert_eq!(
+        verdict.limit,
+        pinned_loader::Limit::DataLoading,
+        "{verdict}"
+    );
+    assert!(stats[1].workers_busy_share() > 0.5, "{verdict}");
+
+    let mut loader = Loader::new(Indexed::new(64), config(8, 2)).unwrap();
+    for batch in loader.epoch(0) {
+        drop(batch.unwrap());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let verdict = loader.epoch_stats()[0].verdict();
+    assert_eq!(verdict.limit, pinned_loader::Limit::Consumer, "{verdict}");
+    assert!(
+        verdict
+            .to_string()
+            .starts_with("epoch 0: the consumer limits it")
+    );
+}

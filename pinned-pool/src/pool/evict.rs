@@ -101,7 +101,11 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             drop(paused);
             victims
         };
-        self.cache_shrank(victims.iter().map(|a| class_size(a.tag())).sum());
+        let bytes = victims.iter().map(|a| class_size(a.tag())).sum();
+        if !victims.is_empty() {
+            tracing::debug!(blocks = victims.len(), bytes, "cache trimmed");
+        }
+        self.cache_shrank(bytes);
         self.release(victims);
     }
 

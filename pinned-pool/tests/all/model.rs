@@ -45,7 +45,7 @@ fn op() -> impl Strategy<Value = Op> {
 
 fn config() -> ProptestConfig {
     ProptestConfig {
-        cases: if cfg!(miri) { 6 } else { 2000 },
+        cases: crate::support::capped(if cfg!(miri) { 6 } else { 2000 }),
         // Miri isolates the program from the file system.
         failure_persistence: if cfg!(miri) {
             None

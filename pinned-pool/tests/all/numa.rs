@@ -117,7 +117,7 @@ fn pinned_pool_vec(
 
 proptest! {
     #![proptest_config(ProptestConfig {
-        cases: if cfg!(miri) { 4 } else { 128 },
+        cases: crate::support::capped(if cfg!(miri) { 4 } else { 128 }),
         failure_persistence: None,
         ..ProptestConfig::default()
     })]

@@ -105,3 +105,12 @@ pub type TestPool = pinned_pool::Pool<Heap, Flag>;
 /// A pool over [`Heap`] whose freed blocks carry CUDA events (none, in CPU tests): the
 /// allocator of `PinnedVec`s in tests.
 pub type HeapPool = pinned_pool::Pool<Heap>;
+
+/// `cases`, capped by `PROPTEST_MAX_CASES` where it is set: the sanitizer runs, whose every
+/// case costs many times a plain run's, take fewer.
+pub fn capped(cases: u32) -> u32 {
+    std::env::var("PROPTEST_MAX_CASES")
+        .ok()
+        .and_then(|max| max.parse().ok())
+        .map_or(cases, |max: u32| cases.min(max))
+}

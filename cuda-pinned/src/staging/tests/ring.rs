@@ -13,7 +13,7 @@ const CASES: u32 = if cfg!(miri) { 3 } else { 48 };
 /// not written down.
 fn cases(cases: u32) -> ProptestConfig {
     ProptestConfig {
-        cases,
+        cases: capped(cases),
         failure_persistence: if cfg!(miri) {
             None
         } else {
@@ -377,4 +377,13 @@ fn round_trip_into(engine: &Engine<Fake, Counted>, data: &[u8], into: &mut [u8])
             )
             .unwrap();
     }
+}
+
+/// `cases`, capped by `PROPTEST_MAX_CASES` where it is set: the sanitizer runs, whose every
+/// case costs many times a plain run's, take fewer.
+fn capped(cases: u32) -> u32 {
+    std::env::var("PROPTEST_MAX_CASES")
+        .ok()
+        .and_then(|max| max.parse().ok())
+        .map_or(cases, |max: u32| cases.min(max))
 }
