@@ -223,6 +223,22 @@ pub enum Error {
         /// The cap.
         limit: usize,
     },
+    /// Pinning more would leave the machine too little memory it can reclaim: pinned pages can
+    /// never be swapped out or reclaimed, and a host short of them swaps or kills processes.
+    MemoryPressure {
+        /// Bytes the request needed.
+        requested: usize,
+        /// Bytes the kernel reported available (`MemAvailable`).
+        available: u64,
+        /// The machine's memory in bytes.
+        total: u64,
+        /// Bytes the allocator keeps available.
+        keep: u64,
+        /// Who pins: the allocator's name.
+        pinner: &'static str,
+        /// Bytes it holds pinned already.
+        pinned: usize,
+    },
     /// A cudarc driver call failed (with the `cudarc` feature): this crate's calls do not
     /// return it, but `?` turns cudarc's errors into it in code that uses both.
     #[cfg(feature = "cudarc")]
@@ -294,6 +310,24 @@ impl fmt::Display for Error {
                 "pinning {requested} more bytes would pass the limit of {limit} bytes \
                  ({pinned} already pinned)"
             ),
+            Self::MemoryPressure {
+                requested,
+                available,
+                total,
+                keep,
+                pinner,
+                pinned,
+            } => write!(
+                f,
+                "pinning {} more would leave {} of this machine's {} available, under the {} \
+                 kept available; {pinner} holds {} pinned (other processes' memory and this \
+                 one's ordinary memory count against the machine too)",
+                Bytes(*requested as u64),
+                Bytes(available.saturating_sub(*requested as u64)),
+                Bytes(*total),
+                Bytes(*keep),
+                Bytes(*pinned as u64),
+            ),
             #[cfg(feature = "cudarc")]
             Self::Cudarc(e) => write!(f, "cudarc: {e}"),
             Self::LengthMismatch { host, device } => write!(
@@ -347,6 +381,26 @@ impl From<LoadError> for Error {
 impl From<CudaError> for Error {
     fn from(e: CudaError) -> Self {
         Self::Cuda(e)
+    }
+}
+
+/// A byte count for people: `1.5 GiB`, `640 MiB`, `12 KiB`, `100 B`.
+struct Bytes(u64);
+
+impl fmt::Display for Bytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+        let mut value = self.0 as f64;
+        let mut unit = 0;
+        while value >= 1024.0 && unit + 1 < UNITS.len() {
+            value /= 1024.0;
+            unit += 1;
+        }
+        if unit == 0 {
+            write!(f, "{} B", self.0)
+        } else {
+            write!(f, "{value:.1} {}", UNITS[unit])
+        }
     }
 }
 

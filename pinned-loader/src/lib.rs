@@ -5,7 +5,12 @@
 //! a copy stream of the loader's own uploads each batch while the consumer's GPU works on
 //! the previous one; the consumer's stream waits for each batch on the device, never the
 //! host. The pinned working set is reserved before the first batch, as one block from the
-//! pool (one registration), so nothing is pinned on the hot path.
+//! pool (one registration), so nothing is pinned on the hot path. Pinned memory is memory the
+//! machine can never swap: a working set that would leave it short is refused
+//! ([`cuda_pinned::Error::MemoryPressure`], naming what is pinned), and between epochs the
+//! pool gives its idle cache back while the machine stalls for memory. Each epoch leaves its
+//! figures and a verdict on what limited it ([`Loader::epoch_stats`], [`EpochStats::verdict`]);
+//! fills, uploads and waits are `tracing` spans, for a timeline.
 //!
 //! # With cudarc
 //!

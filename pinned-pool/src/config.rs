@@ -2,13 +2,18 @@
 //! style of `PYTORCH_ALLOC_CONF` (`key:value,key:value`).
 
 use std::fmt;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// The environment variable [`PoolConfig::from_env`] reads.
 pub const POOL_CONF_VAR: &str = "CUDA_PINNED_POOL_CONF";
 
-/// How a pool behaves. Every limit is off by default, like PyTorch's allocator.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// How a pool behaves. Every cap is off by default, like PyTorch's allocator; what is on is
+/// the machine's own guard: the pool pins nothing that would leave less than 5% of the
+/// machine's memory available, and gives its idle cache back when tasks stalled for memory
+/// 10% of the last minute ([`keep_available`](Self::keep_available),
+/// [`release_under_pressure`](Self::release_under_pressure)).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PoolConfig {
     pub(crate) max_cached_bytes: Option<usize>,
     pub(crate) max_pinned_bytes: Option<usize>,
@@ -16,6 +21,28 @@ pub struct PoolConfig {
     pub(crate) idle_release: Option<Duration>,
     /// Blocks to keep pinned ahead of need: `(block bytes, blocks)` per size.
     pub(crate) reserve: Vec<(usize, usize)>,
+    /// The share of the machine's memory kept available, in millionths (0: no guard).
+    pub(crate) keep_available_ppm: u32,
+    /// The share of the last minute tasks stalled for memory from which idle cache is given
+    /// back, in hundredths of a percent (0: never).
+    pub(crate) release_stall: u32,
+    /// Where `meminfo` and `pressure/memory` are read (`/proc` when `None`).
+    pub(crate) memory_files: Option<PathBuf>,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            max_cached_bytes: None,
+            max_pinned_bytes: None,
+            max_block_cached_bytes: None,
+            idle_release: None,
+            reserve: Vec::new(),
+            keep_available_ppm: 50_000,
+            release_stall: 1_000,
+            memory_files: None,
+        }
+    }
 }
 
 /// What is wrong with a configuration string.
@@ -81,10 +108,20 @@ const KEYS: &[(&str, &str)] = &[
         "reserve_mb",
         "blocks kept pinned ahead of need, as MiBxCOUNT (16x64: 64 blocks of 16 MiB); once per size",
     ),
+    (
+        "keep_available_percent",
+        "the share of the machine's memory pinning must leave available, in percent (0: off)",
+    ),
+    (
+        "release_stall_percent",
+        "idle cache is given back when tasks stalled for memory this share of the last minute, \
+         in percent (0: never)",
+    ),
 ];
 
 impl PoolConfig {
-    /// The defaults: no limits.
+    /// The defaults: no caps; 5% of the machine's memory kept available, idle cache given back
+    /// under sustained memory pressure.
     pub fn new() -> Self {
         Self::default()
     }
@@ -135,11 +172,41 @@ impl PoolConfig {
         self
     }
 
+    /// Refuses to pin memory that would leave less than `share` (0 to 1) of the machine's memory
+    /// available (the kernel's `MemAvailable`), after giving idle cache back: the allocation
+    /// fails with [`Error::MemoryPressure`](cuda_pinned::Error::MemoryPressure), which says how
+    /// much this pool holds. 0 turns the guard off; the default is 0.05.
+    ///
+    /// Pinned pages can never be swapped out or reclaimed: workers × prefetch × batch bytes
+    /// pinned on a machine already short of memory make the rest of it swap, or the kernel
+    /// kill a process.
+    pub fn keep_available(mut self, share: f64) -> Self {
+        self.keep_available_ppm = (share.clamp(0.0, 1.0) * 1e6).round() as u32;
+        self
+    }
+
+    /// Gives idle cached blocks back to the system when tasks stalled for memory at least
+    /// `percent` of the last minute (the `some avg60` of `/proc/pressure/memory`, where the
+    /// kernel has pressure stall information), looked at no more than once a second as the pool
+    /// pins new memory and by [`Pool::relieve_pressure`](crate::Pool::relieve_pressure). 0
+    /// turns it off; the default is 10.
+    pub fn release_under_pressure(mut self, percent: f64) -> Self {
+        self.release_stall = (percent.clamp(0.0, 100.0) * 100.0).round() as u32;
+        self
+    }
+
+    /// Reads the machine's memory from `dir/meminfo` and `dir/pressure/memory` instead of
+    /// `/proc`'s (a container's view, or a test's).
+    pub fn memory_files(mut self, dir: impl AsRef<Path>) -> Self {
+        self.memory_files = Some(dir.as_ref().to_owned());
+        self
+    }
+
     /// Parses `key:value,key:value` (whitespace around entries is ignored).
     ///
-    /// Keys: `max_cached_mb`, `max_pinned_mb`, `max_block_cached_mb`, `idle_release_ms`, and
+    /// Keys: `max_cached_mb`, `max_pinned_mb`, `max_block_cached_mb`, `idle_release_ms`,
     /// `reserve_mb` as `MiBxCOUNT` (`reserve_mb:16x64` keeps 64 blocks of 16 MiB ready; once
-    /// per size).
+    /// per size), `keep_available_percent` and `release_stall_percent`.
     ///
     /// # Errors
     ///
@@ -180,6 +247,22 @@ impl PoolConfig {
                     config.idle_release = Some(Duration::from_millis(number(
                         "a whole number of milliseconds",
                     )?))
+                }
+                "keep_available_percent" | "release_stall_percent" => {
+                    let percent = value
+                        .parse::<f64>()
+                        .ok()
+                        .filter(|p| (0.0..=100.0).contains(p))
+                        .ok_or_else(|| ConfigError::BadValue {
+                            key: key.to_owned(),
+                            value: value.to_owned(),
+                            expected: "a percentage from 0 to 100",
+                        })?;
+                    config = if key == "keep_available_percent" {
+                        config.keep_available(percent / 100.0)
+                    } else {
+                        config.release_under_pressure(percent)
+                    };
                 }
                 "reserve_mb" => {
                     let expected = "MiBxCOUNT, such as 16x64, with a block size the pool has";
@@ -240,6 +323,21 @@ mod tests {
         let config =
             PoolConfig::parse("reserve_mb:16x64, reserve_mb:2x8, reserve_mb:16x4").unwrap();
         assert_eq!(config.reserve, [(2 << 20, 8), (16 << 20, 4)]);
+        let config =
+            PoolConfig::parse("keep_available_percent:12.5,release_stall_percent:0").unwrap();
+        assert_eq!(
+            (config.keep_available_ppm, config.release_stall),
+            (125_000, 0)
+        );
+        let defaults = PoolConfig::default();
+        assert_eq!(
+            (defaults.keep_available_ppm, defaults.release_stall),
+            (50_000, 1_000)
+        );
+        assert!(matches!(
+            PoolConfig::parse("keep_available_percent:101"),
+            Err(ConfigError::BadValue { .. })
+        ));
     }
 
     #[test]

@@ -30,6 +30,16 @@
 //! | `PYTORCH_ALLOC_CONF=pinned_…` | [`PoolConfig`], or `CUDA_PINNED_POOL_CONF=max_cached_mb:1024,…` |
 //! | `pinned_reserve_segment_size_mb` | [`Pool::reserve`]`(block_bytes, blocks)`: blocks of a class pinned ahead on a background thread |
 //!
+//! # The machine's memory
+//!
+//! Pinned pages can never be swapped out or reclaimed. The pool pins nothing that would leave
+//! less than 5% of the machine's memory available (`MemAvailable`), giving its idle cache back
+//! first; past that an allocation fails with [`cuda_pinned::Error::MemoryPressure`], which says
+//! how much the pool holds. While tasks stall for memory (the kernel's pressure stall
+//! information) it gives its idle cache back ([`Pool::relieve_pressure`]). Both are set in
+//! [`PoolConfig`], and counted in [`PoolStats`]; misses, trims, refusals and the reserve's
+//! top-ups are `tracing` spans and events.
+//!
 //! # Design
 //!
 //! How the crate works inside, and why: the [`design`] module.
@@ -49,6 +59,7 @@ mod pool;
 mod size_class;
 mod stats;
 mod sync;
+mod system_memory;
 mod threads;
 
 /// What says a freed block's device work has finished: CUDA events in use, a flag in tests.

@@ -4,6 +4,7 @@
 //! in the pool's block map already and listed under the pool's own lock, so an allocation
 //! takes one in the hold of the lock that found its class empty, as it would a cached block.
 
+use crate::system_memory::{SystemMemory, refusal};
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -35,6 +36,7 @@ impl Reserve {
         nodes: usize,
         pinned: Arc<AtomicUsize>,
         limit: Option<usize>,
+        memory: (SystemMemory, u32),
         blocks: Arc<BlockMap>,
         central: Arc<Mutex<Central>>,
     ) -> std::io::Result<Self>
@@ -59,6 +61,7 @@ impl Reserve {
                 blocks,
                 pinned,
                 limit,
+                memory,
             };
             std::thread::Builder::new()
                 .name("pinned-pool-reserve".into())
@@ -157,6 +160,8 @@ struct Pinner {
     blocks: Arc<BlockMap>,
     pinned: Arc<AtomicUsize>,
     limit: Option<usize>,
+    /// The machine's memory, and the millionths of it to keep available.
+    memory: (SystemMemory, u32),
 }
 
 impl Pinner {
@@ -216,6 +221,10 @@ impl Pinner {
     /// to it on failure). A panicking backend is an error like any other: the thread goes on.
     fn pin<B: PinnedAllocator>(&self, backend: &B, size: usize) -> Result<Allocation, Error> {
         let _span = tracing::debug_span!("reserve top-up", bytes = size).entered();
+        if let Some(short) = self.memory.0.short_for(size, self.memory.1) {
+            let pinned = self.pinned.load(Ordering::Relaxed);
+            return Err(refusal(size, short, "this pool's reserve", pinned));
+        }
         if let Err(error) = count(&self.pinned, size, self.limit) {
             tracing::warn!(bytes = size, %error, "reserve refused");
             return Err(error);

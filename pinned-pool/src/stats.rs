@@ -95,6 +95,14 @@ pub struct PoolStats {
     pub reserve_ready_bytes: u64,
     /// Errors the reserve thread met (the first is kept for `Pool::take_reserve_error`).
     pub reserve_failures: u64,
+    /// Allocations refused because pinning would have left the machine too little memory
+    /// available ([`PoolConfig::keep_available`](crate::PoolConfig::keep_available)).
+    pub pressure_refusals: u64,
+    /// Times the idle cache was given back because tasks stalled for memory
+    /// ([`PoolConfig::release_under_pressure`](crate::PoolConfig::release_under_pressure)).
+    pub pressure_releases: u64,
+    /// Bytes given back so.
+    pub pressure_released_bytes: u64,
 }
 
 #[cfg(test)]

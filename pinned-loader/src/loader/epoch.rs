@@ -270,5 +270,7 @@ impl<D: Dataset> Drop for Epoch<'_, D> {
             shared.stop_workers(workers);
         }
         self.loader.record_epoch(stats);
+        // Between epochs the pool's idle cache goes back if the machine stalls for memory.
+        shared.pool.relieve_pressure();
     }
 }

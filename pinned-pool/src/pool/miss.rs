@@ -294,6 +294,8 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     /// releasing idle cache).
     pub(super) fn pin_from_backend(&self, size: usize) -> Result<Allocation> {
         let _span = tracing::debug_span!("pool miss", bytes = size).entered();
+        self.relieve_pressure();
+        self.check_memory(size)?;
         let layout = Layout::from_size_align(size, PAGE).map_err(|_| Error::CapacityOverflow)?;
         self.count_pinned(size)?;
         // Gives the count back if the backend fails, or unwinds.

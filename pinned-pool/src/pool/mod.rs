@@ -19,6 +19,7 @@ use crate::config::{ConfigError, PoolConfig};
 use crate::local::{Cached, Local};
 use crate::pinner::Reserve;
 use crate::size_class::{MAX_NODES, PAGE, SLOT_STRIDE, class_of, class_size};
+use crate::system_memory::SystemMemory;
 use crate::threads::PerThread;
 pub(crate) mod central;
 
@@ -26,6 +27,7 @@ use central::{BlockMap, Central};
 mod evict;
 mod miss;
 mod pending;
+mod pressure;
 mod report;
 mod reserve;
 
@@ -93,6 +95,8 @@ pub struct Pool<B: PinnedAllocator = DefaultPinned, C: Completion = PendingUses>
     /// allocation and free). Raised before a block enters a cache and lowered after one
     /// leaves, so it is never below the true figure, and never wraps.
     cached: AtomicUsize,
+    /// The machine's memory, watched before pinning more.
+    watch: pressure::Watch,
 }
 
 impl<B: PinnedAllocator, C: Completion> fmt::Debug for Pool<B, C> {
@@ -170,6 +174,10 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
     #[doc(hidden)]
     pub fn with_completion(backend: B, config: PoolConfig) -> Self {
         let nodes = backend.numa_nodes().clamp(1, MAX_NODES);
+        let watch = pressure::Watch::new(match &config.memory_files {
+            Some(dir) => SystemMemory::at(dir),
+            None => SystemMemory::default(),
+        });
         Self {
             backend,
             config,
@@ -188,6 +196,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
             pending_requests: AtomicU64::new(0),
             depot_adds: AtomicU64::new(0),
             cached: AtomicUsize::new(0),
+            watch,
         }
     }
 

@@ -94,6 +94,9 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         stats.pending_bytes = self.pending_bytes.load(Ordering::Relaxed) as u64;
         stats.reserve_ready_bytes = central.ahead.ready_bytes() as u64;
         stats.reserve_failures = central.ahead.failures();
+        stats.pressure_refusals = self.watch.refusals.load(Ordering::Relaxed);
+        stats.pressure_releases = self.watch.releases.load(Ordering::Relaxed);
+        stats.pressure_released_bytes = self.watch.released_bytes.load(Ordering::Relaxed);
         central.ahead.held_bytes() as u64
     }
 

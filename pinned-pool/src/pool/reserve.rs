@@ -77,6 +77,7 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
                         self.nodes,
                         self.reserved.clone(),
                         self.config.max_pinned_bytes,
+                        (self.watch.memory.clone(), self.config.keep_available_ppm),
                         self.blocks.clone(),
                         self.central.clone(),
                     )

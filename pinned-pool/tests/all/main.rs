@@ -7,6 +7,7 @@ mod config;
 mod faults;
 mod model;
 mod numa;
+mod pressure;
 mod reserve;
 mod reuse;
 mod soundness;
