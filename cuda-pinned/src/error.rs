@@ -250,6 +250,13 @@ pub enum Error {
         /// Elements on the device side.
         device: usize,
     },
+    /// A copy between device memory of different lengths (in elements).
+    LengthsDiffer {
+        /// Elements of the source.
+        src: usize,
+        /// Elements of the destination.
+        dst: usize,
+    },
     /// Two CUDA objects of different devices were used together where CUDA needs one
     /// device: a device buffer and the stream that copies it, an event and the stream it
     /// records.
@@ -333,6 +340,10 @@ impl fmt::Display for Error {
             Self::LengthMismatch { host, device } => write!(
                 f,
                 "copy between {host} host elements and {device} device elements: lengths differ"
+            ),
+            Self::LengthsDiffer { src, dst } => write!(
+                f,
+                "a copy of {src} elements into {dst}: the source and destination lengths differ"
             ),
             Self::DeviceMismatch {
                 what,

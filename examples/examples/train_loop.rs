@@ -1,10 +1,11 @@
 //! The training-loop shape PyTorch users know, fed by `pinned-loader`:
-//! `cargo run --release -p cuda-pinned-examples --example train_loop [-- --trace FILE]`.
+//! `cargo run --release -p cuda-pinned-examples --example train_loop [-- --trace FILE] [--nvtx]`.
 //!
 //! It ends with each epoch's verdict: what limited it (data loading, uploads or the training
 //! step) and the figures behind the call. `--trace FILE` also writes a timeline of the run (the
 //! workers filling batches, the uploads, the consumer waiting, the copies below them) as a
-//! Chrome trace, to open at <https://ui.perfetto.dev> or `chrome://tracing`.
+//! Chrome trace, to open at <https://ui.perfetto.dev> or `chrome://tracing`; `--nvtx` shows the
+//! same spans as NVTX ranges on Nsight Systems' timeline (`nsys profile … --nvtx`).
 //!
 //! ```text
 //! for epoch in 0..epochs:
@@ -53,23 +54,30 @@ struct Options {
     /// Write a Chrome trace of the run to FILE.
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
+    /// Show the spans as NVTX ranges (to a profiler such as Nsight Systems).
+    #[arg(long)]
+    nvtx: bool,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let options = Options::parse();
+    use tracing_subscriber::layer::SubscriberExt;
     // Kept to the end of the run: dropping it finishes the file.
-    let _trace = match &options.trace {
+    let (chrome, _flush) = match &options.trace {
         Some(path) => {
-            use tracing_subscriber::layer::SubscriberExt;
             let (chrome, flush) = tracing_chrome::ChromeLayerBuilder::new()
                 .file(path)
                 .include_args(true)
                 .build();
-            tracing::subscriber::set_global_default(tracing_subscriber::registry().with(chrome))?;
-            Some(flush)
+            (Some(chrome), Some(flush))
         }
-        None => None,
+        None => (None, None),
     };
+    let nvtx = options.nvtx.then(cuda_pinned::nvtx::NvtxLayer::new);
+    if chrome.is_some() || nvtx.is_some() {
+        let subscriber = tracing_subscriber::registry().with(chrome).with(nvtx);
+        tracing::subscriber::set_global_default(subscriber)?;
+    }
     train()?;
     if let Some(path) = &options.trace {
         println!("trace written to {}", path.display());

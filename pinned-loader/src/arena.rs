@@ -202,3 +202,32 @@ mod tests {
         assert!(matches!(result, Err(cuda_pinned::Error::CapacityOverflow)));
     }
 }
+
+#[cfg(test)]
+mod released {
+    use super::*;
+    use crate::batch::{Region, Released, Slot};
+
+    /// A slot dropped with a region a user's copy may still use (a loader dropped before the
+    /// field buffers' copies ended) hands the copy's uses to the arena, which waits for them
+    /// before its block goes back to the pool.
+    #[test]
+    fn dropping_a_slot_with_a_released_region_keeps_its_uses() {
+        let pool = Arc::new(Pool::new());
+        let mut parts = Arena::parts(&pool, &[4096, 4096], 1).unwrap();
+        let keep = parts.pop().unwrap();
+        let released = parts.pop().unwrap();
+        let slot = Slot {
+            regions: vec![Region::Released(Released(Some((
+                released,
+                PendingUses::none(),
+            ))))],
+        };
+        drop(slot);
+        let recorded = keep.arena.pending.lock().unwrap().len();
+        assert_eq!(
+            recorded, 1,
+            "the released region's pending uses were dropped unwaited"
+        );
+    }
+}

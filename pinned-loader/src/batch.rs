@@ -18,7 +18,7 @@ use crate::fields::Fields;
 pub(crate) enum Region {
     Ready(Part),
     Uploading(Transfer<Part>),
-    Released(Part, PendingUses),
+    Released(Released),
     Lost,
 }
 
@@ -69,13 +69,7 @@ impl Slot {
             let part = match std::mem::replace(region, Region::Lost) {
                 Region::Ready(part) => Some(part),
                 Region::Uploading(upload) => upload.wait().ok(),
-                Region::Released(part, uses) => match uses.wait() {
-                    Ok(()) => Some(part),
-                    Err(_) => {
-                        part.release_after(uses);
-                        None
-                    }
-                },
+                Region::Released(released) => released.wait(),
                 Region::Lost => None,
             };
             let mut part = match part {
@@ -377,8 +371,9 @@ impl<T> std::fmt::Debug for FieldBuffer<T> {
 // SAFETY: the buffer owns its part: `len` initialised bytes of page-locked memory that nothing
 // else reaches, on the heap (moving the buffer moves no bytes), holding whole, aligned `T`s
 // (checked when it was cast), and any bit pattern is a `T` (`Pod`). Released, the part goes
-// back to its slot with `pending`, which the loader waits for before it writes the region
-// again (or, should waiting fail, hands to the arena, which waits or leaks).
+// back to its slot with `pending` (`Released`), which the loader waits for before it writes the
+// region again; should waiting fail, or the slot be dropped first, the uses go to the arena,
+// which waits for them before its block goes back to the pool, or leaks it.
 unsafe impl<T: Pod> HostBuffer for FieldBuffer<T> {
     type Elem = T;
 
@@ -388,6 +383,33 @@ unsafe impl<T: Pod> HostBuffer for FieldBuffer<T> {
     }
 
     fn release_after(mut self, pending: PendingUses) {
-        self.give_back(|part| Region::Released(part, pending));
+        self.give_back(|part| Region::Released(Released(Some((part, pending)))));
+    }
+}
+
+/// A region given back by a user's copy that may still use it. Waited for before the loader
+/// writes it again; dropped unwaited (the slot dropped with its loader), it hands the uses to
+/// the arena, which waits for them before its block goes back to the pool.
+pub(crate) struct Released(pub(crate) Option<(Part, PendingUses)>);
+
+impl Released {
+    /// The part once the uses have ended; `None` (the uses handed to the arena) if waiting failed.
+    fn wait(mut self) -> Option<Part> {
+        let (part, uses) = self.0.take().expect("taken once");
+        match uses.wait() {
+            Ok(()) => Some(part),
+            Err(_) => {
+                part.release_after(uses);
+                None
+            }
+        }
+    }
+}
+
+impl Drop for Released {
+    fn drop(&mut self) {
+        if let Some((part, uses)) = self.0.take() {
+            part.release_after(uses);
+        }
     }
 }

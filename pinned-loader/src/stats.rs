@@ -113,6 +113,10 @@ impl LoaderStats {
 }
 
 /// One epoch's figures: from the call that began it to the end of its iterator.
+///
+/// Work that straddles two epochs counts in the one where it ends: a batch of the next epoch
+/// filled ahead, an upload still running when the iterator ends. Over short epochs the shares
+/// below are therefore rough; they are capped at 1.
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[non_exhaustive]
 pub struct EpochStats {
@@ -129,7 +133,12 @@ pub struct EpochStats {
 impl EpochStats {
     /// Batches delivered per second of wall time.
     pub fn batches_per_second(&self) -> f64 {
-        ratio(self.totals.batches as f64, self.wall.as_secs_f64())
+        let seconds = self.wall.as_secs_f64();
+        if seconds > 0.0 {
+            self.totals.batches as f64 / seconds
+        } else {
+            0.0
+        }
     }
 
     /// The share of the wall time the consumer spent waiting for batches.
@@ -267,9 +276,9 @@ impl fmt::Display for Verdict {
     }
 }
 
-/// `a / b`, 0 when `b` is 0.
+/// `a / b` within 0 to 1; 0 when `b` is 0.
 fn ratio(a: f64, b: f64) -> f64 {
-    if b > 0.0 { a / b } else { 0.0 }
+    if b > 0.0 { (a / b).clamp(0.0, 1.0) } else { 0.0 }
 }
 
 /// Nanoseconds as a `Duration`.
@@ -327,6 +336,9 @@ mod tests {
         assert_eq!(link.verdict().limit, Limit::Uploads);
         // No workers: the consumer's own filling counts.
         assert!((epoch(1000, 600, 900, 0, None).workers_busy_share() - 0.9).abs() < 1e-9);
+        // Fills and uploads that straddle epochs cannot make a share pass 1.
+        let straddling = epoch(10, 9, 500, 8, Some((1_000_000_000, 50)));
+        assert_eq!((straddling.workers_busy_share(), straddling.upload_busy_share()), (1.0, 1.0));
     }
 
     #[test]

@@ -31,9 +31,10 @@ impl Stream {
     ///
     /// # Errors
     ///
-    /// [`Error::LengthMismatch`] when the lengths differ, [`Error::DeviceMismatch`] for a
-    /// stream on neither buffer's device, [`Error::Capturing`] on a stream capturing a graph
-    /// (nothing is queued), or the CUDA error.
+    /// [`Error::LengthsDiffer`] when the lengths differ, [`Error::DeviceMismatch`] for a
+    /// stream on neither buffer's device, [`Error::Capturing`] on a stream capturing a graph,
+    /// or on which either buffer [recorded](crate::DeviceBuffer::record_stream) a stream that
+    /// is capturing one (nothing is queued), or the CUDA error.
     pub fn copy_device_to_device<'s, 'd, T: Copy + 's + 'd>(
         &self,
         src: impl Into<DeviceSlice<'s, T>>,
@@ -41,9 +42,9 @@ impl Stream {
     ) -> Result<()> {
         let (src, dst) = (src.into().range, dst.into().range);
         if src.len != dst.len {
-            return Err(Error::LengthMismatch {
-                host: src.len,
-                device: dst.len,
+            return Err(Error::LengthsDiffer {
+                src: src.len,
+                dst: dst.len,
             });
         }
         let stream_device = self.device().raw();
@@ -87,7 +88,9 @@ pub(crate) unsafe fn queue_tracked(
         device = stream.device().raw(),
     )
     .entered();
-    crate::gpu::fence::enqueue(stream, |stream| {
+    // The copy's event once it is recorded and tracked, for the error paths.
+    let mut ended = None;
+    let queued = crate::gpu::fence::enqueue(stream, |stream| {
         for range in ranges {
             range.pending.order_before(stream)?;
         }
@@ -107,14 +110,25 @@ pub(crate) unsafe fn queue_tracked(
                 for range in ranges {
                     range.pending.track(stream, event.clone());
                 }
+                ended = Some(event);
                 Ok(())
             }
             Err(error) => {
                 // Queued or not, nothing records the copy: it is waited for before the
-                // buffers' borrows end.
-                stream.synchronize()?;
+                // buffers' borrows end. (Should even that fail, the device's context is lost
+                // and runs nothing more.)
+                let _ = stream.synchronize();
                 Err(error)
             }
         }
-    })
+    });
+    if queued.is_err()
+        && let Some(event) = ended
+    {
+        // The copy was queued and tracked on this crate's buffers, but the fence around it
+        // failed: the caller's stream was not made to wait for it, so memory that only that
+        // stream orders (cudarc's) is kept until the copy ends here.
+        let _ = event.synchronize();
+    }
+    queued
 }

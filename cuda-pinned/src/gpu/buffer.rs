@@ -277,15 +277,18 @@ impl<T> DeviceBuffer<T> {
     /// kernels that read or write it (through cudarc's launch builder, or its
     /// [raw address](Self::as_raw)).
     ///
-    /// The stream is first ordered after the buffer's copies on other streams. From then on,
-    /// copies through the buffer on other streams wait for everything queued on `stream`
-    /// before them, and the buffer is freed only after `stream` has passed the work queued
-    /// before the drop: kernels launched before or after this call are covered alike. The
-    /// buffer's name for what [`PinnedVec::record_stream`](crate::PinnedVec::record_stream)
-    /// does for host memory.
+    /// The stream is ordered after the buffer's copies queued on other streams so far: call it
+    /// again (or [`order_after_copies`](Self::order_after_copies)) before work that follows
+    /// later copies. From then on, copies through the buffer on other streams wait for
+    /// everything queued on `stream` before them, and the buffer is freed only after `stream`
+    /// has passed the work queued before the drop: kernels launched before or after this call
+    /// are covered alike. The buffer's name for what
+    /// [`PinnedVec::record_stream`](crate::PinnedVec::record_stream) does for host memory.
     ///
-    /// Dropped while `stream` is capturing a graph, the buffer is never freed: the graph may
-    /// use it at any launch.
+    /// While `stream` captures a graph, copies of the buffer on any stream fail with
+    /// [`Error::Capturing`] (its work could not be waited for), and the buffer, if dropped
+    /// then, is never freed. A graph whose capture has ended is not covered: its launches are
+    /// work queued later, which this buffer does not see.
     ///
     /// # Errors
     ///

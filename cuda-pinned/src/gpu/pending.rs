@@ -46,6 +46,7 @@ impl PendingCopies {
             }
         });
         result?;
+        pending.recorded.retain(|other| !other.is_spent());
         for other in pending.recorded.iter().filter(|other| *other != stream) {
             stream.wait_event(&latest_work(other)?)?;
         }
@@ -64,6 +65,9 @@ impl PendingCopies {
     /// Counts every piece of work on `stream`, queued before or after this call, as a use.
     pub(crate) fn record_stream(&self, stream: &Stream) {
         let mut pending = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        // A stream of this crate's own that nobody else holds and that has finished can use
+        // the buffer no more.
+        pending.recorded.retain(|other| !other.is_spent());
         if !pending.recorded.contains(stream) {
             pending.recorded.push(stream.clone());
         }

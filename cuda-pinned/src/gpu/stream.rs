@@ -245,6 +245,14 @@ impl Stream {
         })
     }
 
+    /// Whether no work can be queued on the stream any more and none is left: a stream this
+    /// crate created, of which `self` is the last handle, that has finished its work.
+    pub(crate) fn is_spent(&self) -> bool {
+        matches!(self.handle.owner, Owner::Crate)
+            && Arc::strong_count(&self.handle) == 1
+            && matches!(self.query(), Ok(true))
+    }
+
     /// Whether all work queued on the stream has finished, without blocking.
     ///
     /// # Errors

@@ -123,8 +123,9 @@ pub trait CudarcCopies {
     ///
     /// # Errors
     ///
-    /// As [`copy_to_device`](Self::copy_to_device), with [`Error::DeviceMismatch`] also for
-    /// a buffer of another device than the stream's.
+    /// [`Error::LengthsDiffer`] when the lengths differ; otherwise as
+    /// [`copy_to_device`](Self::copy_to_device), with [`Error::DeviceMismatch`] also for a
+    /// buffer of another device than the stream's.
     fn copy_device_to_cudarc<'s, T, D>(
         &self,
         src: impl Into<DeviceSlice<'s, T>>,
@@ -198,6 +199,7 @@ impl CudarcCopies for Arc<CudaStream> {
         D: DevicePtrMut<T>,
     {
         let src = src.into().range;
+        check_lengths(src.len, dst.len())?;
         let stream = prepare(self, src.len, dst.len(), dst.stream())?;
         src.check_stream(&stream)?;
         crate::context::on_device(ordinal(self), || {
@@ -229,6 +231,7 @@ impl CudarcCopies for Arc<CudaStream> {
         S: DevicePtr<T>,
     {
         let dst = dst.into().range;
+        check_lengths(src.len(), dst.len)?;
         let stream = prepare(self, dst.len, src.len(), src.stream())?;
         dst.check_stream(&stream)?;
         crate::context::on_device(ordinal(self), || {
@@ -301,6 +304,15 @@ fn prepare(
             ordinal(stream),
         )
     })
+}
+
+/// [`Error::LengthsDiffer`] unless a device-to-device copy's two sides have one length.
+fn check_lengths(src: usize, dst: usize) -> Result<()> {
+    if src == dst {
+        Ok(())
+    } else {
+        Err(Error::LengthsDiffer { src, dst })
+    }
 }
 
 /// The ordinal of the stream's device.

@@ -51,7 +51,7 @@ fn device_to_device_copies_whole_buffers_and_ranges() {
     let mismatch = stream.copy_device_to_device(src.slice(..3), middle.slice_mut(..4));
     assert!(matches!(
         mismatch,
-        Err(Error::LengthMismatch { host: 3, device: 4 })
+        Err(Error::LengthsDiffer { src: 3, dst: 4 })
     ));
 }
 
