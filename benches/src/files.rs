@@ -382,7 +382,7 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Section, 
                 (24, 512 << 10, 4),
                 (16, 512 << 10, 4),
                 (16, 1 << 20, 2),
-                (16, 2 << 20, 2),
+                (16, 1 << 20, 4),
                 (32, 1 << 20, 2),
             ] {
                 let config = ReaderConfig::new()

@@ -35,19 +35,19 @@ impl ReaderConfig {
     /// The most threads a reader may have.
     pub const MAX_THREADS: usize = 256;
 
-    /// The defaults: 1 MiB chunks, four per thread, and as many threads as the machine has
+    /// The defaults: 2 MiB chunks, two per thread, and as many threads as the machine has
     /// cores, up to sixteen; the mode the kernel picks per piece.
     ///
-    /// Reads from the page cache run fastest into memory the CPU's caches still hold: small
-    /// chunks, reused soon. The `files` section of `pinned-bench` measures the choice
+    /// Reads from the page cache run fastest into memory the CPU's caches still hold: chunks
+    /// of a few MiB, reused soon. The `files` section of `pinned-bench` measures the choice
     /// against others (RESULTS.md of the benches).
     pub fn new() -> Self {
         let threads = std::thread::available_parallelism()
             .map_or(4, usize::from)
             .min(16);
         Self {
-            chunk_bytes: 1 << 20,
-            chunks: 4 * threads,
+            chunk_bytes: 2 << 20,
+            chunks: 2 * threads,
             threads,
             mode: ReadMode::Auto,
         }

@@ -278,7 +278,11 @@ impl fmt::Display for Verdict {
 
 /// `a / b` within 0 to 1; 0 when `b` is 0.
 fn ratio(a: f64, b: f64) -> f64 {
-    if b > 0.0 { (a / b).clamp(0.0, 1.0) } else { 0.0 }
+    if b > 0.0 {
+        (a / b).clamp(0.0, 1.0)
+    } else {
+        0.0
+    }
 }
 
 /// Nanoseconds as a `Duration`.
@@ -338,7 +342,13 @@ mod tests {
         assert!((epoch(1000, 600, 900, 0, None).workers_busy_share() - 0.9).abs() < 1e-9);
         // Fills and uploads that straddle epochs cannot make a share pass 1.
         let straddling = epoch(10, 9, 500, 8, Some((1_000_000_000, 50)));
-        assert_eq!((straddling.workers_busy_share(), straddling.upload_busy_share()), (1.0, 1.0));
+        assert_eq!(
+            (
+                straddling.workers_busy_share(),
+                straddling.upload_busy_share()
+            ),
+            (1.0, 1.0)
+        );
     }
 
     #[test]
