@@ -206,7 +206,7 @@ mod tests {
 #[cfg(test)]
 mod released {
     use super::*;
-    use crate::batch::{Region, Released, Slot};
+    use crate::slot::{Region, Released, Slot};
 
     /// A slot dropped with a region a user's copy may still use (a loader dropped before the
     /// field buffers' copies ended) hands the copy's uses to the arena, which waits for them

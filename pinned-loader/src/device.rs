@@ -8,11 +8,12 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use cuda_pinned::{Device, DeviceBuffer, Event, RawCopy, Stream};
 
-use crate::batch::{HostBatch, Region};
+use crate::batch::HostBatch;
 use crate::dataset::Dataset;
 use crate::error::LoaderError;
 use crate::fields::Fields;
 use crate::loader::{Epoch, Loader};
+use crate::slot::Region;
 use crate::stats::{EpochStats, LoaderStats};
 
 /// How a device batch is assembled.

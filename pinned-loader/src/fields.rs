@@ -6,8 +6,8 @@ use std::marker::PhantomData;
 use bytemuck::Pod;
 use cuda_pinned::DeviceSlice;
 
-use crate::batch::FieldBuffer;
 use crate::error::BoxError;
+use crate::field_buffer::FieldBuffer;
 
 /// The fields of a batch and typed views of them.
 ///

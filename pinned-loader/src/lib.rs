@@ -135,16 +135,19 @@ mod config;
 mod dataset;
 mod device;
 mod error;
+mod field_buffer;
 mod fields;
 mod files;
 mod loader;
 mod sampler;
+mod slot;
 mod stats;
 
 // Loaders, their epochs and batches.
-pub use batch::{FieldBuffer, HostBatch};
+pub use batch::HostBatch;
 pub use config::LoaderConfig;
 pub use device::{Assembly, DeviceBatch, DeviceEpoch, DeviceLoader};
+pub use field_buffer::FieldBuffer;
 pub use loader::{Epoch, Loader};
 
 // Datasets and the fields of their samples.

@@ -8,9 +8,10 @@ use std::time::Instant;
 
 use super::Loader;
 use super::workers::{Finished, Shared, Stop, Task};
-use crate::batch::{HostBatch, Slot};
+use crate::batch::HostBatch;
 use crate::dataset::Dataset;
 use crate::error::LoaderError;
+use crate::slot::Slot;
 use crate::stats::{EpochStats, LoaderStats};
 
 /// Batches of the epoch after the current one, begun once the current one had all of its own

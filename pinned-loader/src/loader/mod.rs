@@ -8,12 +8,12 @@ use std::time::Instant;
 use cuda_pinned::Device;
 use pinned_pool::Pool;
 
-use crate::batch::{Slot, SlotPool};
 use crate::config::LoaderConfig;
 use crate::dataset::Dataset;
 use crate::error::LoaderError;
 use crate::fields::Fields;
 use crate::sampler::Sampler;
+use crate::slot::{Slot, SlotPool};
 use crate::stats::{EpochStats, LoaderStats};
 mod epoch;
 mod workers;

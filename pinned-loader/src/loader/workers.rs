@@ -10,10 +10,10 @@ use std::time::Instant;
 
 use pinned_pool::Pool;
 
-use crate::batch::{Slot, SlotPool};
 use crate::dataset::Dataset;
 use crate::error::LoaderError;
 use crate::fields::Fields;
+use crate::slot::{Slot, SlotPool};
 use crate::stats::Counters;
 /// What the loader, its workers and its batches share.
 pub(crate) struct Shared<D: Dataset> {
