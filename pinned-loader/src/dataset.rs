@@ -55,6 +55,14 @@ pub trait Dataset: Send + Sync + 'static {
         sample: <Self::Fields as Fields>::Sample<'_>,
     ) -> Result<(), BoxError>;
 
+    /// Says which samples a worker is about to write, in that order, before it writes the
+    /// first: a dataset reading files starts reading them all here (the file datasets of this
+    /// crate do, where the batch is not in the page cache), so that a cold batch's reads
+    /// reach the disk side by side rather than one after another. The default does nothing.
+    fn prefetch(&self, indices: &[usize]) {
+        let _ = indices;
+    }
+
     /// The samples in page-locked memory, when the dataset keeps them there
     /// ([`PinnedSamples`]): workers then copy bytes, and a batch can be gathered on the device
     /// with no host copy at all. `None` (the default) otherwise.
@@ -292,6 +300,9 @@ impl<D: Dataset> Dataset for Arc<D> {
         sample: <D::Fields as Fields>::Sample<'_>,
     ) -> Result<(), BoxError> {
         (**self).write(index, sample)
+    }
+    fn prefetch(&self, indices: &[usize]) {
+        (**self).prefetch(indices);
     }
     fn pinned_storage(&self) -> Option<&PinnedStorage> {
         (**self).pinned_storage()

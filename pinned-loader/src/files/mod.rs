@@ -165,4 +165,74 @@ impl Source {
     pub(crate) fn advise_random(&self) -> Result<(), FileError> {
         Ok(())
     }
+
+    /// Whether the page cache holds the byte at `offset`, asked with a one-byte read that
+    /// may not wait for the disk (`preadv2` with `RWF_NOWAIT`); `None` where the kernel or
+    /// the file system cannot say.
+    #[cfg(target_os = "linux")]
+    pub(crate) fn cached_at(&self, offset: u64) -> Option<bool> {
+        use std::os::fd::AsRawFd;
+        let mut byte = 0u8;
+        let vector = libc::iovec {
+            iov_base: (&raw mut byte).cast(),
+            iov_len: 1,
+        };
+        let offset = libc::off_t::try_from(offset).ok()?;
+        // SAFETY: one vector of one byte, which lives across the call; the descriptor is open
+        // while `self.file` lives.
+        let read =
+            unsafe { libc::preadv2(self.file.as_raw_fd(), &vector, 1, offset, libc::RWF_NOWAIT) };
+        match read {
+            1 => Some(true),
+            -1 if io::Error::last_os_error().raw_os_error() == Some(libc::EAGAIN) => Some(false),
+            _ => None,
+        }
+    }
+
+    /// Where the system cannot say: unknown.
+    #[cfg(not(target_os = "linux"))]
+    pub(crate) fn cached_at(&self, _offset: u64) -> Option<bool> {
+        None
+    }
+
+    /// Asks the kernel to start reading `len` bytes from `offset` into the page cache, and
+    /// returns without waiting for them. Advice only: a failure changes nothing but speed.
+    #[cfg(target_os = "linux")]
+    pub(crate) fn will_need(&self, offset: u64, len: u64) {
+        use std::os::fd::AsRawFd;
+        let (Ok(offset), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len))
+        else {
+            return;
+        };
+        // SAFETY: posix_fadvise only reads its arguments, and the descriptor is open while
+        // `self.file` lives.
+        unsafe {
+            libc::posix_fadvise(
+                self.file.as_raw_fd(),
+                offset,
+                len,
+                libc::POSIX_FADV_WILLNEED,
+            )
+        };
+    }
+
+    /// Advice the system has no call for: nothing to do.
+    #[cfg(not(target_os = "linux"))]
+    pub(crate) fn will_need(&self, _offset: u64, _len: u64) {}
+
+    /// Starts reading the byte ranges `ranges` yields (a batch's samples, in order) side by
+    /// side, where the first is not in the page cache: a cold batch's reads then reach the
+    /// disk together, not one at a time, and a warm one pays a single one-byte read.
+    pub(crate) fn prefetch(&self, mut ranges: impl Iterator<Item = (u64, u64)>) {
+        let Some((offset, len)) = ranges.next() else {
+            return;
+        };
+        if self.cached_at(offset) != Some(false) {
+            return;
+        }
+        self.will_need(offset, len);
+        for (offset, len) in ranges {
+            self.will_need(offset, len);
+        }
+    }
 }

@@ -135,6 +135,19 @@ impl NpyArray {
         self.source.read_at(into, offset, index)
     }
 
+    /// Starts reading samples `indices` (those past the end are left out) into the page
+    /// cache side by side, where the first of them is not there yet; returns at once. The
+    /// loader calls it through [`Dataset::prefetch`] with each batch.
+    pub fn prefetch(&self, indices: &[usize]) {
+        let bytes = self.sample_bytes() as u64;
+        let start = self.layout.data_offset;
+        self.source.prefetch(
+            (indices.iter())
+                .filter(|&&index| index < self.len())
+                .map(|&index| (start + index as u64 * bytes, bytes)),
+        );
+    }
+
     /// Tells the system this file will be read at random (a shuffled loader): it then reads
     /// ahead no more than each sample.
     ///
@@ -335,6 +348,12 @@ impl<F: NpyFields> Dataset for NpyDataset<F> {
 
     fn fields(&self) -> F {
         self.fields.clone()
+    }
+
+    fn prefetch(&self, indices: &[usize]) {
+        for array in &self.arrays {
+            array.prefetch(indices);
+        }
     }
 
     fn write(&self, index: usize, sample: F::Sample<'_>) -> Result<(), BoxError> {

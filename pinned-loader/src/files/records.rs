@@ -163,6 +163,27 @@ impl<F: Fields> Dataset for RecordDataset<F> {
         self.fields.clone()
     }
 
+    /// Starts reading the batch's records side by side in each file whose first record of
+    /// the batch is not in the page cache.
+    fn prefetch(&self, indices: &[usize]) {
+        // Each file the batch reaches, and whether its first record there was cold.
+        let mut cold: Vec<(usize, bool)> = Vec::new();
+        for (file, record) in indices.iter().filter_map(|&index| self.place(index)) {
+            let source = &self.files[file];
+            let is_cold = match cold.iter().find(|(seen, _)| *seen == file) {
+                Some(&(_, is_cold)) => is_cold,
+                None => {
+                    let is_cold = source.cached_at(record) == Some(false);
+                    cold.push((file, is_cold));
+                    is_cold
+                }
+            };
+            if is_cold {
+                source.will_need(record, self.record_bytes);
+            }
+        }
+    }
+
     fn write(&self, index: usize, sample: F::Sample<'_>) -> Result<(), BoxError> {
         let Some((file, record)) = self.place(index) else {
             return Err(format!("sample {index} of {}", self.len).into());

@@ -217,6 +217,9 @@ impl<D: Dataset> Shared<D> {
             .ready(&self.pool, &self.region_bytes)
             .map_err(|e| Stop::Failed(e.into()))?;
         let pinned = self.dataset.pinned_storage();
+        if pinned.is_none() {
+            self.dataset.prefetch(indices);
+        }
         for (position, &index) in indices.iter().enumerate() {
             if task.generation < self.generation() {
                 return Err(Stop::Cancelled);

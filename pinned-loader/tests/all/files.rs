@@ -286,3 +286,124 @@ fn records_across_shards_map_every_index() {
         "{error}"
     );
 }
+
+/// The reference dataset, noting the indices each `prefetch` call names.
+struct Watched {
+    prefetched: std::sync::Mutex<Vec<Vec<usize>>>,
+}
+
+impl Dataset for Watched {
+    type Fields = (Field<u8>, Field<i64>);
+    fn len(&self) -> usize {
+        SAMPLES
+    }
+    fn fields(&self) -> Self::Fields {
+        Reference.fields()
+    }
+    fn prefetch(&self, indices: &[usize]) {
+        self.prefetched.lock().unwrap().push(indices.to_vec());
+    }
+    fn write(&self, i: usize, sample: (&mut [u8], &mut [i64])) -> Result<(), BoxError> {
+        Reference.write(i, sample)
+    }
+}
+
+#[test]
+fn workers_name_each_batch_to_the_dataset_before_writing_it() {
+    let watched = std::sync::Arc::new(Watched {
+        prefetched: std::sync::Mutex::new(Vec::new()),
+    });
+    let config = LoaderConfig::new(16).workers(4).shuffle(5);
+    let mut loader = Loader::new(watched.clone(), config).unwrap();
+    let mut batches: Vec<Vec<usize>> = epoch(&mut loader, 0)
+        .into_iter()
+        .map(|(indices, _, _)| indices)
+        .collect();
+    drop(loader);
+    let mut prefetched = watched.prefetched.lock().unwrap().clone();
+    batches.sort();
+    prefetched.sort();
+    assert_eq!(prefetched, batches);
+}
+
+/// Which pages of `file` (of `len` bytes) the page cache holds, as `mincore` says of a
+/// mapping of it (which reads nothing in).
+fn resident_pages(file: &fs::File, len: usize) -> Vec<bool> {
+    use std::os::fd::AsRawFd;
+    let pages = len.div_ceil(4096);
+    // SAFETY: a fresh read-only shared mapping of the open file, unmapped below and never
+    // dereferenced.
+    let map = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(map, libc::MAP_FAILED);
+    let mut vector = vec![0u8; pages];
+    // SAFETY: the mapping spans `len` bytes; `vector` has a byte for each of its pages.
+    let code = unsafe { libc::mincore(map, len, vector.as_mut_ptr()) };
+    // SAFETY: the mapping made above, unused from here on.
+    unsafe { libc::munmap(map, len) };
+    assert_eq!(code, 0);
+    vector.iter().map(|&page| page & 1 == 1).collect()
+}
+
+#[test]
+fn a_cold_batch_is_asked_of_the_disk_at_once() {
+    const SAMPLE: usize = 64 << 10;
+    const COUNT: usize = 64;
+    // On the disk the tests run from: a temporary file system would keep the pages.
+    let dir = TempDir::new_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = dir.path().join("cold.npy");
+    fs::write(
+        &path,
+        npy("|u1", &[COUNT, SAMPLE], &vec![5; COUNT * SAMPLE]),
+    )
+    .unwrap();
+    let file = fs::File::open(&path).unwrap();
+    file.sync_all().unwrap();
+    let len = file.metadata().unwrap().len() as usize;
+    let array = NpyArray::open(&path).unwrap();
+    array.advise_random().unwrap();
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: advice on an open descriptor.
+        unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    }
+    let pages_of = |sample: usize| {
+        let start = array.data_offset() as usize + sample * SAMPLE;
+        start / 4096..(start + SAMPLE).div_ceil(4096)
+    };
+    if resident_pages(&file, len)[pages_of(3).start..pages_of(40).end].contains(&true) {
+        // tmpfs keeps its pages.
+        eprintln!("not measurable here: the file stayed in the page cache after eviction");
+        return;
+    }
+    // An index past the end is left out.
+    array.prefetch(&[3, 40, COUNT + 7]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let resident = resident_pages(&file, len);
+        if [3, 40]
+            .iter()
+            .all(|&s| resident[pages_of(s)].iter().all(|&r| r))
+        {
+            // Random access reads nothing but what was asked for.
+            assert!(!resident[pages_of(20)].contains(&true));
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "samples 3 and 40 were not read in"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let mut sample = vec![0; SAMPLE];
+    array.read_sample(40, &mut sample).unwrap();
+    assert!(sample.iter().all(|&b| b == 5));
+}
