@@ -57,6 +57,8 @@ struct Opened {
     len: u64,
     cached_bytes: AtomicU64,
     direct_bytes: AtomicU64,
+    /// Calls that read past the page cache.
+    direct_reads: AtomicU64,
 }
 
 impl DataFile {
@@ -93,6 +95,7 @@ impl DataFile {
             len: metadata.len(),
             cached_bytes: AtomicU64::new(0),
             direct_bytes: AtomicU64::new(0),
+            direct_reads: AtomicU64::new(0),
         })))
     }
 
@@ -251,7 +254,144 @@ impl DataFile {
         self.0
             .direct_bytes
             .fetch_add(filled as u64, Ordering::Relaxed);
+        self.0.direct_reads.fetch_add(1, Ordering::Relaxed);
         Ok(filled)
+    }
+
+    /// Whether the page cache holds every byte of `offset..offset + len` (as far as the
+    /// kernel says; `true` where it cannot be asked).
+    pub(crate) fn is_cached(&self, offset: u64, len: usize) -> bool {
+        self.cached(offset, len)
+    }
+
+    /// Reads the bytes of `parts` past the page cache in one call: each part a buffer and
+    /// its length, the first part's bytes at `offset`, each next part's following the last's
+    /// in the file. Whole aligned blocks are read into the scratch around each part (as
+    /// [`read_at`](Self::read_at)'s); returns the bytes of each part filled, short from where
+    /// the file ends or the file system refused (0 everywhere where it takes no direct
+    /// reads). The caller reads what is missing through the page cache.
+    ///
+    /// One large read keeps more of the storage busy than several small ones: a crew reading
+    /// a cold file this way asks as much of the disk at once as one reading in larger chunks.
+    ///
+    /// # Safety
+    ///
+    /// Every part is as `buf` of [`read_at`](Self::read_at) with `scratch`; every part but
+    /// the first starts on a block boundary of the file, and every part but the last ends on
+    /// one.
+    pub(crate) unsafe fn read_direct_parts(
+        &self,
+        parts: &[(*mut u8, usize)],
+        offset: u64,
+    ) -> Result<Vec<usize>> {
+        let mut filled = vec![0; parts.len()];
+        let Some(direct) = self.0.direct.as_ref().filter(|_| self.can_read_direct()) else {
+            return Ok(filled);
+        };
+        let skew = (offset % DIRECT_ALIGN as u64) as usize;
+        // Each part's aligned blocks, and where its bytes start in them.
+        let mut vectors: Vec<libc::iovec> = Vec::with_capacity(parts.len());
+        let mut starts = Vec::with_capacity(parts.len());
+        let mut at = 0;
+        for (i, &(buf, len)) in parts.iter().enumerate() {
+            let before = if i == 0 { skew } else { 0 };
+            let blocks = (before + len).next_multiple_of(DIRECT_ALIGN);
+            vectors.push(libc::iovec {
+                iov_base: buf.wrapping_sub(before).cast(),
+                iov_len: blocks,
+            });
+            starts.push(at + before);
+            at += blocks;
+        }
+        let total = at;
+        let first_block = offset - skew as u64;
+        let mut done = 0;
+        let mut next = 0;
+        while done < total {
+            let Ok(at) = libc::off_t::try_from(first_block + done as u64) else {
+                break;
+            };
+            // SAFETY: the vectors from `next` on cover the blocks not read yet, each in the
+            // scratch-extended part the caller lends (writable and its alone); the descriptor
+            // is open while `self` lives.
+            let read = unsafe {
+                libc::preadv(
+                    direct.as_raw_fd(),
+                    vectors[next..].as_ptr(),
+                    (vectors.len() - next) as libc::c_int,
+                    at,
+                )
+            };
+            let read = match read {
+                0 => break,
+                n if n > 0 => n as usize,
+                _ => {
+                    let error = io::Error::last_os_error();
+                    match error.raw_os_error() {
+                        Some(libc::EINTR) => continue,
+                        // The file system takes the flag but not these reads: cached from now
+                        // on.
+                        Some(libc::EINVAL) if done == 0 => {
+                            self.0.direct_works.store(false, Ordering::Relaxed);
+                            return Ok(filled);
+                        }
+                        _ => {
+                            return Err(Error::io(
+                                &self.0.path,
+                                "reading past the page cache",
+                                error,
+                            ));
+                        }
+                    }
+                }
+            };
+            done += read;
+            // A read ending short of a block ends at the file's end.
+            if read % DIRECT_ALIGN != 0 {
+                break;
+            }
+            // Past the vectors read whole; into the one read in part.
+            let mut left = read;
+            while next < vectors.len() && left >= vectors[next].iov_len {
+                left -= vectors[next].iov_len;
+                next += 1;
+            }
+            if left > 0 {
+                let vector = &mut vectors[next];
+                vector.iov_base = vector.iov_base.cast::<u8>().wrapping_add(left).cast();
+                vector.iov_len -= left;
+            }
+        }
+        for (i, &(_, len)) in parts.iter().enumerate() {
+            filled[i] = done.saturating_sub(starts[i]).min(len);
+        }
+        self.0
+            .direct_bytes
+            .fetch_add(filled.iter().sum::<usize>() as u64, Ordering::Relaxed);
+        self.0.direct_reads.fetch_add(1, Ordering::Relaxed);
+        Ok(filled)
+    }
+
+    /// Reads the `len` bytes at `buf` from `offset` through the page cache.
+    ///
+    /// # Safety
+    ///
+    /// `buf` is writable for `len` bytes and nobody else's until this returns.
+    pub(crate) unsafe fn read_through_cache(
+        &self,
+        buf: *mut u8,
+        len: usize,
+        offset: u64,
+    ) -> Result<()> {
+        // SAFETY: writable and ours (the contract).
+        let buf = unsafe { std::slice::from_raw_parts_mut(buf, len) };
+        self.read_cached(buf, offset)
+    }
+
+    /// Calls that read past the page cache so far (one for several pieces read together).
+    #[cfg(test)]
+    pub(crate) fn direct_reads(&self) -> u64 {
+        self.0.direct_reads.load(Ordering::Relaxed)
     }
 
     fn truncated(&self, offset: u64, wanted: usize) -> Error {

@@ -5,7 +5,9 @@
 //! reads a piece of a file into a free chunk and queues its copy to the device; a chunk is
 //! reused once its copy is done. Reads and copies overlap, and the pinned memory held is the
 //! ring's, whatever the size of the file. Each piece is read through the page cache where
-//! the kernel holds it, past the cache (`O_DIRECT`) where it does not ([`ReadMode`]).
+//! the kernel holds it, past the cache (`O_DIRECT`) where it does not ([`ReadMode`]); pieces
+//! past the cache go several in one read, into as many free chunks, so that a cold file keeps
+//! the storage as busy as large reads do.
 //!
 //! | type | what |
 //! |---|---|

@@ -47,7 +47,7 @@ pub(crate) struct Piece {
 }
 
 impl Piece {
-    fn end(&self) -> u64 {
+    pub(crate) fn end(&self) -> u64 {
         self.offset + self.len as u64
     }
 }

@@ -61,6 +61,9 @@ struct Chunks<E> {
     lost: bool,
 }
 
+/// Pieces read past the page cache in one call, at most (each into a chunk of its own).
+pub(crate) const DIRECT_RUN: usize = 4;
+
 /// The ring: page-locked memory cut into chunks, each with room for a piece and the scratch
 /// of aligned reads around it (a page before and after).
 pub(crate) struct Ring<D: Dma> {
@@ -140,6 +143,11 @@ impl<D: Dma> Ring<D> {
                 .wait(chunks)
                 .unwrap_or_else(PoisonError::into_inner);
         }
+    }
+
+    /// A free chunk, if one is free now.
+    fn try_take(&self) -> Option<Chunk<D::Event>> {
+        lock(&self.chunks).free.pop_front()
     }
 
     fn give_back(&self, chunk: Chunk<D::Event>) {
@@ -283,19 +291,51 @@ impl<D: Dma> Job<D> {
 
     /// Takes pieces and moves them through `ring` until none is left; after a failure the
     /// rest are skipped.
+    ///
+    /// Pieces of a file the page cache does not hold are taken [`DIRECT_RUN`] at a time and
+    /// read together past the cache, into as many chunks as are free: one large read keeps
+    /// more of the storage busy than several small ones. Pieces in the cache are taken one at
+    /// a time, so that the first targets complete soonest.
     pub(crate) fn work(&self, ring: &Ring<D>) {
         loop {
-            let index = self.next.fetch_add(1, Ordering::Relaxed);
-            if index >= self.pieces.len() {
+            let run = self.run_length();
+            let first = self.next.fetch_add(run, Ordering::Relaxed);
+            if first >= self.pieces.len() {
                 return;
             }
+            let end = (first + run).min(self.pieces.len());
             // Counted as finished however it ends, a panic included.
-            let counted = Counted { job: self };
-            if !self.failed.load(Ordering::Relaxed) {
-                self.move_piece(ring, &self.pieces[index]);
+            let counted = Counted {
+                job: self,
+                pieces: end - first,
+            };
+            let mut index = first;
+            while index < end && !self.failed.load(Ordering::Relaxed) {
+                index += self.move_pieces(ring, index, end);
             }
             drop(counted);
         }
+    }
+
+    /// How many pieces to take next: [`DIRECT_RUN`] where the next one will be read past the
+    /// page cache, else one.
+    fn run_length(&self) -> usize {
+        let index = self.next.load(Ordering::Relaxed);
+        match self.pieces.get(index) {
+            Some(piece) if self.reads_direct(piece) => DIRECT_RUN,
+            _ => 1,
+        }
+    }
+
+    /// Whether `piece` is read past the page cache (as [`DataFile::read_at`] decides).
+    fn reads_direct(&self, piece: &Piece) -> bool {
+        let file = &self.files[piece.file];
+        file.can_read_direct()
+            && match self.mode {
+                ReadMode::Buffered => false,
+                ReadMode::Direct => true,
+                ReadMode::Auto => !file.is_cached(piece.offset, piece.len),
+            }
     }
 
     /// Counts `pieces` more pieces finished; the last one calls `done` and wakes the waiters.
@@ -340,69 +380,152 @@ impl<D: Dma> Job<D> {
         lock(&self.error).as_ref().map(ToString::to_string)
     }
 
-    /// Moves one piece through a chunk of `ring`; a failure is the job's.
-    fn move_piece(&self, ring: &Ring<D>, piece: &Piece) {
+    /// Moves piece `index` through a chunk of `ring`, with the pieces after it (before
+    /// `end`) that can be read in the same call past the page cache, each into a chunk of
+    /// its own that is free now; returns how many it took. A failure is the job's.
+    fn move_pieces(&self, ring: &Ring<D>, index: usize, end: usize) -> usize {
         let chunk = match ring.take() {
             Ok(chunk) => chunk,
-            Err(error) => return self.fail(error),
+            Err(error) => {
+                self.fail(error);
+                return end - index;
+            }
         };
-        let mut taken = Taken {
+        let mut taken = vec![Taken {
             ring,
             chunk: Some(chunk),
-        };
-        // The failure is recorded before `taken` may drop the chunk as lost: a thread that the
+        }];
+        // A run was taken only for pieces read past the page cache.
+        if end - index > 1 && self.reads_direct(&self.pieces[index]) {
+            while index + taken.len() < end
+                && follows(
+                    &self.pieces[index + taken.len() - 1],
+                    &self.pieces[index + taken.len()],
+                )
+                && let Some(chunk) = ring.try_take()
+            {
+                taken.push(Taken {
+                    ring,
+                    chunk: Some(chunk),
+                });
+            }
+        }
+        let pieces = &self.pieces[index..index + taken.len()];
+        // The failure is recorded before `taken` may drop chunks as lost: a thread that a
         // loss wakes then finds the job failed, its first error the cause.
-        if let Err(error) = self.fill_and_queue(ring, &mut taken, piece) {
+        if let Err(error) = self.fill_and_queue(ring, &mut taken, pieces) {
             self.fail(error);
         }
+        pieces.len()
     }
 
-    /// Fills the taken chunk with `piece` and queues its copies; gives the chunk back where
-    /// its copies are accounted for (else it is lost when `taken` drops).
+    /// Fills the taken chunks with `pieces`, one each, and queues their copies; gives each
+    /// chunk back where its copies are accounted for (else it is lost when dropped).
     fn fill_and_queue(
         &self,
         ring: &Ring<D>,
-        taken: &mut Taken<'_, D>,
-        piece: &Piece,
+        taken: &mut [Taken<'_, D>],
+        pieces: &[Piece],
     ) -> Result<()> {
-        let chunk = taken.chunk.as_mut().expect("taken");
-        if chunk.pending {
-            ring.dma.wait(&chunk.event)?;
-            chunk.pending = false;
+        let mut starts = Vec::with_capacity(pieces.len());
+        for (taken_now, piece) in taken.iter_mut().zip(pieces) {
+            let chunk = taken_now.chunk.as_mut().expect("taken");
+            if chunk.pending {
+                if let Err(error) = ring.dma.wait(&chunk.event) {
+                    // This chunk's copies are unknown: lost; the others are given back once
+                    // theirs are known to be over.
+                    if let Some(chunk) = taken_now.chunk.take() {
+                        ring.lose(chunk);
+                    }
+                    give_back_settled(ring, taken);
+                    return Err(error);
+                }
+                chunk.pending = false;
+            }
+            let skew = (piece.offset % DIRECT_ALIGN as u64) as usize;
+            starts.push((ring.base + chunk.offset + skew) as *mut u8);
         }
-        let skew = (piece.offset % DIRECT_ALIGN as u64) as usize;
-        let start = (ring.base + chunk.offset + skew) as *mut u8;
-        let file = &self.files[piece.file];
-        // SAFETY: the chunk is this thread's alone (taken from the free list) and its last
+        let file = &self.files[pieces[0].file];
+        // SAFETY: each chunk is this thread's alone (taken from the free list) and its last
         // copies are over; it spans `capacity + 2 * DIRECT_ALIGN` bytes, so the `skew <
-        // DIRECT_ALIGN` bytes before `start` and the `capacity - len + DIRECT_ALIGN ≥
-        // DIRECT_ALIGN` after its `len ≤ capacity` bytes lie in it; `start` is congruent to
-        // the piece's offset (the chunk's start is aligned).
-        let read = unsafe { file.read_at(start, piece.len, piece.offset, self.mode, true) };
+        // DIRECT_ALIGN` bytes before its start and the `capacity - len + DIRECT_ALIGN ≥
+        // DIRECT_ALIGN` after its piece's `len ≤ capacity` bytes lie in it; each start is
+        // congruent to its piece's offset (the chunk's start is aligned); the pieces follow
+        // one another in the file on block boundaries (`follows`).
+        let read = unsafe { self.read_pieces(file, &starts, pieces) };
         if let Err(error) = read {
-            taken.give_back();
+            give_back_settled(ring, taken);
             return Err(error);
         }
-        // SAFETY: the copies read the piece's bytes, filled above; the chunk is left alone
-        // until its event, recorded next, completes (or, if that fails, it is lost).
-        let queued = unsafe { ring.dma.copy(&self.stream, start, &piece.copies) }
-            .and_then(|()| ring.dma.record(&mut chunk.event, &self.stream));
-        match queued {
-            Ok(()) => {
-                chunk.pending = true;
-                taken.give_back();
-            }
-            Err(error) => {
-                // Copies may be queued that no event covers: reused only once the stream is
-                // known to be done with them, else lost with `taken`.
-                if ring.dma.wait_stream(&self.stream).is_ok() {
-                    chunk.pending = false;
-                    taken.give_back();
+        for (i, (piece, &start)) in pieces.iter().zip(&starts).enumerate() {
+            let chunk = taken[i].chunk.as_mut().expect("taken");
+            // SAFETY: the copies read the piece's bytes, filled above; the chunk is left
+            // alone until its event, recorded next, completes (or, if that fails, it is
+            // lost).
+            let queued = unsafe { ring.dma.copy(&self.stream, start, &piece.copies) }
+                .and_then(|()| ring.dma.record(&mut chunk.event, &self.stream));
+            let result = match queued {
+                Ok(()) => {
+                    chunk.pending = true;
+                    taken[i].give_back();
+                    self.landed(piece)
                 }
+                Err(error) => {
+                    // Copies may be queued that no event covers: reused only once the stream
+                    // is known to be done with them, else lost when dropped.
+                    if ring.dma.wait_stream(&self.stream).is_ok() {
+                        chunk.pending = false;
+                        taken[i].give_back();
+                    }
+                    Err(error)
+                }
+            };
+            if let Err(error) = result {
+                // The chunks of the pieces after it were filled, not queued.
+                give_back_settled(ring, &mut taken[i + 1..]);
                 return Err(error);
             }
         }
-        self.landed(piece)
+        Ok(())
+    }
+
+    /// Reads `pieces` into the chunk memory at `starts`: one piece as the job's mode says,
+    /// several past the page cache in one call (what that leaves unread, through the cache).
+    ///
+    /// # Safety
+    ///
+    /// As [`DataFile::read_at`] with scratch, for each piece at its start; the pieces follow
+    /// one another in the file on block boundaries.
+    unsafe fn read_pieces(
+        &self,
+        file: &DataFile,
+        starts: &[*mut u8],
+        pieces: &[Piece],
+    ) -> Result<()> {
+        if let [piece] = pieces {
+            // SAFETY: forwarded from the caller.
+            return unsafe { file.read_at(starts[0], piece.len, piece.offset, self.mode, true) };
+        }
+        let parts: Vec<(*mut u8, usize)> = starts
+            .iter()
+            .zip(pieces)
+            .map(|(&start, piece)| (start, piece.len))
+            .collect();
+        // SAFETY: forwarded from the caller.
+        let filled = unsafe { file.read_direct_parts(&parts, pieces[0].offset) }?;
+        for ((&start, piece), filled) in starts.iter().zip(pieces).zip(filled) {
+            if filled < piece.len {
+                // SAFETY: the rest of the piece's memory, writable and ours (the contract).
+                unsafe {
+                    file.read_through_cache(
+                        start.wrapping_add(filled),
+                        piece.len - filled,
+                        piece.offset + filled as u64,
+                    )
+                }?;
+            }
+        }
+        Ok(())
     }
 
     /// Counts the piece toward its targets and completes those it was the last of.
@@ -432,9 +555,10 @@ impl<D: Dma> Drop for Complete<'_, D> {
     }
 }
 
-/// Counts a piece finished when dropped; a panic while moving it fails the job.
+/// Counts pieces finished when dropped; a panic while moving them fails the job.
 struct Counted<'a, D: Dma> {
     job: &'a Job<D>,
+    pieces: usize,
 }
 
 impl<D: Dma> Drop for Counted<'_, D> {
@@ -443,8 +567,32 @@ impl<D: Dma> Drop for Counted<'_, D> {
             self.job
                 .fail(Error::Invalid("a reading thread panicked".into()));
         }
-        self.job.count_finished(1);
+        self.job.count_finished(self.pieces);
     }
+}
+
+/// Gives back the chunks of `taken` once no copy out of them may still run (waiting for
+/// those with copies queued); a chunk whose wait fails is lost when dropped.
+fn give_back_settled<D: Dma>(ring: &Ring<D>, taken: &mut [Taken<'_, D>]) {
+    for taken in taken {
+        let Some(chunk) = taken.chunk.as_mut() else {
+            continue;
+        };
+        if chunk.pending && ring.dma.wait(&chunk.event).is_ok() {
+            chunk.pending = false;
+        }
+        if !chunk.pending {
+            taken.give_back();
+        }
+    }
+}
+
+/// Whether `next` can be read in the same call as `piece`, past the page cache: it starts
+/// where `piece` ends, in the same file, on a block boundary.
+fn follows(piece: &Piece, next: &Piece) -> bool {
+    next.file == piece.file
+        && next.offset == piece.end()
+        && next.offset.is_multiple_of(DIRECT_ALIGN as u64)
 }
 
 /// The job's outcome once its threads are done: after a failure, the stream is waited for so

@@ -433,10 +433,13 @@ struct Faulty {
     dst: Vec<u8>,
     bytes: Vec<u8>,
     sink_calls: usize,
+    /// Pieces, and calls that read past the page cache.
+    pieces: usize,
+    direct_reads: u64,
 }
 
-/// One span of `len` bytes read through `count` chunks of `chunk` bytes by `threads` threads
-/// against `fake`; `sink_fails` makes the sink fail on its n-th call.
+/// `len` bytes read through `count` chunks of `chunk` bytes by `threads` threads against
+/// `fake`, as `mode` says; `sink_fails` makes the sink fail on its n-th call.
 fn faulty(
     fake: Fake,
     len: usize,
@@ -444,6 +447,7 @@ fn faulty(
     count: usize,
     threads: usize,
     sink_fails: Option<usize>,
+    mode: ReadMode,
 ) -> Faulty {
     let (file, bytes) = file_of(len);
     let fake = Arc::new(fake);
@@ -462,28 +466,31 @@ fn faulty(
         Box::new(Watched(memory, freed.clone())),
     )
     .unwrap();
-    // Many small targets: one per 1000 bytes, so the sink is called often.
-    let spans: Vec<Span> = (0..len.div_ceil(1000))
+    // Many small targets: one per KiB, so the sink is called often, and pieces of whole
+    // blocks, so that reads past the page cache take several at a time.
+    let spans: Vec<Span> = (0..len.div_ceil(1024))
         .map(|i| {
-            let w = (len - i * 1000).min(1000) as u64;
+            let w = (len - i * 1024).min(1024) as u64;
             Span {
                 file: 0,
-                offset: (i * 1000) as u64,
+                offset: (i * 1024) as u64,
                 width: w,
                 rows: 1,
                 pitch: w,
-                dst: dst.as_mut_ptr() as u64 + (i * 1000) as u64,
+                dst: dst.as_mut_ptr() as u64 + (i * 1024) as u64,
                 target: i,
             }
         })
         .collect();
     let pieces = cut(&spans, chunk).unwrap();
+    let piece_count = pieces.len();
     let calls = Arc::new(AtomicUsize::new(0));
     let sink_calls = calls.clone();
+    let data_file = DataFile::open(file.path()).unwrap();
     let job = Job::new(
         pieces,
-        vec![DataFile::open(file.path()).unwrap()],
-        ReadMode::Buffered,
+        vec![data_file.clone()],
+        mode,
         (),
         spans.len(),
         Box::new(move |_: &[usize], _: &()| {
@@ -515,7 +522,47 @@ fn faulty(
         dst,
         bytes,
         sink_calls: sink_calls.load(Ordering::Relaxed),
+        pieces: piece_count,
+        direct_reads: data_file.direct_reads(),
     }
+}
+
+#[test]
+fn pieces_past_the_page_cache_are_read_several_at_a_time() {
+    for threads in [1, 3] {
+        let f = faulty(
+            Fake::default(),
+            300_000,
+            8192,
+            8,
+            threads,
+            None,
+            ReadMode::Direct,
+        );
+        assert!(f.result.is_ok(), "{:?}", f.result);
+        check_written_bytes_are_right(&f);
+        assert!(f.fake.writes.lock().unwrap().iter().all(|&w| w == 1));
+        // Where the file system takes direct reads at all: fewer calls than pieces, runs of
+        // pieces going in one call each.
+        if f.direct_reads > 0 {
+            assert!(
+                (f.direct_reads as usize) < f.pieces,
+                "{} reads for {} pieces",
+                f.direct_reads,
+                f.pieces
+            );
+        }
+        assert_eq!((f.live, f.lost), (8, false));
+    }
+}
+
+/// Each of `threads` with reads through the page cache and past it (where several pieces
+/// are read in one call).
+fn modes_and(threads: &[usize]) -> Vec<(ReadMode, usize)> {
+    [ReadMode::Buffered, ReadMode::Direct]
+        .into_iter()
+        .flat_map(|mode| threads.iter().map(move |&t| (mode, t)))
+        .collect()
 }
 
 fn check_written_bytes_are_right(f: &Faulty) {
@@ -535,7 +582,7 @@ fn check_written_bytes_are_right(f: &Faulty) {
 
 #[test]
 fn record_fails_stream_drains_chunk_kept() {
-    for threads in [1, 3] {
+    for (mode, threads) in modes_and(&[1, 3]) {
         let f = faulty(
             Fake {
                 fail_record: Some(3),
@@ -546,6 +593,7 @@ fn record_fails_stream_drains_chunk_kept() {
             3,
             threads,
             None,
+            mode,
         );
         let e = f.result.as_ref().unwrap_err().to_string();
         assert!(e.contains("injected record"), "{e}");
@@ -558,7 +606,7 @@ fn record_fails_stream_drains_chunk_kept() {
 
 #[test]
 fn record_fails_stream_wait_fails_chunk_lost_memory_kept() {
-    for threads in [1, 3] {
+    for (mode, threads) in modes_and(&[1, 3]) {
         let f = faulty(
             Fake {
                 fail_record: Some(2),
@@ -570,6 +618,7 @@ fn record_fails_stream_wait_fails_chunk_lost_memory_kept() {
             3,
             threads,
             None,
+            mode,
         );
         let e = f.result.as_ref().unwrap_err().to_string();
         assert!(e.contains("injected record"), "{e}");
@@ -583,7 +632,7 @@ fn record_fails_stream_wait_fails_chunk_lost_memory_kept() {
 
 #[test]
 fn event_wait_fails_chunk_lost_memory_kept() {
-    for threads in [1, 3] {
+    for (mode, threads) in modes_and(&[1, 3]) {
         let f = faulty(
             Fake {
                 fail_wait: Some(2),
@@ -594,6 +643,7 @@ fn event_wait_fails_chunk_lost_memory_kept() {
             2,
             threads,
             None,
+            mode,
         );
         let e = f.result.as_ref().unwrap_err().to_string();
         assert!(e.contains("injected wait"), "{e}");
@@ -605,8 +655,8 @@ fn event_wait_fails_chunk_lost_memory_kept() {
 
 #[test]
 fn sink_fails_first_error_reported_ring_whole() {
-    for threads in [1, 3] {
-        let f = faulty(Fake::default(), 200_000, 8192, 3, threads, Some(4));
+    for (mode, threads) in modes_and(&[1, 3]) {
+        let f = faulty(Fake::default(), 200_000, 8192, 3, threads, Some(4), mode);
         let e = f.result.as_ref().unwrap_err().to_string();
         assert!(e.contains("injected sink"), "{e}");
         assert_eq!(f.live, 3);
@@ -620,7 +670,7 @@ fn sink_fails_first_error_reported_ring_whole() {
 fn every_chunk_lost_no_hang() {
     // One chunk; the first record fails and the stream never drains: the chunk is lost, and
     // threads waiting for a chunk must wake and fail, not hang.
-    for threads in [1, 2, 4] {
+    for (mode, threads) in modes_and(&[1, 2, 4]) {
         let f = faulty(
             Fake {
                 fail_record: Some(1),
@@ -632,6 +682,7 @@ fn every_chunk_lost_no_hang() {
             1,
             threads,
             None,
+            mode,
         );
         let e = f.result.as_ref().unwrap_err().to_string();
         assert!(e.contains("injected record"), "first error should win: {e}");
@@ -642,7 +693,7 @@ fn every_chunk_lost_no_hang() {
 
 #[test]
 fn copy_fails_with_threads_bytes_right() {
-    for threads in [2, 4] {
+    for (mode, threads) in modes_and(&[2, 4]) {
         let f = faulty(
             Fake {
                 fail_copy: Some(5),
@@ -653,6 +704,7 @@ fn copy_fails_with_threads_bytes_right() {
             2,
             threads,
             None,
+            mode,
         );
         assert!(f.result.is_err());
         assert_eq!(f.live, 2);
