@@ -26,6 +26,13 @@ const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
 /// [`StagingConfig::streaming_stores`]).
 const STREAMING_SLOT_BYTES: usize = 32 << 10;
 
+/// Uploads through the ring of at most this size fill its chunks with non-temporal stores
+/// (see [`StagingConfig::streaming_stores`]): their copies into the chunks then skip reading
+/// the chunks' old bytes first, which pays while the ring's pipeline fills; the largest
+/// uploads ran faster with plain stores, which leave the chunks in the CPU's caches for the
+/// DMA to read (`docs/tuning.md`).
+const STREAMING_UPLOAD_BYTES: usize = 256 << 20;
+
 pub(super) struct Shared<D: Dma> {
     pub(super) dma: D,
     pub(super) config: StagingConfig,
@@ -213,6 +220,12 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
             device,
             cuts,
             newest_chunk: helpers == 0 && pieces == 1,
+            streaming: match direction {
+                Direction::HostToDevice => {
+                    config.streaming_stores && bytes <= STREAMING_UPLOAD_BYTES
+                }
+                Direction::DeviceToHost => config.streaming_stores,
+            },
             pieces,
             stream: stream.clone(),
             next: AtomicUsize::new(0),
@@ -443,7 +456,13 @@ impl<D: Dma> Shared<D> {
         match job.direction {
             Direction::HostToDevice => {
                 // SAFETY: both are `bytes` long, disjoint, and ours (the contract).
-                unsafe { std::ptr::copy_nonoverlapping(host.cast_const(), chunk, bytes) };
+                unsafe {
+                    if job.streaming {
+                        copy_bytes_streaming(host.cast_const(), chunk, bytes);
+                    } else {
+                        std::ptr::copy_nonoverlapping(host.cast_const(), chunk, bytes);
+                    }
+                }
                 // SAFETY: the chunk stays untouched until its event, recorded next, has
                 // completed; the device range is valid (the contract).
                 unsafe {
@@ -464,7 +483,7 @@ impl<D: Dma> Shared<D> {
                     // SAFETY: the DMA into the chunk has finished; the host range is
                     // writable and this piece's alone (the contract).
                     unsafe {
-                        if self.config.streaming_stores {
+                        if job.streaming {
                             copy_bytes_streaming(chunk.cast_const(), host, bytes);
                         } else {
                             std::ptr::copy_nonoverlapping(chunk.cast_const(), host, bytes);

@@ -60,6 +60,8 @@ pub(super) struct Job<D: Dma> {
     /// Takes the newest free chunk (a copy of one piece on the calling thread: the chunk is
     /// still in the CPU's caches) rather than the oldest.
     pub(super) newest_chunk: bool,
+    /// Fills chunks (uploads) or the host range (downloads) with non-temporal stores.
+    pub(super) streaming: bool,
     pub(super) pieces: usize,
     pub(super) stream: D::Stream,
     pub(super) next: AtomicUsize,
