@@ -59,7 +59,7 @@ pub trait Dataset: Send + Sync + 'static {
     /// first: a dataset reading files starts reading them all here (the file datasets of this
     /// crate do, where the batch is not in the page cache), so that a cold batch's reads
     /// reach the disk side by side rather than one after another. The default does nothing.
-    fn prefetch(&self, indices: &[usize]) {
+    fn read_ahead(&self, indices: &[usize]) {
         let _ = indices;
     }
 
@@ -301,8 +301,8 @@ impl<D: Dataset> Dataset for Arc<D> {
     ) -> Result<(), BoxError> {
         (**self).write(index, sample)
     }
-    fn prefetch(&self, indices: &[usize]) {
-        (**self).prefetch(indices);
+    fn read_ahead(&self, indices: &[usize]) {
+        (**self).read_ahead(indices);
     }
     fn pinned_storage(&self) -> Option<&PinnedStorage> {
         (**self).pinned_storage()

@@ -223,7 +223,7 @@ impl Source {
     /// Starts reading the byte ranges `ranges` yields (a batch's samples, in order) side by
     /// side, where the first is not in the page cache: a cold batch's reads then reach the
     /// disk together, not one at a time, and a warm one pays a single one-byte read.
-    pub(crate) fn prefetch(&self, mut ranges: impl Iterator<Item = (u64, u64)>) {
+    pub(crate) fn read_ahead(&self, mut ranges: impl Iterator<Item = (u64, u64)>) {
         let Some((offset, len)) = ranges.next() else {
             return;
         };

@@ -137,11 +137,11 @@ impl NpyArray {
 
     /// Starts reading samples `indices` (those past the end are left out) into the page
     /// cache side by side, where the first of them is not there yet; returns at once. The
-    /// loader calls it through [`Dataset::prefetch`] with each batch.
-    pub fn prefetch(&self, indices: &[usize]) {
+    /// loader calls it through [`Dataset::read_ahead`] with each batch.
+    pub fn read_ahead(&self, indices: &[usize]) {
         let bytes = self.sample_bytes() as u64;
         let start = self.layout.data_offset;
-        self.source.prefetch(
+        self.source.read_ahead(
             (indices.iter())
                 .filter(|&&index| index < self.len())
                 .map(|&index| (start + index as u64 * bytes, bytes)),
@@ -350,9 +350,9 @@ impl<F: NpyFields> Dataset for NpyDataset<F> {
         self.fields.clone()
     }
 
-    fn prefetch(&self, indices: &[usize]) {
+    fn read_ahead(&self, indices: &[usize]) {
         for array in &self.arrays {
-            array.prefetch(indices);
+            array.read_ahead(indices);
         }
     }
 

@@ -165,7 +165,7 @@ impl<F: Fields> Dataset for RecordDataset<F> {
 
     /// Starts reading the batch's records side by side in each file whose first record of
     /// the batch is not in the page cache.
-    fn prefetch(&self, indices: &[usize]) {
+    fn read_ahead(&self, indices: &[usize]) {
         // Each file the batch reaches, and whether its first record there was cold.
         let mut cold: Vec<(usize, bool)> = Vec::new();
         for (file, record) in indices.iter().filter_map(|&index| self.place(index)) {

@@ -218,7 +218,7 @@ impl<D: Dataset> Shared<D> {
             .map_err(|e| Stop::Failed(e.into()))?;
         let pinned = self.dataset.pinned_storage();
         if pinned.is_none() {
-            self.dataset.prefetch(indices);
+            self.dataset.read_ahead(indices);
         }
         for (position, &index) in indices.iter().enumerate() {
             if task.generation < self.generation() {

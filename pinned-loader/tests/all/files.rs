@@ -287,9 +287,9 @@ fn records_across_shards_map_every_index() {
     );
 }
 
-/// The reference dataset, noting the indices each `prefetch` call names.
+/// The reference dataset, noting the indices each `read_ahead` call names.
 struct Watched {
-    prefetched: std::sync::Mutex<Vec<Vec<usize>>>,
+    asked: std::sync::Mutex<Vec<Vec<usize>>>,
 }
 
 impl Dataset for Watched {
@@ -300,8 +300,8 @@ impl Dataset for Watched {
     fn fields(&self) -> Self::Fields {
         Reference.fields()
     }
-    fn prefetch(&self, indices: &[usize]) {
-        self.prefetched.lock().unwrap().push(indices.to_vec());
+    fn read_ahead(&self, indices: &[usize]) {
+        self.asked.lock().unwrap().push(indices.to_vec());
     }
     fn write(&self, i: usize, sample: (&mut [u8], &mut [i64])) -> Result<(), BoxError> {
         Reference.write(i, sample)
@@ -311,7 +311,7 @@ impl Dataset for Watched {
 #[test]
 fn workers_name_each_batch_to_the_dataset_before_writing_it() {
     let watched = std::sync::Arc::new(Watched {
-        prefetched: std::sync::Mutex::new(Vec::new()),
+        asked: std::sync::Mutex::new(Vec::new()),
     });
     let config = LoaderConfig::new(16).workers(4).shuffle(5);
     let mut loader = Loader::new(watched.clone(), config).unwrap();
@@ -320,10 +320,10 @@ fn workers_name_each_batch_to_the_dataset_before_writing_it() {
         .map(|(indices, _, _)| indices)
         .collect();
     drop(loader);
-    let mut prefetched = watched.prefetched.lock().unwrap().clone();
+    let mut asked = watched.asked.lock().unwrap().clone();
     batches.sort();
-    prefetched.sort();
-    assert_eq!(prefetched, batches);
+    asked.sort();
+    assert_eq!(asked, batches);
 }
 
 /// Which pages of `file` (of `len` bytes) the page cache holds, as `mincore` says of a
@@ -392,7 +392,7 @@ fn a_cold_batch_is_asked_of_the_disk_at_once() {
         return;
     }
     // An index past the end is left out.
-    array.prefetch(&[3, 40, COUNT + 7]);
+    array.read_ahead(&[3, 40, COUNT + 7]);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     loop {
         let resident = resident_pages(&file, len);
