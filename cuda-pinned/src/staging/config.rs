@@ -34,9 +34,9 @@ pub struct StagingConfig {
     pub upload_slot_bytes: usize,
     /// Slots for small uploads (page-locked memory: `upload_slots × upload_slot_bytes`).
     pub upload_slots: usize,
-    /// Whether downloads out of the ring, uploads into the ring of up to 256 MiB, and
-    /// uploads into a slot from 32 KiB use non-temporal stores where the CPU has them
-    /// (x86-64 with AVX2).
+    /// Whether downloads out of the ring, uploads into the ring of several pieces and up to
+    /// 256 MiB, and uploads into a slot from 32 KiB use non-temporal stores where the CPU has
+    /// them (x86-64 with AVX2).
     pub streaming_stores: bool,
 }
 

@@ -26,7 +26,8 @@ const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
 /// [`StagingConfig::streaming_stores`]).
 const STREAMING_SLOT_BYTES: usize = 32 << 10;
 
-/// Uploads through the ring of at most this size fill its chunks with non-temporal stores
+/// Uploads through the ring of several pieces and at most this size fill its chunks with
+/// non-temporal stores
 /// (see [`StagingConfig::streaming_stores`]): their copies into the chunks then skip reading
 /// the chunks' old bytes first, which pays while the ring's pipeline fills; the largest
 /// uploads ran faster with plain stores, which leave the chunks in the CPU's caches for the
@@ -221,8 +222,10 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
             cuts,
             newest_chunk: helpers == 0 && pieces == 1,
             streaming: match direction {
+                // One piece goes into the newest chunk, which the CPU's caches still hold:
+                // plain stores keep it there.
                 Direction::HostToDevice => {
-                    config.streaming_stores && bytes <= STREAMING_UPLOAD_BYTES
+                    config.streaming_stores && pieces > 1 && bytes <= STREAMING_UPLOAD_BYTES
                 }
                 Direction::DeviceToHost => config.streaming_stores,
             },

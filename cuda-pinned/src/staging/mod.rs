@@ -17,7 +17,8 @@
 //! for host memory that starts in ordinary memory, on devices that cannot read pageable
 //! memory themselves (the driver then stages it within its call: a source is read, a
 //! destination filled, before the call returns). Downloads copy pieces out, and uploads of
-//! up to 256 MiB copy them in, with non-temporal stores ([`StagingConfig::streaming_stores`]).
+//! several pieces up to 256 MiB copy them in, with non-temporal stores
+//! ([`StagingConfig::streaming_stores`]).
 
 use std::ops::RangeInclusive;
 use std::sync::atomic::Ordering;

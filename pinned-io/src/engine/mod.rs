@@ -62,7 +62,7 @@ struct Chunks<E> {
 }
 
 /// Pieces read past the page cache in one call, at most (each into a chunk of its own).
-pub(crate) const DIRECT_RUN: usize = 4;
+const DIRECT_RUN: usize = 4;
 
 /// The ring: page-locked memory cut into chunks, each with room for a piece and the scratch
 /// of aligned reads around it (a page before and after).
@@ -181,8 +181,8 @@ impl<D: Dma> Drop for Ring<D> {
     }
 }
 
-/// A chunk out of the ring: given back, or else lost when dropped (an error or a panic left
-/// its copies unknown).
+/// A chunk out of the ring: given back, or else, when dropped (an error or a panic), given
+/// back if no copy out of it can be running and lost if one may be.
 struct Taken<'a, D: Dma> {
     ring: &'a Ring<D>,
     chunk: Option<Chunk<D::Event>>,
@@ -199,7 +199,11 @@ impl<D: Dma> Taken<'_, D> {
 impl<D: Dma> Drop for Taken<'_, D> {
     fn drop(&mut self) {
         if let Some(chunk) = self.chunk.take() {
-            self.ring.lose(chunk);
+            if chunk.pending {
+                self.ring.lose(chunk);
+            } else {
+                self.ring.give_back(chunk);
+            }
         }
     }
 }
@@ -292,38 +296,26 @@ impl<D: Dma> Job<D> {
     /// Takes pieces and moves them through `ring` until none is left; after a failure the
     /// rest are skipped.
     ///
-    /// Pieces of a file the page cache does not hold are taken [`DIRECT_RUN`] at a time and
-    /// read together past the cache, into as many chunks as are free: one large read keeps
-    /// more of the storage busy than several small ones. Pieces in the cache are taken one at
-    /// a time, so that the first targets complete soonest.
+    /// A piece read past the page cache takes the pieces after it along, up to
+    /// [`DIRECT_RUN`] in all, while chunks are free and nobody has taken them yet: they are
+    /// read in one call, and one large read keeps more of the storage busy than several small
+    /// ones.
     pub(crate) fn work(&self, ring: &Ring<D>) {
         loop {
-            let run = self.run_length();
-            let first = self.next.fetch_add(run, Ordering::Relaxed);
-            if first >= self.pieces.len() {
+            let index = self.next.fetch_add(1, Ordering::Relaxed);
+            if index >= self.pieces.len() {
                 return;
             }
-            let end = (first + run).min(self.pieces.len());
-            // Counted as finished however it ends, a panic included.
-            let counted = Counted {
+            // Counted as finished however it ends, a panic included, with the pieces taken
+            // along.
+            let mut counted = Counted {
                 job: self,
-                pieces: end - first,
+                pieces: 1,
             };
-            let mut index = first;
-            while index < end && !self.failed.load(Ordering::Relaxed) {
-                index += self.move_pieces(ring, index, end);
+            if !self.failed.load(Ordering::Relaxed) {
+                self.move_pieces(ring, index, &mut counted.pieces);
             }
             drop(counted);
-        }
-    }
-
-    /// How many pieces to take next: [`DIRECT_RUN`] where the next one will be read past the
-    /// page cache, else one.
-    fn run_length(&self) -> usize {
-        let index = self.next.load(Ordering::Relaxed);
-        match self.pieces.get(index) {
-            Some(piece) if self.reads_direct(piece) => DIRECT_RUN,
-            _ => 1,
         }
     }
 
@@ -336,6 +328,19 @@ impl<D: Dma> Job<D> {
                 ReadMode::Direct => true,
                 ReadMode::Auto => !file.is_cached(piece.offset, piece.len),
             }
+    }
+
+    /// Takes piece `index + taken` along with the pieces before it, if nobody has taken it
+    /// yet.
+    fn take_along(&self, index: usize, taken: usize) -> bool {
+        self.next
+            .compare_exchange(
+                index + taken,
+                index + taken + 1,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            )
+            .is_ok()
     }
 
     /// Counts `pieces` more pieces finished; the last one calls `done` and wakes the waiters.
@@ -380,30 +385,32 @@ impl<D: Dma> Job<D> {
         lock(&self.error).as_ref().map(ToString::to_string)
     }
 
-    /// Moves piece `index` through a chunk of `ring`, with the pieces after it (before
-    /// `end`) that can be read in the same call past the page cache, each into a chunk of
-    /// its own that is free now; returns how many it took. A failure is the job's.
-    fn move_pieces(&self, ring: &Ring<D>, index: usize, end: usize) -> usize {
+    /// Moves piece `index` through a chunk of `ring`, with the pieces after it that can be
+    /// read in the same call past the page cache, each into a chunk of its own that is free
+    /// now; `claimed` counts the pieces taken, as they are taken. A failure is the job's.
+    fn move_pieces(&self, ring: &Ring<D>, index: usize, claimed: &mut usize) {
         let chunk = match ring.take() {
             Ok(chunk) => chunk,
-            Err(error) => {
-                self.fail(error);
-                return end - index;
-            }
+            Err(error) => return self.fail(error),
         };
         let mut taken = vec![Taken {
             ring,
             chunk: Some(chunk),
         }];
-        // A run was taken only for pieces read past the page cache.
-        if end - index > 1 && self.reads_direct(&self.pieces[index]) {
-            while index + taken.len() < end
+        if index + 1 < self.pieces.len() && self.reads_direct(&self.pieces[index]) {
+            while taken.len() < DIRECT_RUN
+                && index + taken.len() < self.pieces.len()
                 && follows(
                     &self.pieces[index + taken.len() - 1],
                     &self.pieces[index + taken.len()],
                 )
                 && let Some(chunk) = ring.try_take()
             {
+                if !self.take_along(index, taken.len()) {
+                    ring.give_back(chunk);
+                    break;
+                }
+                *claimed += 1;
                 taken.push(Taken {
                     ring,
                     chunk: Some(chunk),
@@ -416,7 +423,6 @@ impl<D: Dma> Job<D> {
         if let Err(error) = self.fill_and_queue(ring, &mut taken, pieces) {
             self.fail(error);
         }
-        pieces.len()
     }
 
     /// Fills the taken chunks with `pieces`, one each, and queues their copies; gives each
@@ -457,36 +463,29 @@ impl<D: Dma> Job<D> {
             give_back_settled(ring, taken);
             return Err(error);
         }
-        for (i, (piece, &start)) in pieces.iter().zip(&starts).enumerate() {
-            let chunk = taken[i].chunk.as_mut().expect("taken");
+        for ((taken, piece), &start) in taken.iter_mut().zip(pieces).zip(&starts) {
+            let chunk = taken.chunk.as_mut().expect("taken");
+            // From here on copies out of the chunk may be queued: lost if dropped.
+            chunk.pending = true;
             // SAFETY: the copies read the piece's bytes, filled above; the chunk is left
             // alone until its event, recorded next, completes (or, if that fails, it is
             // lost).
             let queued = unsafe { ring.dma.copy(&self.stream, start, &piece.copies) }
                 .and_then(|()| ring.dma.record(&mut chunk.event, &self.stream));
-            let result = match queued {
-                Ok(()) => {
-                    chunk.pending = true;
-                    taken[i].give_back();
-                    self.landed(piece)
+            if let Err(error) = queued {
+                // Copies may be queued that no event covers: reused only once the stream is
+                // known to be done with them, else lost when dropped. The chunks of the
+                // pieces after it, filled and not queued, are given back when dropped.
+                if ring.dma.wait_stream(&self.stream).is_ok() {
+                    chunk.pending = false;
                 }
-                Err(error) => {
-                    // Copies may be queued that no event covers: reused only once the stream
-                    // is known to be done with them, else lost when dropped.
-                    if ring.dma.wait_stream(&self.stream).is_ok() {
-                        chunk.pending = false;
-                        taken[i].give_back();
-                    }
-                    Err(error)
-                }
-            };
-            if let Err(error) = result {
-                // The chunks of the pieces after it were filled, not queued.
-                give_back_settled(ring, &mut taken[i + 1..]);
                 return Err(error);
             }
+            taken.give_back();
         }
-        Ok(())
+        // Every chunk is back before the targets complete (the sink runs): nothing is held
+        // if it fails or panics.
+        pieces.iter().try_for_each(|piece| self.landed(piece))
     }
 
     /// Reads `pieces` into the chunk memory at `starts`: one piece as the job's mode says,

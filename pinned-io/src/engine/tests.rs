@@ -168,13 +168,25 @@ fn file_of(len: usize) -> (tempfile::NamedTempFile, Vec<u8>) {
     (file, bytes)
 }
 
-/// Reads `spans` of a fresh file into a buffer through the crew.
+/// Reads `spans` of a fresh file into a buffer through the crew, with a ring of 3 chunks.
 fn read(
     spans: &mut [Span],
     file_len: usize,
     mode: ReadMode,
     threads: usize,
     chunk: usize,
+) -> Outcome {
+    read_through(spans, file_len, mode, threads, chunk, 3)
+}
+
+/// [`read`] with a ring of `count` chunks.
+fn read_through(
+    spans: &mut [Span],
+    file_len: usize,
+    mode: ReadMode,
+    threads: usize,
+    chunk: usize,
+    count: usize,
 ) -> Outcome {
     let (file, bytes) = file_of(file_len);
     let mut total = 0;
@@ -192,11 +204,13 @@ fn read(
     let fake = Arc::new(Fake::default());
     fake.dst_base.store(base as usize, Ordering::Relaxed);
     *fake.writes.lock().unwrap() = vec![0; total as usize];
-    let crew = Crew::new(ring(&fake, chunk, 3), threads).unwrap();
+    let crew = Crew::new(ring(&fake, chunk, count), threads).unwrap();
     let pieces = cut(spans, crew.ring().capacity()).unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
     let sink_seen = seen.clone();
-    let files = vec![DataFile::open(file.path()).unwrap()];
+    let data_file = DataFile::open(file.path()).unwrap();
+    let direct_at_open = data_file.can_read_direct();
+    let files = vec![data_file.clone()];
     let job = Job::new(
         pieces,
         files,
@@ -217,6 +231,8 @@ fn read(
         bytes,
         fake,
         seen,
+        direct_throughout: direct_at_open && data_file.can_read_direct(),
+        cached_bytes: data_file.bytes_read().0,
     }
 }
 
@@ -228,6 +244,10 @@ struct Outcome {
     bytes: Vec<u8>,
     fake: Arc<Fake>,
     seen: Vec<usize>,
+    /// Whether the file system took direct reads from the opening to the end.
+    direct_throughout: bool,
+    /// Bytes read through the page cache.
+    cached_bytes: u64,
 }
 
 fn spans() -> impl Strategy<Value = Vec<Span>> {
@@ -263,7 +283,7 @@ proptest! {
         threads in 1usize..4,
         blocks in 1usize..4,
     ) {
-        let Outcome { result, dst, bytes, fake, mut seen } =
+        let Outcome { result, dst, bytes, fake, mut seen, .. } =
             read(&mut spans, 150_000, mode, threads, blocks * DIRECT_ALIGN);
         prop_assert!(result.is_ok(), "{:?}", result);
         for span in &spans {
@@ -277,6 +297,78 @@ proptest! {
         prop_assert!(fake.writes.lock().unwrap().iter().all(|&w| w == 1));
         seen.sort_unstable();
         prop_assert_eq!(seen, (0..spans.len()).collect::<Vec<_>>());
+    }
+}
+
+/// A span of `rows` rows of `width` bytes, `pitch` apart, from `offset`.
+fn rows(offset: u64, width: u64, rows: u64, pitch: u64) -> Span {
+    Span {
+        file: 0,
+        offset,
+        width,
+        rows,
+        pitch,
+        dst: 0,
+        target: 0,
+    }
+}
+
+#[test]
+fn runs_read_past_the_page_cache_land_every_byte_and_go_past_it() {
+    const LEN: usize = 150_001;
+    let cases = [
+        // An unaligned start, to the file's unaligned end.
+        vec![rows(1000, (LEN - 1000) as u64, 1, 1)],
+        // The whole file.
+        vec![rows(0, LEN as u64, 1, 1)],
+        // Two targets meeting on a block boundary, the first unaligned.
+        vec![rows(5, 8187, 1, 1), rows(8192, 10_000, 1, 1)],
+        // Rows starting on blocks, with gaps between them: pieces that must not be read as
+        // one run.
+        vec![rows(8192, 4000, 6, 8192)],
+        // Wide rows with gaps, and a last piece in the file's last partial block.
+        vec![rows(3000, 20_000, 3, 24_576), rows(147_000, 3001, 1, 1)],
+    ];
+    // Whether this file system takes direct reads: one piece at a time, no runs.
+    let takes_direct = read_through(
+        &mut [rows(0, 8192, 1, 1)],
+        LEN,
+        ReadMode::Direct,
+        1,
+        4096,
+        1,
+    )
+    .direct_throughout;
+    for spans in cases {
+        for mode in [ReadMode::Direct, ReadMode::Auto] {
+            for threads in [1, 3] {
+                for (chunk, count) in [(4096, 8), (8192, 8), (12_288, 5), (8192, 2)] {
+                    let mut spans = spans.clone();
+                    let outcome = read_through(&mut spans, LEN, mode, threads, chunk, count);
+                    let case = format!("{spans:?} {mode:?} {threads} threads, {count} × {chunk}");
+                    assert!(outcome.result.is_ok(), "{case}: {:?}", outcome.result);
+                    for span in &spans {
+                        for row in 0..span.rows {
+                            let from = (span.offset + row * span.pitch) as usize;
+                            let to = (span.dst - outcome.dst.as_ptr() as u64 + row * span.width)
+                                as usize;
+                            let width = span.width as usize;
+                            assert!(
+                                outcome.dst[to..to + width] == outcome.bytes[from..from + width],
+                                "{case}: wrong bytes"
+                            );
+                        }
+                    }
+                    assert!(outcome.fake.writes.lock().unwrap().iter().all(|&w| w == 1));
+                    assert_eq!(outcome.fake.clobbered.load(Ordering::Relaxed), 0, "{case}");
+                    if mode == ReadMode::Direct && takes_direct {
+                        // Nothing fell back to the page cache: every run was a valid read.
+                        assert!(outcome.direct_throughout, "{case}: a read was refused");
+                        assert_eq!(outcome.cached_bytes, 0, "{case}");
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -524,6 +616,52 @@ fn faulty(
         sink_calls: sink_calls.load(Ordering::Relaxed),
         pieces: piece_count,
         direct_reads: data_file.direct_reads(),
+    }
+}
+
+#[test]
+fn a_sink_panicking_mid_run_loses_no_chunk() {
+    for (mode, threads) in modes_and(&[1, 3]) {
+        let len = 200_000;
+        let (file, _) = file_of(len);
+        let fake = Arc::new(Fake::default());
+        let mut dst = vec![0u8; len];
+        fake.dst_base
+            .store(dst.as_mut_ptr() as usize, Ordering::Relaxed);
+        *fake.writes.lock().unwrap() = vec![0; len];
+        let crew = Crew::new(ring(&fake, 8192, 8), threads).unwrap();
+        // A target per KiB, so that a run of pieces completes several.
+        let spans: Vec<Span> = (0..len.div_ceil(1024))
+            .map(|i| Span {
+                file: 0,
+                offset: (i * 1024) as u64,
+                width: (len - i * 1024).min(1024) as u64,
+                rows: 1,
+                pitch: 1024,
+                dst: dst.as_mut_ptr() as u64 + (i * 1024) as u64,
+                target: i,
+            })
+            .collect();
+        let pieces = cut(&spans, crew.ring().capacity()).unwrap();
+        let calls = AtomicUsize::new(0);
+        let sink = Box::new(move |_: &[usize], _: &()| -> Result<()> {
+            let n = calls.fetch_add(1, Ordering::Relaxed) + 1;
+            assert_ne!(n, 3, "injected sink panic");
+            Ok(())
+        });
+        let files = vec![DataFile::open(file.path()).unwrap()];
+        let job = Arc::new(Job::new(pieces, files, mode, (), spans.len(), sink));
+        // Submitted, not run: the crew's threads catch the panic, the caller's would not.
+        crew.submit(&job);
+        job.wait_finished();
+        let error = job.take_error().expect("the job failed");
+        assert!(error.to_string().contains("panicked"), "{error}");
+        let chunks = lock(&crew.ring().chunks);
+        assert_eq!(
+            (chunks.live, chunks.lost),
+            (8, false),
+            "{mode:?}, {threads}"
+        );
     }
 }
 

@@ -287,9 +287,16 @@ fn records_across_shards_map_every_index() {
     );
 }
 
-/// The reference dataset, noting the indices each `read_ahead` call names.
+/// What a worker did with the dataset, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Call {
+    ReadAhead(Vec<usize>),
+    Write(usize),
+}
+
+/// The reference dataset, noting every `read_ahead` and `write` call in order.
 struct Watched {
-    asked: std::sync::Mutex<Vec<Vec<usize>>>,
+    calls: std::sync::Mutex<Vec<Call>>,
 }
 
 impl Dataset for Watched {
@@ -301,9 +308,13 @@ impl Dataset for Watched {
         Reference.fields()
     }
     fn read_ahead(&self, indices: &[usize]) {
-        self.asked.lock().unwrap().push(indices.to_vec());
+        self.calls
+            .lock()
+            .unwrap()
+            .push(Call::ReadAhead(indices.to_vec()));
     }
     fn write(&self, i: usize, sample: (&mut [u8], &mut [i64])) -> Result<(), BoxError> {
+        self.calls.lock().unwrap().push(Call::Write(i));
         Reference.write(i, sample)
     }
 }
@@ -311,7 +322,7 @@ impl Dataset for Watched {
 #[test]
 fn workers_name_each_batch_to_the_dataset_before_writing_it() {
     let watched = std::sync::Arc::new(Watched {
-        asked: std::sync::Mutex::new(Vec::new()),
+        calls: std::sync::Mutex::new(Vec::new()),
     });
     let config = LoaderConfig::new(16).workers(4).shuffle(5);
     let mut loader = Loader::new(watched.clone(), config).unwrap();
@@ -320,7 +331,22 @@ fn workers_name_each_batch_to_the_dataset_before_writing_it() {
         .map(|(indices, _, _)| indices)
         .collect();
     drop(loader);
-    let mut asked = watched.asked.lock().unwrap().clone();
+    let calls = watched.calls.lock().unwrap().clone();
+    // Every sample is written after a call that named it (each sample is in one batch).
+    let mut named = std::collections::HashSet::new();
+    for call in &calls {
+        match call {
+            Call::ReadAhead(indices) => named.extend(indices.iter().copied()),
+            Call::Write(i) => assert!(named.contains(i), "sample {i} written unannounced"),
+        }
+    }
+    let mut asked: Vec<Vec<usize>> = calls
+        .into_iter()
+        .filter_map(|call| match call {
+            Call::ReadAhead(indices) => Some(indices),
+            Call::Write(_) => None,
+        })
+        .collect();
     batches.sort();
     asked.sort();
     assert_eq!(asked, batches);
@@ -353,10 +379,37 @@ fn resident_pages(file: &fs::File, len: usize) -> Vec<bool> {
     vector.iter().map(|&page| page & 1 == 1).collect()
 }
 
-#[test]
-fn a_cold_batch_is_asked_of_the_disk_at_once() {
-    const SAMPLE: usize = 64 << 10;
-    const COUNT: usize = 64;
+/// Whether a read that may not wait tells apart cached and uncached pages of `file` here
+/// (asked at `offset`, which it may read in).
+fn tells_cached(file: &fs::File, offset: u64) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut byte = 0u8;
+    let vector = libc::iovec {
+        iov_base: (&raw mut byte).cast(),
+        iov_len: 1,
+    };
+    // SAFETY: one vector of one byte that outlives the call, on an open descriptor.
+    let read = unsafe {
+        libc::preadv2(
+            file.as_raw_fd(),
+            &vector,
+            1,
+            offset as i64,
+            libc::RWF_NOWAIT,
+        )
+    };
+    read == 1 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EAGAIN)
+}
+
+/// Writes `bytes` to a fresh file on a disk, evicts it from the page cache and calls
+/// `read_ahead` with samples 3 and 40 (and one past the end) of the `COUNT` samples of
+/// `SAMPLE` bytes starting at `data`: those two must be read in, sample 20 not.
+fn cold_read_ahead(
+    name: &str,
+    bytes: &[u8],
+    data: u64,
+    read_ahead: impl FnOnce(&std::path::Path, &[usize]),
+) {
     // On a disk, where the build's own scratch folder is (a temporary file system would keep
     // the pages); else in the system's temporary folder.
     let scratch = Path::new(env!("CARGO_TARGET_TMPDIR"));
@@ -366,33 +419,37 @@ fn a_cold_batch_is_asked_of_the_disk_at_once() {
         TempDir::new()
     }
     .unwrap();
-    let path = dir.path().join("cold.npy");
-    fs::write(
-        &path,
-        npy("|u1", &[COUNT, SAMPLE], &vec![5; COUNT * SAMPLE]),
-    )
-    .unwrap();
+    let path = dir.path().join(name);
+    fs::write(&path, bytes).unwrap();
     let file = fs::File::open(&path).unwrap();
     file.sync_all().unwrap();
-    let len = file.metadata().unwrap().len() as usize;
-    let array = NpyArray::open(&path).unwrap();
-    array.advise_random().unwrap();
+    let len = bytes.len();
     {
         use std::os::fd::AsRawFd;
         // SAFETY: advice on an open descriptor.
-        unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        unsafe {
+            libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM);
+            libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+        }
     }
     let pages_of = |sample: usize| {
-        let start = array.data_offset() as usize + sample * SAMPLE;
-        start / 4096..(start + SAMPLE).div_ceil(4096)
+        let start = data as usize + sample * COLD_SAMPLE;
+        start / 4096..(start + COLD_SAMPLE).div_ceil(4096)
     };
-    if resident_pages(&file, len)[pages_of(3).start..pages_of(40).end].contains(&true) {
+    let resident = resident_pages(&file, len);
+    if [3, 20, 40]
+        .iter()
+        .any(|&s| resident[pages_of(s)].contains(&true))
+    {
         // tmpfs keeps its pages.
         eprintln!("not measurable here: the file stayed in the page cache after eviction");
         return;
     }
-    // An index past the end is left out.
-    array.read_ahead(&[3, 40, COUNT + 7]);
+    if !tells_cached(&file, data + (COLD_COUNT - 1) as u64 * COLD_SAMPLE as u64) {
+        eprintln!("not measurable here: the file system cannot say what the page cache holds");
+        return;
+    }
+    read_ahead(&path, &[3, 40, COLD_COUNT + 7]);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     loop {
         let resident = resident_pages(&file, len);
@@ -410,7 +467,35 @@ fn a_cold_batch_is_asked_of_the_disk_at_once() {
         );
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
-    let mut sample = vec![0; SAMPLE];
-    array.read_sample(40, &mut sample).unwrap();
-    assert!(sample.iter().all(|&b| b == 5));
+}
+
+const COLD_SAMPLE: usize = 64 << 10;
+const COLD_COUNT: usize = 64;
+
+#[test]
+fn a_cold_batch_is_asked_of_the_disk_at_once() {
+    let bytes = npy(
+        "|u1",
+        &[COLD_COUNT, COLD_SAMPLE],
+        &vec![5; COLD_COUNT * COLD_SAMPLE],
+    );
+    let data = (bytes.len() - COLD_COUNT * COLD_SAMPLE) as u64;
+    cold_read_ahead("cold.npy", &bytes, data, |path, indices| {
+        let array = NpyArray::open(path).unwrap();
+        array.advise_random().unwrap();
+        // An index past the end is left out.
+        array.read_ahead(indices);
+    });
+}
+
+#[test]
+fn a_cold_batch_of_records_is_asked_of_the_disk_at_once() {
+    let mut bytes = vec![0xEE; 16];
+    bytes.extend(std::iter::repeat_n(7u8, COLD_COUNT * COLD_SAMPLE));
+    cold_read_ahead("cold.bin", &bytes, 16, |path, indices| {
+        let layout = (Field::<u8>::new(COLD_SAMPLE - 8), Field::<i64>::new(1));
+        let data = RecordDataset::open(&[path], 16, layout).unwrap();
+        data.advise_random().unwrap();
+        data.read_ahead(indices);
+    });
 }
