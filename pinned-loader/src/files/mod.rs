@@ -222,7 +222,9 @@ impl Source {
 
     /// Starts reading the byte ranges `ranges` yields (a batch's samples, in order) side by
     /// side, where the first is not in the page cache: a cold batch's reads then reach the
-    /// disk together, not one at a time, and a warm one pays a single one-byte read.
+    /// disk together, not one at a time, and a warm one pays a single one-byte read. Where
+    /// the file system cannot tell (no `RWF_NOWAIT`), nothing is asked: advice on every warm
+    /// batch would cost more than it saves.
     pub(crate) fn read_ahead(&self, mut ranges: impl Iterator<Item = (u64, u64)>) {
         let Some((offset, len)) = ranges.next() else {
             return;
