@@ -397,7 +397,9 @@ impl<D: Dma> Job<D> {
             ring,
             chunk: Some(chunk),
         }];
-        if index + 1 < self.pieces.len() && self.reads_direct(&self.pieces[index]) {
+        // Asked once per piece (the page cache's residency is a system call), and passed on.
+        let direct = self.reads_direct(&self.pieces[index]);
+        if direct && index + 1 < self.pieces.len() {
             while taken.len() < DIRECT_RUN
                 && index + taken.len() < self.pieces.len()
                 && follows(
@@ -420,18 +422,20 @@ impl<D: Dma> Job<D> {
         let pieces = &self.pieces[index..index + taken.len()];
         // The failure is recorded before `taken` may drop chunks as lost: a thread that a
         // loss wakes then finds the job failed, its first error the cause.
-        if let Err(error) = self.fill_and_queue(ring, &mut taken, pieces) {
+        if let Err(error) = self.fill_and_queue(ring, &mut taken, pieces, direct) {
             self.fail(error);
         }
     }
 
-    /// Fills the taken chunks with `pieces`, one each, and queues their copies; gives each
-    /// chunk back where its copies are accounted for (else it is lost when dropped).
+    /// Fills the taken chunks with `pieces`, one each, read past the page cache if `direct`,
+    /// and queues their copies; gives each chunk back where its copies are accounted for (else
+    /// it is lost when dropped).
     fn fill_and_queue(
         &self,
         ring: &Ring<D>,
         taken: &mut [Taken<'_, D>],
         pieces: &[Piece],
+        direct: bool,
     ) -> Result<()> {
         let mut starts = Vec::with_capacity(pieces.len());
         for (taken_now, piece) in taken.iter_mut().zip(pieces) {
@@ -458,7 +462,7 @@ impl<D: Dma> Job<D> {
         // DIRECT_ALIGN` after its piece's `len ≤ capacity` bytes lie in it; each start is
         // congruent to its piece's offset (the chunk's start is aligned); the pieces follow
         // one another in the file on block boundaries (`follows`).
-        let read = unsafe { self.read_pieces(file, &starts, pieces) };
+        let read = unsafe { read_pieces(file, &starts, pieces, direct) };
         if let Err(error) = read {
             give_back_settled(ring, taken);
             return Err(error);
@@ -488,45 +492,6 @@ impl<D: Dma> Job<D> {
         pieces.iter().try_for_each(|piece| self.landed(piece))
     }
 
-    /// Reads `pieces` into the chunk memory at `starts`: one piece as the job's mode says,
-    /// several past the page cache in one call (what that leaves unread, through the cache).
-    ///
-    /// # Safety
-    ///
-    /// As [`DataFile::read_at`] with scratch, for each piece at its start; the pieces follow
-    /// one another in the file on block boundaries.
-    unsafe fn read_pieces(
-        &self,
-        file: &DataFile,
-        starts: &[*mut u8],
-        pieces: &[Piece],
-    ) -> Result<()> {
-        if let [piece] = pieces {
-            // SAFETY: forwarded from the caller.
-            return unsafe { file.read_at(starts[0], piece.len, piece.offset, self.mode, true) };
-        }
-        let parts: Vec<(*mut u8, usize)> = starts
-            .iter()
-            .zip(pieces)
-            .map(|(&start, piece)| (start, piece.len))
-            .collect();
-        // SAFETY: forwarded from the caller.
-        let filled = unsafe { file.read_direct_parts(&parts, pieces[0].offset) }?;
-        for ((&start, piece), filled) in starts.iter().zip(pieces).zip(filled) {
-            if filled < piece.len {
-                // SAFETY: the rest of the piece's memory, writable and ours (the contract).
-                unsafe {
-                    file.read_through_cache(
-                        start.wrapping_add(filled),
-                        piece.len - filled,
-                        piece.offset + filled as u64,
-                    )
-                }?;
-            }
-        }
-        Ok(())
-    }
-
     /// Counts the piece toward its targets and completes those it was the last of.
     fn landed(&self, piece: &Piece) -> Result<()> {
         let mut targets: Vec<usize> = piece.copies.iter().map(|c| c.target).collect();
@@ -540,6 +505,51 @@ impl<D: Dma> Job<D> {
         }
         (self.sink)(&targets, &self.stream)
     }
+}
+
+/// Reads `pieces` into the chunk memory at `starts`: one piece past the page cache if
+/// `direct`, else through it; several past it in one call (what that leaves unread, through
+/// the cache).
+///
+/// # Safety
+///
+/// As [`DataFile::read_at`] with scratch, for each piece at its start; the pieces follow
+/// one another in the file on block boundaries.
+unsafe fn read_pieces(
+    file: &DataFile,
+    starts: &[*mut u8],
+    pieces: &[Piece],
+    direct: bool,
+) -> Result<()> {
+    if let [piece] = pieces {
+        let mode = if direct {
+            ReadMode::Direct
+        } else {
+            ReadMode::Buffered
+        };
+        // SAFETY: forwarded from the caller.
+        return unsafe { file.read_at(starts[0], piece.len, piece.offset, mode, true) };
+    }
+    let parts: Vec<(*mut u8, usize)> = starts
+        .iter()
+        .zip(pieces)
+        .map(|(&start, piece)| (start, piece.len))
+        .collect();
+    // SAFETY: forwarded from the caller.
+    let filled = unsafe { file.read_direct_parts(&parts, pieces[0].offset) }?;
+    for ((&start, piece), filled) in starts.iter().zip(pieces).zip(filled) {
+        if filled < piece.len {
+            // SAFETY: the rest of the piece's memory, writable and ours (the contract).
+            unsafe {
+                file.read_through_cache(
+                    start.wrapping_add(filled),
+                    piece.len - filled,
+                    piece.offset + filled as u64,
+                )
+            }?;
+        }
+    }
+    Ok(())
 }
 
 /// Marks a job complete when dropped, and wakes its waiters.
