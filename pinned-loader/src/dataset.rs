@@ -55,10 +55,14 @@ pub trait Dataset: Send + Sync + 'static {
         sample: <Self::Fields as Fields>::Sample<'_>,
     ) -> Result<(), BoxError>;
 
-    /// Says which samples a worker is about to write, in that order, before it writes the
-    /// first: a dataset reading files starts reading them all here (the file datasets of this
-    /// crate do, where the batch is not in the page cache), so that a cold batch's reads
-    /// reach the disk side by side rather than one after another. The default does nothing.
+    /// Names the samples of a batch, in order, before any of them is written: a dataset
+    /// reading files starts reading them all here (the file datasets of this crate do, where
+    /// the batch is not in the page cache), so that a cold batch's reads reach the disk side
+    /// by side rather than one after another. The default does nothing.
+    ///
+    /// Each batch is named once, by the worker that writes it or, earlier, by a worker that
+    /// took a batch queued before it (so that the disk still has reads queued while workers
+    /// move from one batch to the next).
     fn read_ahead(&self, indices: &[usize]) {
         let _ = indices;
     }

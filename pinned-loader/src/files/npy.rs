@@ -137,7 +137,8 @@ impl NpyArray {
 
     /// Starts reading samples `indices` (those past the end are left out) into the page
     /// cache side by side, where the first of them is not there yet; returns at once. The
-    /// loader calls it through [`Dataset::read_ahead`] with each batch.
+    /// loader calls it through [`Dataset::read_ahead`] with each batch, a little before
+    /// the batch is written.
     pub fn read_ahead(&self, indices: &[usize]) {
         let bytes = self.sample_bytes() as u64;
         let start = self.layout.data_offset;

@@ -66,12 +66,12 @@ impl<D: Dataset> Epoch<'_, D> {
     }
 
     fn task(&self, batch: usize) -> Task {
-        Task {
-            generation: self.generation,
+        Task::new(
+            self.generation,
             batch,
-            indices: self.indices.clone(),
-            range: self.batches[batch].clone(),
-        }
+            self.indices.clone(),
+            self.batches[batch].clone(),
+        )
     }
 
     /// Queues batches until each worker has `prefetch` in the making; once all of this
@@ -114,12 +114,12 @@ impl<D: Dataset> Epoch<'_, D> {
         });
         let mut queued = 0;
         while ahead.dispatched < ahead.batches.len() && ahead.dispatched < room {
-            let task = Task {
-                generation: ahead.generation,
-                batch: ahead.dispatched,
-                indices: ahead.indices.clone(),
-                range: ahead.batches[ahead.dispatched].clone(),
-            };
+            let task = Task::new(
+                ahead.generation,
+                ahead.dispatched,
+                ahead.indices.clone(),
+                ahead.batches[ahead.dispatched].clone(),
+            );
             shared.state().tasks.push_back(task);
             ahead.dispatched += 1;
             queued += 1;
@@ -226,7 +226,7 @@ impl<D: Dataset> Epoch<'_, D> {
 /// Fills `task`'s batch on the consumer's thread, which holds the epoch: no newer generation
 /// can cancel it.
 fn fill_here<D: Dataset>(shared: &Shared<D>, task: &Task) -> Result<(Slot, usize), LoaderError> {
-    match shared.fill_caught(task) {
+    match shared.fill_caught(task, None) {
         Ok(done) => Ok(done),
         Err(Stop::Failed(error)) => Err(error),
         Err(Stop::Cancelled) => unreachable!("the consumer holds its own epoch"),

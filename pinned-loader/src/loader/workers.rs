@@ -3,7 +3,7 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -51,11 +51,32 @@ pub(super) struct State {
     pub(super) live_workers: usize,
 }
 
+#[derive(Clone)]
 pub(super) struct Task {
     pub(super) generation: u64,
     pub(super) batch: usize,
     pub(super) indices: Arc<Vec<usize>>,
     pub(super) range: Range<usize>,
+    /// Whether its samples were named to the dataset ([`Dataset::read_ahead`]): by its own
+    /// worker, or earlier by one that took a batch queued before it.
+    pub(super) read_ahead: Arc<AtomicBool>,
+}
+
+impl Task {
+    pub(super) fn new(
+        generation: u64,
+        batch: usize,
+        indices: Arc<Vec<usize>>,
+        range: Range<usize>,
+    ) -> Self {
+        Self {
+            generation,
+            batch,
+            indices,
+            range,
+            read_ahead: Arc::default(),
+        }
+    }
 }
 
 pub(super) struct Finished {
@@ -174,18 +195,32 @@ impl<D: Dataset> Shared<D> {
 
     /// [`fill`](Self::fill), with a panic anywhere in it (a dataset's `Fields` or storage
     /// among the causes) turned into the batch's error, so that no batch is ever missing.
-    pub(super) fn fill_caught(&self, task: &Task) -> Result<(Slot, usize), Stop> {
-        catch_unwind(AssertUnwindSafe(|| self.fill(task))).unwrap_or_else(|panic| {
+    pub(super) fn fill_caught(
+        &self,
+        task: &Task,
+        ahead: Option<&Task>,
+    ) -> Result<(Slot, usize), Stop> {
+        catch_unwind(AssertUnwindSafe(|| self.fill(task, ahead))).unwrap_or_else(|panic| {
             let first = task.indices.get(task.range.start).copied().unwrap_or(0);
             Err(Stop::Failed(panicked(task.batch, first, panic)))
         })
     }
 
-    /// Fills a slot with the samples of `task`.
-    pub(super) fn fill(&self, task: &Task) -> Result<(Slot, usize), Stop> {
+    /// Fills a slot with the samples of `task`, after naming them to the dataset and, where
+    /// `ahead` is given, the samples of that batch queued behind it.
+    pub(super) fn fill(&self, task: &Task, ahead: Option<&Task>) -> Result<(Slot, usize), Stop> {
         let _span =
             tracing::debug_span!("fill", batch = task.batch, samples = task.range.len()).entered();
         let start = Instant::now();
+        // Before the slot, which may have to be pinned first: a cold batch's reads run
+        // meanwhile.
+        self.read_ahead(task);
+        if let Some(ahead) = ahead {
+            // Advice only: a panic in it is the batch's own worker's to report, not this one's.
+            if let Err(payload) = catch_unwind(AssertUnwindSafe(|| self.read_ahead(ahead))) {
+                std::mem::forget(payload);
+            }
+        }
         let mut slot = self.take_slot().map_err(Stop::Failed)?;
         // A panic in the dataset's `Fields` goes here; the slot goes back either way.
         let result = catch_unwind(AssertUnwindSafe(|| self.fill_slot(&mut slot, task)))
@@ -217,9 +252,6 @@ impl<D: Dataset> Shared<D> {
             .ready(&self.pool, &self.region_bytes)
             .map_err(|e| Stop::Failed(e.into()))?;
         let pinned = self.dataset.pinned_storage();
-        if pinned.is_none() {
-            self.dataset.read_ahead(indices);
-        }
         for (position, &index) in indices.iter().enumerate() {
             if task.generation < self.generation() {
                 return Err(Stop::Cancelled);
@@ -251,6 +283,15 @@ impl<D: Dataset> Shared<D> {
         Ok(indices.len())
     }
 
+    /// Names `task`'s samples to the dataset, once whichever worker asks: a dataset reading
+    /// files starts reading them.
+    fn read_ahead(&self, task: &Task) {
+        if self.dataset.pinned_storage().is_none() && !task.read_ahead.swap(true, Ordering::Relaxed)
+        {
+            self.dataset.read_ahead(&task.indices[task.range.clone()]);
+        }
+    }
+
     /// A worker: takes tasks until told to stop.
     pub(super) fn work(&self) {
         let mut exit = Exit {
@@ -258,14 +299,21 @@ impl<D: Dataset> Shared<D> {
             task: None,
         };
         loop {
-            let task = {
+            let (task, ahead) = {
                 let mut state = self.state();
                 loop {
                     if state.shutdown {
                         return;
                     }
                     if let Some(task) = state.tasks.pop_front() {
-                        break task;
+                        // The batch this worker will likely take next, once each other worker
+                        // has taken one: read ahead with its own, so that between batches the
+                        // disk still has this worker's next reads queued.
+                        let ahead = state
+                            .tasks
+                            .get(state.live_workers.saturating_sub(1))
+                            .cloned();
+                        break (task, ahead);
                     }
                     state = self
                         .work
@@ -274,7 +322,7 @@ impl<D: Dataset> Shared<D> {
                 }
             };
             exit.task = Some((task.generation, task.batch));
-            let result = match self.fill_caught(&task) {
+            let result = match self.fill_caught(&task, ahead.as_ref()) {
                 Ok(done) => Ok(done),
                 Err(Stop::Failed(error)) => Err(error),
                 Err(Stop::Cancelled) => {

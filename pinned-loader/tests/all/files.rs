@@ -352,6 +352,43 @@ fn workers_name_each_batch_to_the_dataset_before_writing_it() {
     assert_eq!(asked, batches);
 }
 
+#[test]
+fn a_worker_names_the_batch_queued_behind_its_own_before_finishing_its_own() {
+    let watched = std::sync::Arc::new(Watched {
+        calls: std::sync::Mutex::new(Vec::new()),
+    });
+    // One worker, four batches in the making: the batch it will take next is queued while
+    // it writes the current one.
+    let config = LoaderConfig::new(16).workers(1).prefetch(4).shuffle(9);
+    let mut loader = Loader::new(watched.clone(), config).unwrap();
+    let batches: Vec<Vec<usize>> = epoch(&mut loader, 0)
+        .into_iter()
+        .map(|(indices, _, _)| indices)
+        .collect();
+    drop(loader);
+    let calls = watched.calls.lock().unwrap().clone();
+    let named_at = |batch: &Vec<usize>| {
+        calls
+            .iter()
+            .position(|call| call == &Call::ReadAhead(batch.clone()))
+            .unwrap_or_else(|| panic!("batch {batch:?} never named"))
+    };
+    let last_write = |batch: &Vec<usize>| {
+        calls
+            .iter()
+            .rposition(|call| matches!(call, Call::Write(i) if batch.contains(i)))
+            .unwrap()
+    };
+    let early = batches
+        .windows(2)
+        .filter(|pair| named_at(&pair[1]) < last_write(&pair[0]))
+        .count();
+    assert!(
+        early > 0,
+        "no batch was named before the one before it was written: {calls:?}"
+    );
+}
+
 /// Which pages of `file` (of `len` bytes) the page cache holds, as `mincore` says of a
 /// mapping of it (which reads nothing in).
 fn resident_pages(file: &fs::File, len: usize) -> Vec<bool> {
