@@ -275,26 +275,76 @@ fn warm_page_cache(path: &Path) -> Result<(), String> {
         .map_err(|e| e.to_string())
 }
 
-/// The rows of copies onto `others` as well, warm and (where measured) cold, against one GPU.
+/// A checkpoint measured onto one GPU: the times of its warm and cold loads (no cold ones
+/// where the page cache may not be dropped).
+struct OneGpu {
+    written: Written,
+    case: String,
+    warm: Vec<f64>,
+    cold: Option<Vec<f64>>,
+}
+
+/// The checkpoints onto `others` as well, read from storage once, warm and (where measured)
+/// cold, against the same run's loads onto one GPU: a section of its own, so that a record
+/// from a machine of several GPUs can stand beside one from another machine.
 fn onto_others(
-    section: &mut Section,
     reader: &FileReader,
     others: &[cuda_pinned::Device],
     reps: usize,
-    cases: &[(Written, String, f64, Option<f64>)],
-) -> Result<(), String> {
+    cases: &[OneGpu],
+) -> Result<Section, String> {
     let gpus = others.len() + 1;
-    for (written, case, warm_rate, cold_rate) in cases {
+    let mut section = Section::new(
+        "files, several GPUs",
+        &format!(
+            "safetensors checkpoints onto {gpus} GPUs, read from the file once (GB/s; % of one \
+             GPU's rate in this run)"
+        ),
+        &["path", "checkpoint", "min", "median", "max", "% of ref"],
+    );
+    let median_rate = |seconds: &[f64], bytes| {
+        Spread::of(seconds.iter().map(|&s| gbps(bytes, s)).collect()).median
+    };
+    for OneGpu {
+        written,
+        case,
+        warm,
+        cold,
+    } in cases
+    {
         let (path, bytes) = (&written.path, written.bytes);
+        row(
+            &mut section,
+            "pinned-io, warm, one GPU (reference)",
+            case,
+            bytes,
+            warm.clone(),
+            0.0,
+        );
         // The cold runs read past the page cache, which they leave without the file: read it
         // through the cache again before the warm runs.
         warm_page_cache(path)?;
-        let warm = timed(reps, || {}, || ours_onto(path, reader, others))?;
+        let onto = timed(reps, || {}, || ours_onto(path, reader, others))?;
         let name = format!("pinned-io, warm, onto {gpus} GPUs (read once; % of one GPU)");
-        row(section, &name, case, bytes, warm, *warm_rate);
-        if let Some(cold_rate) = cold_rate {
+        row(
+            &mut section,
+            &name,
+            case,
+            bytes,
+            onto,
+            median_rate(warm, bytes),
+        );
+        if let Some(cold) = cold {
+            row(
+                &mut section,
+                "pinned-io, cold, one GPU (reference)",
+                case,
+                bytes,
+                cold.clone(),
+                0.0,
+            );
             let reps = if reps < 5 { 1 } else { 3 };
-            let cold = timed(
+            let onto = timed(
                 reps,
                 || {
                     drop_caches();
@@ -302,14 +352,21 @@ fn onto_others(
                 || ours_onto(path, reader, others),
             )?;
             let name = format!("pinned-io, cold, onto {gpus} GPUs (read once; % of one GPU)");
-            row(section, &name, case, bytes, cold, *cold_rate);
+            row(
+                &mut section,
+                &name,
+                case,
+                bytes,
+                onto,
+                median_rate(cold, bytes),
+            );
         }
     }
-    Ok(())
+    Ok(section)
 }
 
 /// Runs the section in `dir` (a directory on the disk to measure).
-pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Section, String> {
+pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Section>, String> {
     let mut section = Section::new(
         "files",
         "safetensors checkpoints from a file to the GPU (GB/s; % of the reference row above it)",
@@ -366,13 +423,12 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Section, 
             0.0,
         );
         let warm = timed(reps, || {}, || ours(&path, &reader))?;
-        let warm_rate = Spread::of(warm.iter().map(|&s| gbps(bytes, s)).collect()).median;
         row(
             &mut section,
             "pinned-io, warm",
             &case,
             bytes,
-            warm,
+            warm.clone(),
             h2d_rate,
         );
         if label == "large" {
@@ -470,7 +526,7 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Section, 
                 ]),
             }
         }
-        let mut cold_rate = None;
+        let mut cold_seconds = None;
         if may_drop {
             let cold_reps = if quick { 1 } else { 3 };
             let file_len = std::fs::metadata(&path).map_err(|e| e.to_string())?.len() as usize;
@@ -498,15 +554,15 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Section, 
                 },
                 || ours(&path, &reader),
             )?;
-            cold_rate = Some(Spread::of(cold.iter().map(|&s| gbps(bytes, s)).collect()).median);
             row(
                 &mut section,
                 "pinned-io, cold",
                 &case,
                 bytes,
-                cold,
+                cold.clone(),
                 ceiling_rate,
             );
+            cold_seconds = Some(cold);
             let vec = timed(
                 cold_reps,
                 || {
@@ -542,12 +598,18 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Section, 
                 ]),
             }
         }
-        later.push((written, case, warm_rate, cold_rate));
+        later.push(OneGpu {
+            written,
+            case,
+            warm,
+            cold: cold_seconds,
+        });
         progress.step(&format!("files: {label}"));
     }
-    if let Some(others) = other_devices(&reader) {
-        onto_others(&mut section, &reader, &others, reps, &later)?;
-    }
+    let several = match other_devices(&reader) {
+        Some(others) => Some(onto_others(&reader, &others, reps, &later)?),
+        None => None,
+    };
     if !may_drop {
         section.row(vec![
             Value::Text("cold rows".into()),
@@ -572,5 +634,5 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Section, 
         Value::Text(String::new()),
         Value::Text(String::new()),
     ]);
-    Ok(section)
+    Ok(std::iter::once(section).chain(several).collect())
 }

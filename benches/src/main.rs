@@ -250,7 +250,7 @@ fn run(command: &str, quick: bool, files_dir: &Path, trace: Option<&Path>) -> Re
     // Not part of `all`: it writes checkpoints of several GiB, and drops the page cache.
     if command == "files" && cuda {
         match files::run(quick, files_dir, &mut progress) {
-            Ok(section) => report.sections.push(section),
+            Ok(sections) => report.sections.extend(sections),
             Err(e) => report.skipped.push(format!("files failed: {e}")),
         }
     }
