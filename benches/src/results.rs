@@ -134,7 +134,7 @@ fn write_header(out: &mut String, runs: &[Run], report: &Report) {
          benches/src/goals.rs. -->\n",
         names.join(" and ")
     );
-    for run in runs {
+    for (i, run) in runs.iter().enumerate() {
         let name = &run.name;
         let _ = writeln!(out, "- **Record:** [`results/{name}`](results/{name})");
         let _ = writeln!(out, "  - **Date:** {}", run.report.date);
@@ -156,6 +156,21 @@ fn write_header(out: &mut String, runs: &[Run], report: &Report) {
             fact(&run.report, "device 0"),
             fact(&run.report, "cpus"),
         );
+        // A later record's section of the same name replaces this one's (see `merged`).
+        let used: Vec<&str> = (run.report.sections.iter())
+            .map(|section| section.name.as_str())
+            .filter(|&name| {
+                !runs[i + 1..]
+                    .iter()
+                    .any(|later| later.report.section(name).is_some())
+            })
+            .collect();
+        let used = if used.is_empty() {
+            "none (later records replace them)".to_owned()
+        } else {
+            used.join("; ")
+        };
+        let _ = writeln!(out, "  - **Sections used:** {}", cell(&used));
     }
     for skipped in &report.skipped {
         let _ = writeln!(out, "- **Skipped:** {}", cell(skipped));

@@ -171,3 +171,38 @@ fn the_readme_shows_six_figures_at_most() {
     let block = readme_block(&report);
     assert_eq!(block.lines().count(), 3 + 6, "{block}");
 }
+
+#[test]
+fn each_record_names_the_sections_it_gives() {
+    let first = fixture();
+    let names: Vec<String> = first.sections.iter().map(|s| s.name.clone()).collect();
+    assert!(names.len() >= 2, "{names:?}");
+    // The second record measured the fixture's first section again, and one of its own.
+    let mut second = fixture();
+    second.sections.truncate(1);
+    second
+        .sections
+        .push(Section::new("files, several GPUs", "t", &["path"]));
+    let text = results_md(&[
+        Run {
+            name: "first.json".into(),
+            report: first,
+        },
+        Run {
+            name: "second.json".into(),
+            report: second,
+        },
+    ]);
+    let used: Vec<&str> = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("  - **Sections used:** "))
+        .collect();
+    assert_eq!(
+        used,
+        [
+            names[1..].join("; "),
+            format!("{}; files, several GPUs", names[0])
+        ],
+        "{text}"
+    );
+}
