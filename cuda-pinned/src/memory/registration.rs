@@ -40,6 +40,10 @@ fn register(ptr: *mut u8, bytes: usize, flags: RegisterFlags) -> Result<Option<N
 /// an owned buffer ([`RegisteredVec`]): a borrowed one could be given back to its owner while
 /// the device still writes it.
 ///
+/// A shared mapping of a file on disk cannot be registered for writing (the driver answers
+/// `invalid argument`): register it read-only with [`ReadOnlyRegistration`]. Files in tmpfs
+/// (`/dev/shm`) can be.
+///
 /// Registration works on whole pages: two registrations of memory sharing a page fail with
 /// `cudaErrorHostMemoryAlreadyRegistered`. Registering costs about as much as allocating
 /// pinned memory; it pays off for large buffers that stay registered a while.
@@ -117,7 +121,8 @@ impl<T: fmt::Debug> fmt::Debug for Registration<'_, T> {
 /// run at pinned speed. It needs a device that supports read-only registration
 /// ([`Device::supports_read_only_registration`](crate::Device::supports_read_only_registration)).
 /// As with [`Registration`], memory of a private file mapping is refused, and forgetting it
-/// leaves its pages locked.
+/// leaves its pages locked. A shared mapping of a file (`memmap2::Mmap`, say) can be
+/// registered this way: the device then reads the file's pages in the page cache.
 ///
 /// # Examples
 ///
