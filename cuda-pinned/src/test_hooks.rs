@@ -26,8 +26,9 @@ thread_local! {
     static HOOK: RefCell<Option<Hook>> = const { RefCell::new(None) };
 }
 
-/// Runs `hook` at every point this thread reaches while `body` runs.
-#[cfg(test)]
+/// Runs `hook` at every point this thread reaches while `body` runs (the capture tests, which
+/// need cudarc, use it).
+#[cfg(all(test, feature = "cudarc"))]
 pub(crate) fn with<R>(hook: impl FnMut(Point) + 'static, body: impl FnOnce() -> R) -> R {
     HOOK.with(|h| *h.borrow_mut() = Some(Box::new(hook)));
     let result = body();
