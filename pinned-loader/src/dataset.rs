@@ -60,9 +60,10 @@ pub trait Dataset: Send + Sync + 'static {
     /// the batch is not in the page cache), so that a cold batch's reads reach the disk side
     /// by side rather than one after another. The default does nothing.
     ///
-    /// Each batch is named once, by the worker that writes it or, earlier, by a worker that
+    /// Each batch is named once, by the thread that writes it or, earlier, by a worker that
     /// took a batch queued before it (so that the disk still has reads queued while workers
-    /// move from one batch to the next).
+    /// move from one batch to the next); its samples are written only once the call has
+    /// returned. A panic here fails the batch named, not the one its caller writes.
     fn read_ahead(&self, indices: &[usize]) {
         let _ = indices;
     }

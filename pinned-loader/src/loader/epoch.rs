@@ -226,7 +226,7 @@ impl<D: Dataset> Epoch<'_, D> {
 /// Fills `task`'s batch on the consumer's thread, which holds the epoch: no newer generation
 /// can cancel it.
 fn fill_here<D: Dataset>(shared: &Shared<D>, task: &Task) -> Result<(Slot, usize), LoaderError> {
-    match shared.fill_caught(task, None) {
+    match shared.fill_caught(task, &[]) {
         Ok(done) => Ok(done),
         Err(Stop::Failed(error)) => Err(error),
         Err(Stop::Cancelled) => unreachable!("the consumer holds its own epoch"),

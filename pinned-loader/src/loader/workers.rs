@@ -3,8 +3,8 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -57,9 +57,11 @@ pub(super) struct Task {
     pub(super) batch: usize,
     pub(super) indices: Arc<Vec<usize>>,
     pub(super) range: Range<usize>,
-    /// Whether its samples were named to the dataset ([`Dataset::read_ahead`]): by its own
-    /// worker, or earlier by one that took a batch queued before it.
-    pub(super) read_ahead: Arc<AtomicBool>,
+    /// Its samples named to the dataset ([`Dataset::read_ahead`]), once: by the thread that
+    /// fills it, or earlier by a worker that took a batch queued before it. The filling
+    /// thread waits for a naming under way (the samples are named before any is written),
+    /// and names them again where that one panicked (the panic is then its own to report).
+    pub(super) read_ahead: Arc<Once>,
 }
 
 impl Task {
@@ -74,7 +76,7 @@ impl Task {
             batch,
             indices,
             range,
-            read_ahead: Arc::default(),
+            read_ahead: Arc::new(Once::new()),
         }
     }
 }
@@ -195,28 +197,28 @@ impl<D: Dataset> Shared<D> {
 
     /// [`fill`](Self::fill), with a panic anywhere in it (a dataset's `Fields` or storage
     /// among the causes) turned into the batch's error, so that no batch is ever missing.
-    pub(super) fn fill_caught(
-        &self,
-        task: &Task,
-        ahead: Option<&Task>,
-    ) -> Result<(Slot, usize), Stop> {
+    pub(super) fn fill_caught(&self, task: &Task, ahead: &[Task]) -> Result<(Slot, usize), Stop> {
         catch_unwind(AssertUnwindSafe(|| self.fill(task, ahead))).unwrap_or_else(|panic| {
             let first = task.indices.get(task.range.start).copied().unwrap_or(0);
             Err(Stop::Failed(panicked(task.batch, first, panic)))
         })
     }
 
-    /// Fills a slot with the samples of `task`, after naming them to the dataset and, where
-    /// `ahead` is given, the samples of that batch queued behind it.
-    pub(super) fn fill(&self, task: &Task, ahead: Option<&Task>) -> Result<(Slot, usize), Stop> {
+    /// Fills a slot with the samples of `task`, after naming them to the dataset, and those
+    /// of the batches `ahead` (queued behind it) not named yet.
+    pub(super) fn fill(&self, task: &Task, ahead: &[Task]) -> Result<(Slot, usize), Stop> {
         let _span =
             tracing::debug_span!("fill", batch = task.batch, samples = task.range.len()).entered();
         let start = Instant::now();
         // Before the slot, which may have to be pinned first: a cold batch's reads run
         // meanwhile.
         self.read_ahead(task);
-        if let Some(ahead) = ahead {
-            // Advice only: a panic in it is the batch's own worker's to report, not this one's.
+        for ahead in ahead {
+            if ahead.generation < self.generation() {
+                // Its epoch ended: it will not be filled.
+                break;
+            }
+            // A panic there is the batch's own filler's to report (it names them again).
             if let Err(payload) = catch_unwind(AssertUnwindSafe(|| self.read_ahead(ahead))) {
                 std::mem::forget(payload);
             }
@@ -283,12 +285,13 @@ impl<D: Dataset> Shared<D> {
         Ok(indices.len())
     }
 
-    /// Names `task`'s samples to the dataset, once whichever worker asks: a dataset reading
-    /// files starts reading them.
+    /// Names `task`'s samples to the dataset (a dataset reading files starts reading them),
+    /// once whichever thread asks first; returns once they are named.
     fn read_ahead(&self, task: &Task) {
-        if self.dataset.pinned_storage().is_none() && !task.read_ahead.swap(true, Ordering::Relaxed)
-        {
-            self.dataset.read_ahead(&task.indices[task.range.clone()]);
+        if self.dataset.pinned_storage().is_none() {
+            task.read_ahead.call_once_force(|_| {
+                self.dataset.read_ahead(&task.indices[task.range.clone()]);
+            });
         }
     }
 
@@ -306,13 +309,14 @@ impl<D: Dataset> Shared<D> {
                         return;
                     }
                     if let Some(task) = state.tasks.pop_front() {
-                        // The batch this worker will likely take next, once each other worker
-                        // has taken one: read ahead with its own, so that between batches the
-                        // disk still has this worker's next reads queued.
-                        let ahead = state
-                            .tasks
-                            .get(state.live_workers.saturating_sub(1))
-                            .cloned();
+                        // The batches queued behind it, up to one for each worker, that no
+                        // thread has named yet: named with its own, so that as workers move
+                        // from batch to batch the disk still has their next reads queued.
+                        let ahead: Vec<Task> = (state.tasks.iter())
+                            .take(state.live_workers.max(1))
+                            .filter(|queued| !queued.read_ahead.is_completed())
+                            .cloned()
+                            .collect();
                         break (task, ahead);
                     }
                     state = self
@@ -322,7 +326,7 @@ impl<D: Dataset> Shared<D> {
                 }
             };
             exit.task = Some((task.generation, task.batch));
-            let result = match self.fill_caught(&task, ahead.as_ref()) {
+            let result = match self.fill_caught(&task, &ahead) {
                 Ok(done) => Ok(done),
                 Err(Stop::Failed(error)) => Err(error),
                 Err(Stop::Cancelled) => {

@@ -389,6 +389,149 @@ fn a_worker_names_the_batch_queued_behind_its_own_before_finishing_its_own() {
     );
 }
 
+/// The reference dataset, noting which thread named each batch and which wrote each sample.
+struct Threads {
+    named: std::sync::Mutex<Vec<(Vec<usize>, std::thread::ThreadId)>>,
+    wrote: std::sync::Mutex<std::collections::HashMap<usize, std::thread::ThreadId>>,
+}
+
+impl Dataset for Threads {
+    type Fields = (Field<u8>, Field<i64>);
+    fn len(&self) -> usize {
+        SAMPLES
+    }
+    fn fields(&self) -> Self::Fields {
+        Reference.fields()
+    }
+    fn read_ahead(&self, indices: &[usize]) {
+        let me = std::thread::current().id();
+        self.named.lock().unwrap().push((indices.to_vec(), me));
+    }
+    fn write(&self, i: usize, sample: (&mut [u8], &mut [i64])) -> Result<(), BoxError> {
+        let me = std::thread::current().id();
+        self.wrote.lock().unwrap().insert(i, me);
+        // Samples slow to come, as from a cold disk: the workers set the pace.
+        std::thread::sleep(std::time::Duration::from_micros(300));
+        Reference.write(i, sample)
+    }
+}
+
+#[test]
+fn when_the_workers_set_the_pace_many_batches_are_named_before_their_worker_takes_them() {
+    let dataset = std::sync::Arc::new(Threads {
+        named: std::sync::Mutex::new(Vec::new()),
+        wrote: std::sync::Mutex::new(std::collections::HashMap::new()),
+    });
+    // The default prefetch: about one batch queued per worker besides those in the making.
+    let config = LoaderConfig::new(2).workers(4).shuffle(4);
+    let mut loader = Loader::new(dataset.clone(), config).unwrap();
+    for batch in loader.epoch(0) {
+        drop(batch.unwrap());
+    }
+    drop(loader);
+    let named = dataset.named.lock().unwrap().clone();
+    let wrote = dataset.wrote.lock().unwrap().clone();
+    assert_eq!(named.len(), SAMPLES.div_ceil(2), "each batch named once");
+    let ahead = (named.iter())
+        .filter(|(batch, namer)| wrote[&batch[0]] != *namer)
+        .count();
+    assert!(
+        ahead * 3 > named.len(),
+        "{ahead} of {} batches named by another worker than their own",
+        named.len()
+    );
+}
+
+/// The reference dataset whose naming of the batch holding sample `marked` is slow, or
+/// panics; it notes when that naming returned and every write.
+struct Marked {
+    marked: usize,
+    panics: bool,
+    calls: std::sync::Mutex<Vec<Call>>,
+}
+
+impl Dataset for Marked {
+    type Fields = (Field<u8>, Field<i64>);
+    fn len(&self) -> usize {
+        SAMPLES
+    }
+    fn fields(&self) -> Self::Fields {
+        Reference.fields()
+    }
+    fn read_ahead(&self, indices: &[usize]) {
+        if indices.contains(&self.marked) {
+            assert!(!self.panics, "naming the marked batch");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            let named = Call::ReadAhead(indices.to_vec());
+            self.calls.lock().unwrap().push(named);
+        }
+    }
+    fn write(&self, i: usize, sample: (&mut [u8], &mut [i64])) -> Result<(), BoxError> {
+        self.calls.lock().unwrap().push(Call::Write(i));
+        Reference.write(i, sample)
+    }
+}
+
+#[test]
+fn no_sample_is_written_before_its_batch_is_named_however_slow_the_naming() {
+    // Several workers and batches queued: the marked batch is likely named by a worker that
+    // took an earlier one, while its own worker may already hold it.
+    for marked in [40, 90, 150] {
+        let dataset = std::sync::Arc::new(Marked {
+            marked,
+            panics: false,
+            calls: std::sync::Mutex::new(Vec::new()),
+        });
+        let config = LoaderConfig::new(16).workers(3).prefetch(4).shuffle(3);
+        let mut loader = Loader::new(dataset.clone(), config).unwrap();
+        assert_eq!(epoch(&mut loader, 0).len(), SAMPLES.div_ceil(16));
+        drop(loader);
+        let calls = dataset.calls.lock().unwrap().clone();
+        let named = (calls.iter())
+            .position(|call| matches!(call, Call::ReadAhead(_)))
+            .expect("the marked batch was named");
+        let Call::ReadAhead(batch) = &calls[named] else {
+            unreachable!()
+        };
+        let first_write = (calls.iter())
+            .position(|call| matches!(call, Call::Write(i) if batch.contains(i)))
+            .unwrap();
+        assert!(
+            named < first_write,
+            "a sample of {batch:?} was written before its naming returned: {calls:?}"
+        );
+    }
+}
+
+#[test]
+fn a_panic_naming_a_batch_fails_that_batch_alone() {
+    for workers in [1, 3] {
+        let marked = 70;
+        let dataset = std::sync::Arc::new(Marked {
+            marked,
+            panics: true,
+            calls: std::sync::Mutex::new(Vec::new()),
+        });
+        let config = LoaderConfig::new(16)
+            .workers(workers)
+            .prefetch(4)
+            .shuffle(8);
+        let mut loader = Loader::new(dataset, config).unwrap();
+        let mut failed = Vec::new();
+        let mut delivered = Vec::new();
+        for batch in loader.epoch(0) {
+            match batch {
+                Ok(batch) => delivered.extend(batch.indices().iter().copied()),
+                Err(error) => failed.push(error.to_string()),
+            }
+        }
+        assert_eq!(failed.len(), 1, "{workers} workers: {failed:?}");
+        assert!(failed[0].contains("naming the marked batch"), "{failed:?}");
+        assert!(!delivered.contains(&marked), "{workers} workers");
+        assert_eq!(delivered.len(), SAMPLES - 16, "{workers} workers");
+    }
+}
+
 /// Which pages of `file` (of `len` bytes) the page cache holds, as `mincore` says of a
 /// mapping of it (which reads nothing in).
 fn resident_pages(file: &fs::File, len: usize) -> Vec<bool> {
