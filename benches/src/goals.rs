@@ -689,14 +689,14 @@ const LOADER_NPY: &[(&str, Pick)] = &[(
     "mode",
     Pick::Is("host collate, 8 workers, from a .npy file in the page cache (alternating)"),
 )];
-const LOADER_NPY_COLD: &[(&str, Pick)] = &[(
-    "mode",
-    Pick::Is("host collate, 8 workers, from a .npy file, cold page cache, one epoch"),
-)];
-const LOADER_COLD_CEILING: &[(&str, Pick)] = &[(
-    "mode",
-    Pick::Is("disk random-read ceiling: 32 threads of one-image preads, cold (reference)"),
-)];
+/// The loader section's row of its cold epochs from a `.npy` file.
+pub const LOADER_COLD_ROW: &str =
+    "host collate, 8 workers, from a .npy file, cold page cache, one epoch";
+/// The loader section's row of the disk's random-read ceiling.
+pub const LOADER_COLD_CEILING_ROW: &str =
+    "disk random-read ceiling: 32 threads of one-image preads, cold (reference)";
+const LOADER_NPY_COLD: &[(&str, Pick)] = &[("mode", Pick::Is(LOADER_COLD_ROW))];
+const LOADER_COLD_CEILING: &[(&str, Pick)] = &[("mode", Pick::Is(LOADER_COLD_CEILING_ROW))];
 const LOADER_GBPS: Columns = Columns::One("GB/s (steady median)");
 const LOADER_MEMORY: &[(&str, Pick)] = &[(
     "mode",

@@ -15,6 +15,11 @@ use pinned_loader::{
     LoaderStats, NpyDataset, PinnedSamples,
 };
 
+// The rows of the cold epochs and of the disk's ceiling, named as the goals read them.
+use pinned_bench::goals::{
+    LOADER_COLD_CEILING_ROW as COLD_CEILING_ROW, LOADER_COLD_ROW as COLD_ROW,
+};
+
 use crate::progress::Progress;
 use crate::report::{Section, Value};
 use crate::stats::{Spread, gbps};
@@ -788,12 +793,8 @@ fn cold_rows(
 /// drive's queues.
 const CEILING_THREADS: usize = 32;
 
-/// The row of the disk's random-read ceiling (GB/s, the median of the reps; a goal reads it).
-const COLD_CEILING_ROW: &str =
-    "disk random-read ceiling: 32 threads of one-image preads, cold (reference)";
-
-/// The row of the loader's cold epochs (a goal reads it).
-const COLD_ROW: &str = "host collate, 8 workers, from a .npy file, cold page cache, one epoch";
+// The ceiling row's name (as the goals read it) says how many threads read.
+const _: () = assert!(CEILING_THREADS == 32);
 
 /// Writes dirty pages out and drops the page cache.
 ///

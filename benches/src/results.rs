@@ -165,7 +165,9 @@ fn write_header(out: &mut String, runs: &[Run], report: &Report) {
                     .any(|later| later.report.section(name).is_some())
             })
             .collect();
-        let used = if used.is_empty() {
+        let used = if run.report.sections.is_empty() {
+            "none".to_owned()
+        } else if used.is_empty() {
             "none (later records replace them)".to_owned()
         } else {
             used.join("; ")
