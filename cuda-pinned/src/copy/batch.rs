@@ -41,8 +41,7 @@ impl Stream {
     /// later), one `cudaMemcpyAsync` each otherwise.
     ///
     /// Gathering many small pieces (the samples of a batch) this way runs at the link's speed where
-    /// separate calls reach half of it. Copies that continue one another at both ends (each
-    /// next one's source and destination start where the last one's end) go as one copy.
+    /// separate calls reach half of it.
     ///
     /// # Errors
     ///
@@ -55,7 +54,7 @@ impl Stream {
     ///   have finished on this stream; host memory among them is page-locked or stays put;
     /// - nothing else writes any of the ranges (or reads a destination) meanwhile.
     pub unsafe fn copy_batch_raw(&self, copies: &[RawCopy]) -> Result<()> {
-        let copies = coalesced(copies);
+        let copies: Vec<_> = copies.iter().filter(|c| c.bytes > 0).collect();
         if copies.is_empty() {
             return Ok(());
         }
@@ -158,105 +157,5 @@ impl Stream {
             }
             Ok(())
         })
-    }
-}
-
-/// `copies` without the empty ones, and each run of copies that continue one another at both
-/// ends (the next one's source and destination start where the last one's end) made one: the
-/// copy engine pays for every copy it starts, and neighbours (the small tensors of a
-/// checkpoint, read together) often form such runs.
-fn coalesced(copies: &[RawCopy]) -> Vec<RawCopy> {
-    let mut out: Vec<RawCopy> = Vec::with_capacity(copies.len());
-    for &copy in copies.iter().filter(|c| c.bytes > 0) {
-        if let Some(last) = out.last_mut() {
-            let continues = |from: u64, to: u64| {
-                u64::try_from(last.bytes)
-                    .ok()
-                    .and_then(|bytes| from.checked_add(bytes))
-                    == Some(to)
-            };
-            if continues(last.src, copy.src)
-                && continues(last.dst, copy.dst)
-                && let Some(bytes) = last.bytes.checked_add(copy.bytes)
-            {
-                last.bytes = bytes;
-                continue;
-            }
-        }
-        out.push(copy);
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    /// The bytes each destination address ends up with, copying from a source whose byte at
-    /// address `a` is `a`'s low byte.
-    fn landed(copies: &[RawCopy]) -> std::collections::BTreeMap<u64, u8> {
-        let mut out = std::collections::BTreeMap::new();
-        for copy in copies {
-            for i in 0..copy.bytes as u64 {
-                out.insert(copy.dst + i, (copy.src + i) as u8);
-            }
-        }
-        out
-    }
-
-    fn copy(dst: u64, src: u64, bytes: usize) -> RawCopy {
-        RawCopy { dst, src, bytes }
-    }
-
-    #[test]
-    fn neighbours_at_both_ends_become_one_copy() {
-        let copies = [
-            copy(1000, 0, 10),
-            copy(1010, 10, 5),
-            copy(1015, 15, 0),
-            copy(1015, 15, 5),
-            // A gap at the destination (an aligned start): a new copy.
-            copy(1024, 20, 4),
-            // Continuing at the destination but not at the source.
-            copy(1028, 30, 4),
-        ];
-        assert_eq!(
-            coalesced(&copies),
-            [copy(1000, 0, 20), copy(1024, 20, 4), copy(1028, 30, 4)]
-        );
-        assert_eq!(coalesced(&[copy(5, 5, 0)]), []);
-        // No sum past the address space.
-        let edge = [copy(0, u64::MAX - 3, 4), copy(4, u64::MAX, 1)];
-        assert_eq!(coalesced(&edge), edge);
-    }
-
-    proptest! {
-        #[test]
-        fn coalescing_moves_the_same_bytes_in_fewer_copies(
-            parts in prop::collection::vec((0u64..3, 0u64..3, 0usize..40), 0..24),
-        ) {
-            // Copies laid one after another at both ends, with gaps here and there.
-            let (mut dst, mut src) = (10_000u64, 0u64);
-            let mut copies = Vec::new();
-            for (dst_gap, src_gap, bytes) in parts {
-                dst += dst_gap * 8;
-                src += src_gap * 8;
-                copies.push(copy(dst, src, bytes));
-                dst += bytes as u64;
-                src += bytes as u64;
-            }
-            let merged = coalesced(&copies);
-            prop_assert_eq!(landed(&merged), landed(&copies));
-            prop_assert!(merged.len() <= copies.len());
-            prop_assert!(merged.iter().all(|c| c.bytes > 0));
-            for pair in merged.windows(2) {
-                prop_assert!(
-                    pair[0].src + pair[0].bytes as u64 != pair[1].src
-                        || pair[0].dst + pair[0].bytes as u64 != pair[1].dst,
-                    "{:?} could have been one copy", pair
-                );
-            }
-        }
     }
 }
