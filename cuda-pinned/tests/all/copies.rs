@@ -172,14 +172,24 @@ pub(crate) fn block(stream: &Stream, ms: u64) -> Arc<AtomicBool> {
 fn an_event_behind_held_work_is_not_ready_until_it_runs() {
     let stream = Stream::new().unwrap();
     let (release, held) = std::sync::mpsc::channel::<()>();
+    let holding = Arc::new(AtomicBool::new(true));
+    let still = holding.clone();
     stream
         .launch_host_fn(move || {
-            let _ = held.recv();
+            // Bounded: the driver runs host functions one at a time, so one that waited for
+            // ever on a test thread held up would stall every test of the process.
+            let _ = held.recv_timeout(Duration::from_secs(20));
+            still.store(false, Ordering::SeqCst);
         })
         .unwrap();
     let event = stream.record_event().unwrap();
-    assert!(!event.query().unwrap());
-    assert!(!event.query().unwrap());
+    for _ in 0..2 {
+        let ready = event.query().unwrap();
+        assert!(
+            !ready || !holding.load(Ordering::SeqCst),
+            "the event reads as finished while the work before it still runs"
+        );
+    }
     release.send(()).unwrap();
     event.synchronize().unwrap();
     assert!(event.query().unwrap());
