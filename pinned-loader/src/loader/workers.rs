@@ -3,7 +3,7 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -57,11 +57,18 @@ pub(super) struct Task {
     pub(super) batch: usize,
     pub(super) indices: Arc<Vec<usize>>,
     pub(super) range: Range<usize>,
-    /// Its samples named to the dataset ([`Dataset::read_ahead`]), once: by the thread that
-    /// fills it, or earlier by a worker that took a batch queued before it. The filling
-    /// thread waits for a naming under way (the samples are named before any is written),
-    /// and names them again where that one panicked (the panic is then its own to report).
-    pub(super) read_ahead: Arc<Once>,
+    /// Its samples named to the dataset ([`Dataset::read_ahead`]), once.
+    pub(super) naming: Arc<Naming>,
+}
+
+/// A batch's samples named to the dataset, once: by the thread that fills it, or earlier by
+/// a worker that took a batch queued before it. The filling thread waits for a naming under
+/// way (the samples are named before any is written), and names them again where that one
+/// panicked (the panic is then its own to report); a worker naming ahead leaves alone a batch
+/// that another thread began naming.
+pub(super) struct Naming {
+    begun: AtomicBool,
+    done: Once,
 }
 
 impl Task {
@@ -76,7 +83,10 @@ impl Task {
             batch,
             indices,
             range,
-            read_ahead: Arc::new(Once::new()),
+            naming: Arc::new(Naming {
+                begun: AtomicBool::new(false),
+                done: Once::new(),
+            }),
         }
     }
 }
@@ -218,6 +228,9 @@ impl<D: Dataset> Shared<D> {
                 // Its epoch ended: it will not be filled.
                 break;
             }
+            if ahead.naming.begun.swap(true, Ordering::AcqRel) {
+                continue;
+            }
             // A panic there is the batch's own filler's to report (it names them again).
             if let Err(payload) = catch_unwind(AssertUnwindSafe(|| self.read_ahead(ahead))) {
                 std::mem::forget(payload);
@@ -289,7 +302,8 @@ impl<D: Dataset> Shared<D> {
     /// once whichever thread asks first; returns once they are named.
     fn read_ahead(&self, task: &Task) {
         if self.dataset.pinned_storage().is_none() {
-            task.read_ahead.call_once_force(|_| {
+            task.naming.begun.store(true, Ordering::Release);
+            task.naming.done.call_once_force(|_| {
                 self.dataset.read_ahead(&task.indices[task.range.clone()]);
             });
         }
@@ -314,7 +328,7 @@ impl<D: Dataset> Shared<D> {
                         // from batch to batch the disk still has their next reads queued.
                         let ahead: Vec<Task> = (state.tasks.iter())
                             .take(state.live_workers.max(1))
-                            .filter(|queued| !queued.read_ahead.is_completed())
+                            .filter(|queued| !queued.naming.begun.load(Ordering::Acquire))
                             .cloned()
                             .collect();
                         break (task, ahead);
