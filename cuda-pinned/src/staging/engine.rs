@@ -27,11 +27,10 @@ const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
 const STREAMING_SLOT_BYTES: usize = 32 << 10;
 
 /// Uploads through the ring of several pieces and at most this size fill its chunks with
-/// non-temporal stores
-/// (see [`StagingConfig::streaming_stores`]): their copies into the chunks then skip reading
-/// the chunks' old bytes first, which pays while the ring's pipeline fills; the largest
-/// uploads ran faster with plain stores, which leave the chunks in the CPU's caches for the
-/// DMA to read (`docs/tuning.md`).
+/// non-temporal stores (see [`StagingConfig::streaming_stores`]): their copies into the
+/// chunks then skip reading the chunks' old bytes first, which pays while the ring's pipeline
+/// fills; the largest uploads ran faster with plain stores, which leave the chunks in the
+/// CPU's caches for the DMA to read (`docs/tuning.md`).
 const STREAMING_UPLOAD_BYTES: usize = 256 << 20;
 
 pub(super) struct Shared<D: Dma> {
