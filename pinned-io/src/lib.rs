@@ -1,13 +1,13 @@
 //! Files into page-locked memory and onto the GPU: checkpoints and byte ranges, read by a
 //! crew of threads while the DMA engine drains what they read.
 //!
-//! A [`FileReader`] owns a small ring of pinned chunks and a crew of threads: each thread
-//! reads a piece of a file into a free chunk and queues its copy to the device; a chunk is
-//! reused once its copy is done. Reads and copies overlap, and the pinned memory held is the
-//! ring's, whatever the size of the file. Each piece is read through the page cache where
-//! the kernel holds it, past the cache (`O_DIRECT`) where it does not ([`ReadMode`]); pieces
-//! past the cache go several in one read, into as many free chunks, so that a cold file keeps
-//! the storage as busy as large reads do.
+//! A [`FileReader`] owns a small ring of pinned chunks and a crew of threads: a thread takes
+//! a piece of a file and a free chunk for it, the piece is read into the chunk, and its copy
+//! to the device is queued; a chunk is reused once its copy is done. Reads and copies
+//! overlap, and the pinned memory held is the ring's, whatever the size of the file. Each
+//! piece is read through the page cache where the kernel holds it, in parts by several
+//! threads at once, and past the cache (`O_DIRECT`) where it does not ([`ReadMode`]), in one
+//! large read, so that a cold file keeps the storage busy.
 //!
 //! | type | what |
 //! |---|---|

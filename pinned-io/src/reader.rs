@@ -17,9 +17,13 @@ use crate::plan::{self, Span};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ReaderConfig {
-    /// The most bytes of one read: a piece of a read fills one chunk of the pinned ring. A
-    /// multiple of 4096.
+    /// The most bytes of one piece: a piece of a read fills one chunk of the pinned ring and
+    /// goes to the device in one copy (per destination). A multiple of 4096.
     pub chunk_bytes: usize,
+    /// The most bytes one thread reads through the page cache at once: several threads fill
+    /// a chunk from the page cache together, in reads of this size. (Reads past the page
+    /// cache fill a whole chunk, or several, in one call.)
+    pub read_bytes: usize,
     /// Chunks in the ring: the pinned memory the reader holds is `chunks` times
     /// `chunk_bytes` and two pages (room for reads past the page cache, which read whole
     /// aligned blocks).
@@ -35,19 +39,22 @@ impl ReaderConfig {
     /// The most threads a reader may have.
     pub const MAX_THREADS: usize = 256;
 
-    /// The defaults: 2 MiB chunks, two per thread, and as many threads as the machine has
-    /// cores, up to sixteen; the mode the kernel picks per piece.
+    /// The defaults: as many threads as the machine has cores, up to sixteen; as many 8 MiB
+    /// chunks, filled from the page cache in reads of 2 MiB; the mode the kernel picks per
+    /// piece.
     ///
-    /// Reads from the page cache run fastest into memory the CPU's caches still hold: chunks
-    /// of a few MiB, reused soon. The `files` section of `pinned-bench` measures the choice
-    /// against others (RESULTS.md of the benches).
+    /// The DMA engine pays for every copy it starts, so copies are large; a thread reads the
+    /// page cache fastest into memory its caches still hold, so reads are small. The `files`
+    /// section of `pinned-bench` measures the choice against others (RESULTS.md of the
+    /// benches).
     pub fn new() -> Self {
         let threads = std::thread::available_parallelism()
             .map_or(4, usize::from)
             .min(16);
         Self {
-            chunk_bytes: 2 << 20,
-            chunks: 2 * threads,
+            chunk_bytes: 8 << 20,
+            read_bytes: 2 << 20,
+            chunks: threads,
             threads,
             mode: ReadMode::Auto,
         }
@@ -56,6 +63,12 @@ impl ReaderConfig {
     /// With `bytes` per chunk.
     pub fn chunk_bytes(mut self, bytes: usize) -> Self {
         self.chunk_bytes = bytes;
+        self
+    }
+
+    /// With reads of at most `bytes` through the page cache.
+    pub fn read_bytes(mut self, bytes: usize) -> Self {
+        self.read_bytes = bytes;
         self
     }
 
@@ -84,6 +97,11 @@ impl ReaderConfig {
                  {})",
                 self.chunk_bytes
             )));
+        }
+        if self.read_bytes == 0 {
+            return Err(Error::Invalid(
+                "a reader's reads through the page cache need at least one byte".into(),
+            ));
         }
         if self.chunks == 0 || self.threads == 0 || self.threads > Self::MAX_THREADS {
             return Err(Error::Invalid(format!(
@@ -175,7 +193,8 @@ impl FileReader {
             config.chunk_bytes,
             config.chunks,
             Box::new(memory),
-        )?;
+        )?
+        .read_in_parts_of(config.read_bytes);
         Ok(Self {
             crew: Arc::new(Crew::new(ring, config.threads)?),
             device,
@@ -252,7 +271,7 @@ impl FileReader {
     pub fn read_to_host(&self, file: &DataFile, offset: u64, dst: &mut [u8]) -> Result<()> {
         file.check_range(offset, dst.len() as u64)?;
         let dst_len = dst.len();
-        let piece = self.crew.ring().capacity();
+        let piece = self.config.read_bytes;
         let parts = Mutex::new(dst.chunks_mut(piece).enumerate());
         let work = || -> Result<()> {
             loop {

@@ -6,6 +6,12 @@
 //! the chunk's event behind them. A target (a tensor, a whole read) is complete once every
 //! piece holding its bytes has queued its copies: the thread that queues the last one calls
 //! the job's sink, which records the target's own event on the stream, after all of them.
+//!
+//! A piece read through the page cache is read in parts by whichever threads are free: the
+//! thread that took it opens it, the others read its parts before they take pieces of their
+//! own, and the one that finishes the last part queues the piece's copies. So copies stay
+//! large (the DMA engine pays for each one it starts) while reads stay small (a thread reads
+//! the page cache fastest into memory its caches still hold).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -61,8 +67,33 @@ struct Chunks<E> {
     lost: bool,
 }
 
-/// Pieces read past the page cache in one call, at most (each into a chunk of its own).
+/// A piece read through the page cache part by part, by any thread, into its chunk.
+struct Open<E> {
+    /// The piece's index in its job.
+    piece: usize,
+    /// The address of the piece's first byte in the chunk.
+    start: usize,
+    /// Held until the last part is finished.
+    chunk: Option<Chunk<E>>,
+    parts: usize,
+    /// Parts handed out, and parts not finished yet.
+    claimed: usize,
+    unfinished: usize,
+    /// Whether a part was not read (an error, a panic, or a failed job).
+    failed: bool,
+}
+
+/// Part `index` of open piece `piece`, whose first byte is at `start`.
+struct Part {
+    piece: usize,
+    index: usize,
+    start: usize,
+}
+
+/// Pieces read past the page cache in one call, at most (each into a chunk of its own), and
+/// the most bytes such a call asks for when it takes more than one piece.
 const DIRECT_RUN: usize = 4;
+const DIRECT_RUN_BYTES: usize = 8 << 20;
 
 /// The ring: page-locked memory cut into chunks, each with room for a piece and the scratch
 /// of aligned reads around it (a page before and after).
@@ -71,6 +102,8 @@ pub(crate) struct Ring<D: Dma> {
     base: usize,
     /// The most bytes a piece holds.
     capacity: usize,
+    /// The most bytes one thread reads of a piece through the page cache.
+    part: usize,
     chunks: Mutex<Chunks<D::Event>>,
     freed: Condvar,
     /// The allocation (dropped once every chunk's copies are known to be over).
@@ -112,6 +145,7 @@ impl<D: Dma> Ring<D> {
             dma,
             base: base as usize,
             capacity,
+            part: capacity,
             chunks: Mutex::new(Chunks {
                 free,
                 live: count,
@@ -120,6 +154,13 @@ impl<D: Dma> Ring<D> {
             freed: Condvar::new(),
             memory: Some(memory),
         })
+    }
+
+    /// The ring, with pieces read through the page cache in parts of at most `bytes` bytes
+    /// (at least one), each by a thread of its own (by default, a piece is one part).
+    pub(crate) fn read_in_parts_of(mut self, bytes: usize) -> Self {
+        self.part = bytes.max(1);
+        self
     }
 
     /// The most bytes one piece may hold.
@@ -228,6 +269,9 @@ pub(crate) struct Job<D: Dma> {
     sink: Box<Sink<D>>,
     failed: AtomicBool,
     error: Mutex<Option<Error>>,
+    /// Pieces read through the page cache part by part, oldest first, until the last part
+    /// is finished.
+    open: Mutex<Vec<Open<D::Event>>>,
     /// Pieces moved or skipped so far, and whether the job is complete (`done` has run).
     finished: Mutex<(usize, bool)>,
     all_finished: Condvar,
@@ -259,6 +303,7 @@ impl<D: Dma> Job<D> {
             sink,
             failed: AtomicBool::new(false),
             error: Mutex::new(None),
+            open: Mutex::new(Vec::new()),
             finished: Mutex::new((0, false)),
             all_finished: Condvar::new(),
             done: None,
@@ -293,8 +338,8 @@ impl<D: Dma> Job<D> {
         self.next.load(Ordering::Relaxed) >= self.pieces.len()
     }
 
-    /// Takes pieces and moves them through `ring` until none is left; after a failure the
-    /// rest are skipped.
+    /// Takes pieces and moves them through `ring` until none is left, reading the parts of
+    /// open pieces first; after a failure the rest are skipped.
     ///
     /// A piece read past the page cache takes the pieces after it along, up to
     /// [`DIRECT_RUN`] in all, while chunks are free and nobody has taken them yet: they are
@@ -302,12 +347,19 @@ impl<D: Dma> Job<D> {
     /// ones.
     pub(crate) fn work(&self, ring: &Ring<D>) {
         loop {
-            let index = self.next.fetch_add(1, Ordering::Relaxed);
-            if index >= self.pieces.len() {
+            if let Some(part) = self.claim_part() {
+                self.read_part(ring, part);
+                continue;
+            }
+            if self.exhausted() {
                 return;
             }
+            let index = self.next.fetch_add(1, Ordering::Relaxed);
+            if index >= self.pieces.len() {
+                continue;
+            }
             // Counted as finished however it ends, a panic included, with the pieces taken
-            // along.
+            // along (an opened piece is counted by its last part instead).
             let mut counted = Counted {
                 job: self,
                 pieces: 1,
@@ -387,7 +439,9 @@ impl<D: Dma> Job<D> {
 
     /// Moves piece `index` through a chunk of `ring`, with the pieces after it that can be
     /// read in the same call past the page cache, each into a chunk of its own that is free
-    /// now; `claimed` counts the pieces taken, as they are taken. A failure is the job's.
+    /// now; `claimed` counts the pieces taken, as they are taken. A piece read through the
+    /// page cache in more than one part is opened instead, and counted by its last part. A
+    /// failure is the job's.
     fn move_pieces(&self, ring: &Ring<D>, index: usize, claimed: &mut usize) {
         let chunk = match ring.take() {
             Ok(chunk) => chunk,
@@ -400,18 +454,21 @@ impl<D: Dma> Job<D> {
         // Asked once per piece (the page cache's residency is a system call), and passed on.
         let direct = self.reads_direct(&self.pieces[index]);
         if direct && index + 1 < self.pieces.len() {
+            let mut bytes = self.pieces[index].len;
             while taken.len() < DIRECT_RUN
                 && index + taken.len() < self.pieces.len()
                 && follows(
                     &self.pieces[index + taken.len() - 1],
                     &self.pieces[index + taken.len()],
                 )
+                && bytes + self.pieces[index + taken.len()].len <= DIRECT_RUN_BYTES
                 && let Some(chunk) = ring.try_take()
             {
                 if !self.take_along(index, taken.len()) {
                     ring.give_back(chunk);
                     break;
                 }
+                bytes += self.pieces[index + taken.len()].len;
                 *claimed += 1;
                 taken.push(Taken {
                     ring,
@@ -422,57 +479,71 @@ impl<D: Dma> Job<D> {
         let pieces = &self.pieces[index..index + taken.len()];
         // The failure is recorded before `taken` may drop chunks as lost: a thread that a
         // loss wakes then finds the job failed, its first error the cause.
-        if let Err(error) = self.fill_and_queue(ring, &mut taken, pieces, direct) {
+        let starts = match settle(ring, &mut taken, pieces) {
+            Ok(starts) => starts,
+            Err(error) => return self.fail(error),
+        };
+        if !direct && pieces[0].len > ring.part {
+            let chunk = taken[0].chunk.take().expect("taken");
+            let parts = pieces[0].len.div_ceil(ring.part);
+            lock(&self.open).push(Open {
+                piece: index,
+                start: starts[0] as usize,
+                chunk: Some(chunk),
+                parts,
+                claimed: 0,
+                unfinished: parts,
+                failed: false,
+            });
+            *claimed -= 1;
+            return;
+        }
+        if let Err(error) = self.fill_and_queue(ring, &mut taken, pieces, &starts, direct) {
             self.fail(error);
         }
     }
 
-    /// Fills the taken chunks with `pieces`, one each, read past the page cache if `direct`,
-    /// and queues their copies; gives each chunk back where its copies are accounted for (else
-    /// it is lost when dropped).
+    /// Fills the taken chunks (settled, at `starts`) with `pieces`, one each, read past the
+    /// page cache if `direct`, and queues their copies.
     fn fill_and_queue(
         &self,
         ring: &Ring<D>,
         taken: &mut [Taken<'_, D>],
         pieces: &[Piece],
+        starts: &[*mut u8],
         direct: bool,
     ) -> Result<()> {
-        let mut starts = Vec::with_capacity(pieces.len());
-        for (taken_now, piece) in taken.iter_mut().zip(pieces) {
-            let chunk = taken_now.chunk.as_mut().expect("taken");
-            if chunk.pending {
-                if let Err(error) = ring.dma.wait(&chunk.event) {
-                    // This chunk's copies are unknown: lost; the others are given back once
-                    // theirs are known to be over.
-                    if let Some(chunk) = taken_now.chunk.take() {
-                        ring.lose(chunk);
-                    }
-                    give_back_settled(ring, taken);
-                    return Err(error);
-                }
-                chunk.pending = false;
-            }
-            let skew = (piece.offset % DIRECT_ALIGN as u64) as usize;
-            starts.push((ring.base + chunk.offset + skew) as *mut u8);
-        }
         let file = &self.files[pieces[0].file];
         // SAFETY: each chunk is this thread's alone (taken from the free list) and its last
-        // copies are over; it spans `capacity + 2 * DIRECT_ALIGN` bytes, so the `skew <
-        // DIRECT_ALIGN` bytes before its start and the `capacity - len + DIRECT_ALIGN ≥
-        // DIRECT_ALIGN` after its piece's `len ≤ capacity` bytes lie in it; each start is
-        // congruent to its piece's offset (the chunk's start is aligned); the pieces follow
-        // one another in the file on block boundaries (`follows`).
-        let read = unsafe { read_pieces(file, &starts, pieces, direct) };
+        // copies are over (settled); it spans `capacity + 2 * DIRECT_ALIGN` bytes, so the
+        // `skew < DIRECT_ALIGN` bytes before its start and the `capacity - len +
+        // DIRECT_ALIGN ≥ DIRECT_ALIGN` after its piece's `len ≤ capacity` bytes lie in it;
+        // each start is congruent to its piece's offset (the chunk's start is aligned); the
+        // pieces follow one another in the file on block boundaries (`follows`).
+        let read = unsafe { read_pieces(file, starts, pieces, direct) };
         if let Err(error) = read {
             give_back_settled(ring, taken);
             return Err(error);
         }
-        for ((taken, piece), &start) in taken.iter_mut().zip(pieces).zip(&starts) {
+        self.queue(ring, taken, pieces, starts)
+    }
+
+    /// Queues the copies of `pieces`, filled at `starts` in the taken chunks, one each; gives
+    /// each chunk back where its copies are accounted for (else it is lost when dropped), then
+    /// counts the pieces toward their targets.
+    fn queue(
+        &self,
+        ring: &Ring<D>,
+        taken: &mut [Taken<'_, D>],
+        pieces: &[Piece],
+        starts: &[*mut u8],
+    ) -> Result<()> {
+        for ((taken, piece), &start) in taken.iter_mut().zip(pieces).zip(starts) {
             let chunk = taken.chunk.as_mut().expect("taken");
             // From here on copies out of the chunk may be queued: lost if dropped.
             chunk.pending = true;
-            // SAFETY: the copies read the piece's bytes, filled above; the chunk is left
-            // alone until its event, recorded next, completes (or, if that fails, it is
+            // SAFETY: the copies read the piece's bytes, filled by the caller; the chunk is
+            // left alone until its event, recorded next, completes (or, if that fails, it is
             // lost).
             let queued = unsafe { ring.dma.copy(&self.stream, start, &piece.copies) }
                 .and_then(|()| ring.dma.record(&mut chunk.event, &self.stream));
@@ -490,6 +561,91 @@ impl<D: Dma> Job<D> {
         // Every chunk is back before the targets complete (the sink runs): nothing is held
         // if it fails or panics.
         pieces.iter().try_for_each(|piece| self.landed(piece))
+    }
+
+    /// The next unread part of the oldest open piece, claimed, if any piece has one.
+    fn claim_part(&self) -> Option<Part> {
+        let mut open = lock(&self.open);
+        let entry = open.iter_mut().find(|open| open.claimed < open.parts)?;
+        entry.claimed += 1;
+        Some(Part {
+            piece: entry.piece,
+            index: entry.claimed - 1,
+            start: entry.start,
+        })
+    }
+
+    /// Reads `part` of an open piece through the page cache (unless the job failed), and
+    /// counts it finished however that ends.
+    fn read_part(&self, ring: &Ring<D>, part: Part) {
+        let mut finished = PartFinished {
+            job: self,
+            ring,
+            piece: part.piece,
+            read: false,
+        };
+        if self.failed.load(Ordering::Relaxed) {
+            return;
+        }
+        let piece = &self.pieces[part.piece];
+        let from = part.index * ring.part;
+        let len = ring.part.min(piece.len - from);
+        // SAFETY: the piece's chunk stays with its open entry until every part is finished,
+        // and its last copies are over (settled before it was opened); the piece's bytes lie
+        // in the chunk from `start`, and this part's `from..from + len` of them is this
+        // thread's alone (each part is claimed once). No scratch is claimed around it.
+        let read = unsafe {
+            self.files[piece.file].read_at(
+                (part.start + from) as *mut u8,
+                len,
+                piece.offset + from as u64,
+                ReadMode::Buffered,
+                false,
+            )
+        };
+        match read {
+            Ok(()) => finished.read = true,
+            Err(error) => self.fail(error),
+        }
+    }
+
+    /// Counts a part of open piece `piece` finished, `read` or not. The last one closes the
+    /// piece: it queues the piece's copies if every part was read and the job has not
+    /// failed, and gives the chunk back; the piece is then counted finished.
+    fn finish_part(&self, ring: &Ring<D>, piece: usize, read: bool) {
+        let mut open = lock(&self.open);
+        let Some(at) = open.iter().position(|open| open.piece == piece) else {
+            return;
+        };
+        let entry = &mut open[at];
+        entry.unfinished -= 1;
+        entry.failed |= !read;
+        if entry.unfinished > 0 {
+            return;
+        }
+        let entry = open.remove(at);
+        drop(open);
+        let _counted = Counted {
+            job: self,
+            pieces: 1,
+        };
+        // Dropped before the piece is counted: not pending (nothing queued), given back.
+        let mut taken = [Taken {
+            ring,
+            chunk: entry.chunk,
+        }];
+        if entry.failed || self.failed.load(Ordering::Relaxed) {
+            return;
+        }
+        let starts = [entry.start as *mut u8];
+        if let Err(error) = self.queue(
+            ring,
+            &mut taken,
+            std::slice::from_ref(&self.pieces[piece]),
+            &starts,
+        ) {
+            self.fail(error);
+        }
     }
 
     /// Counts the piece toward its targets and completes those it was the last of.
@@ -564,6 +720,25 @@ impl<D: Dma> Drop for Complete<'_, D> {
     }
 }
 
+/// Counts a part of an open piece finished when dropped; a panic while reading it fails the
+/// job.
+struct PartFinished<'a, D: Dma> {
+    job: &'a Job<D>,
+    ring: &'a Ring<D>,
+    piece: usize,
+    read: bool,
+}
+
+impl<D: Dma> Drop for PartFinished<'_, D> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.job
+                .fail(Error::Invalid("a reading thread panicked".into()));
+        }
+        self.job.finish_part(self.ring, self.piece, self.read);
+    }
+}
+
 /// Counts pieces finished when dropped; a panic while moving them fails the job.
 struct Counted<'a, D: Dma> {
     job: &'a Job<D>,
@@ -576,8 +751,40 @@ impl<D: Dma> Drop for Counted<'_, D> {
             self.job
                 .fail(Error::Invalid("a reading thread panicked".into()));
         }
-        self.job.count_finished(self.pieces);
+        // None for an opened piece: its last part counts it.
+        if self.pieces > 0 {
+            self.job.count_finished(self.pieces);
+        }
     }
+}
+
+/// Waits until no copy out of the taken chunks may still run, and returns where each of
+/// `pieces` starts in its chunk (congruent to its offset modulo [`DIRECT_ALIGN`]). After a
+/// failed wait that chunk is lost and the others are given back once settled.
+fn settle<D: Dma>(
+    ring: &Ring<D>,
+    taken: &mut [Taken<'_, D>],
+    pieces: &[Piece],
+) -> Result<Vec<*mut u8>> {
+    let mut starts = Vec::with_capacity(pieces.len());
+    for i in 0..taken.len() {
+        let chunk = taken[i].chunk.as_mut().expect("taken");
+        if chunk.pending {
+            if let Err(error) = ring.dma.wait(&chunk.event) {
+                // This chunk's copies are unknown: lost; the others are given back once
+                // theirs are known to be over.
+                if let Some(chunk) = taken[i].chunk.take() {
+                    ring.lose(chunk);
+                }
+                give_back_settled(ring, taken);
+                return Err(error);
+            }
+            chunk.pending = false;
+        }
+        let skew = (pieces[i].offset % DIRECT_ALIGN as u64) as usize;
+        starts.push((ring.base + chunk.offset + skew) as *mut u8);
+    }
+    Ok(starts)
 }
 
 /// Gives back the chunks of `taken` once no copy out of them may still run (waiting for

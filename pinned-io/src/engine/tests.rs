@@ -153,9 +153,16 @@ impl Dma for Arc<Fake> {
 }
 
 fn ring(fake: &Arc<Fake>, capacity: usize, count: usize) -> Ring<Arc<Fake>> {
+    ring_in_parts(fake, capacity, count, capacity)
+}
+
+/// [`ring`], reading pieces through the page cache in parts of `part` bytes.
+fn ring_in_parts(fake: &Arc<Fake>, capacity: usize, count: usize, part: usize) -> Ring<Arc<Fake>> {
     let mut memory = vec![0u8; Ring::<Arc<Fake>>::bytes_for(capacity, count).unwrap()];
     let start = memory.as_mut_ptr();
-    Ring::new(fake.clone(), start, capacity, count, Box::new(memory)).unwrap()
+    Ring::new(fake.clone(), start, capacity, count, Box::new(memory))
+        .unwrap()
+        .read_in_parts_of(part)
 }
 
 fn file_of(len: usize) -> (tempfile::NamedTempFile, Vec<u8>) {
@@ -168,18 +175,8 @@ fn file_of(len: usize) -> (tempfile::NamedTempFile, Vec<u8>) {
     (file, bytes)
 }
 
-/// Reads `spans` of a fresh file into a buffer through the crew, with a ring of 3 chunks.
-fn read(
-    spans: &mut [Span],
-    file_len: usize,
-    mode: ReadMode,
-    threads: usize,
-    chunk: usize,
-) -> Outcome {
-    read_through(spans, file_len, mode, threads, chunk, 3)
-}
-
-/// [`read`] with a ring of `count` chunks.
+/// Reads `spans` of a fresh file into a buffer through the crew, with a ring of `count`
+/// chunks.
 fn read_through(
     spans: &mut [Span],
     file_len: usize,
@@ -187,6 +184,19 @@ fn read_through(
     threads: usize,
     chunk: usize,
     count: usize,
+) -> Outcome {
+    read_in_parts(spans, file_len, mode, threads, chunk, count, chunk)
+}
+
+/// [`read_through`], reading pieces through the page cache in parts of `part` bytes.
+fn read_in_parts(
+    spans: &mut [Span],
+    file_len: usize,
+    mode: ReadMode,
+    threads: usize,
+    chunk: usize,
+    count: usize,
+    part: usize,
 ) -> Outcome {
     let (file, bytes) = file_of(file_len);
     let mut total = 0;
@@ -204,7 +214,7 @@ fn read_through(
     let fake = Arc::new(Fake::default());
     fake.dst_base.store(base as usize, Ordering::Relaxed);
     *fake.writes.lock().unwrap() = vec![0; total as usize];
-    let crew = Crew::new(ring(&fake, chunk, count), threads).unwrap();
+    let crew = Crew::new(ring_in_parts(&fake, chunk, count, part), threads).unwrap();
     let pieces = cut(spans, crew.ring().capacity()).unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
     let sink_seen = seen.clone();
@@ -236,7 +246,7 @@ fn read_through(
     }
 }
 
-/// What [`read`] saw: the run's result, the destination and the file's bytes, the fake, and
+/// What [`read_in_parts`] saw: the run's result, the destination and the file's bytes, the fake, and
 /// the targets the sink saw, in order.
 struct Outcome {
     result: Result<()>,
@@ -280,11 +290,16 @@ proptest! {
     fn every_byte_lands_once_in_place(
         mut spans in spans(),
         mode in modes(),
-        threads in 1usize..4,
+        threads in 1usize..5,
         blocks in 1usize..4,
+        count in 1usize..5,
+        parts in 1usize..5,
     ) {
+        // Parts of any size, down to a few bytes that split no block evenly.
+        let chunk = blocks * DIRECT_ALIGN;
+        let part = chunk.div_ceil(parts) - parts + 1;
         let Outcome { result, dst, bytes, fake, mut seen, .. } =
-            read(&mut spans, 150_000, mode, threads, blocks * DIRECT_ALIGN);
+            read_in_parts(&mut spans, 150_000, mode, threads, chunk, count, part);
         prop_assert!(result.is_ok(), "{:?}", result);
         for span in &spans {
             for row in 0..span.rows {
@@ -295,6 +310,7 @@ proptest! {
             }
         }
         prop_assert!(fake.writes.lock().unwrap().iter().all(|&w| w == 1));
+        prop_assert_eq!(fake.clobbered.load(Ordering::Relaxed), 0);
         seen.sort_unstable();
         prop_assert_eq!(seen, (0..spans.len()).collect::<Vec<_>>());
     }
@@ -384,12 +400,46 @@ fn a_file_shorter_than_the_read_is_truncated_and_the_ring_stays_whole() {
         target: 0,
     }];
     for mode in [ReadMode::Auto, ReadMode::Buffered, ReadMode::Direct] {
-        let Outcome { result, seen, .. } = read(&mut spans, 30_000, mode, 2, 3 * DIRECT_ALIGN);
-        match result {
-            Err(Error::Truncated { length, .. }) => assert_eq!(length, 30_000),
-            other => panic!("{mode:?}: {other:?}"),
+        for (threads, part) in [(2, 3 * DIRECT_ALIGN), (3, 5000)] {
+            let Outcome {
+                result, seen, fake, ..
+            } = read_in_parts(&mut spans, 30_000, mode, threads, 3 * DIRECT_ALIGN, 3, part);
+            match result {
+                Err(Error::Truncated { length, .. }) => assert_eq!(length, 30_000),
+                other => panic!("{mode:?}: {other:?}"),
+            }
+            assert!(seen.is_empty(), "a target completed: {seen:?}");
+            assert_eq!(fake.clobbered.load(Ordering::Relaxed), 0);
         }
-        assert!(seen.is_empty(), "a target completed: {seen:?}");
+    }
+}
+
+#[test]
+fn a_piece_read_in_parts_goes_to_the_device_in_one_copy() {
+    let chunk = 4 * DIRECT_ALIGN;
+    for threads in [1, 2, 4] {
+        for part in [DIRECT_ALIGN, 3000, 1] {
+            let mut spans = [rows(100, 100_000, 1, 1)];
+            let outcome = read_in_parts(
+                &mut spans,
+                120_000,
+                ReadMode::Buffered,
+                threads,
+                chunk,
+                3,
+                part,
+            );
+            assert!(outcome.result.is_ok(), "{:?}", outcome.result);
+            assert!(outcome.dst[..] == outcome.bytes[100..100_100]);
+            assert!(outcome.fake.writes.lock().unwrap().iter().all(|&w| w == 1));
+            assert_eq!(outcome.fake.clobbered.load(Ordering::Relaxed), 0);
+            let pieces = cut(&spans, chunk).unwrap().len();
+            assert_eq!(
+                outcome.fake.copy_calls.load(Ordering::Relaxed),
+                pieces,
+                "{threads} threads, parts of {part}"
+            );
+        }
     }
 }
 
@@ -531,7 +581,9 @@ struct Faulty {
 }
 
 /// `len` bytes read through `count` chunks of `chunk` bytes by `threads` threads against
-/// `fake`, as `mode` says; `sink_fails` makes the sink fail on its n-th call.
+/// `fake`, as `mode` says, each piece read through the page cache in `parts` parts;
+/// `sink_fails` makes the sink fail on its n-th call.
+#[allow(clippy::too_many_arguments)]
 fn faulty(
     fake: Fake,
     len: usize,
@@ -540,6 +592,7 @@ fn faulty(
     threads: usize,
     sink_fails: Option<usize>,
     mode: ReadMode,
+    parts: usize,
 ) -> Faulty {
     let (file, bytes) = file_of(len);
     let fake = Arc::new(fake);
@@ -557,7 +610,8 @@ fn faulty(
         count,
         Box::new(Watched(memory, freed.clone())),
     )
-    .unwrap();
+    .unwrap()
+    .read_in_parts_of(chunk.div_ceil(parts));
     // Many small targets: one per KiB, so the sink is called often, and pieces of whole
     // blocks, so that reads past the page cache take several at a time.
     let spans: Vec<Span> = (0..len.div_ceil(1024))
@@ -621,7 +675,7 @@ fn faulty(
 
 #[test]
 fn a_sink_panicking_mid_run_loses_no_chunk() {
-    for (mode, threads) in modes_and(&[1, 3]) {
+    for (mode, threads, parts) in modes_and(&[1, 3]) {
         let len = 200_000;
         let (file, _) = file_of(len);
         let fake = Arc::new(Fake::default());
@@ -629,7 +683,7 @@ fn a_sink_panicking_mid_run_loses_no_chunk() {
         fake.dst_base
             .store(dst.as_mut_ptr() as usize, Ordering::Relaxed);
         *fake.writes.lock().unwrap() = vec![0; len];
-        let crew = Crew::new(ring(&fake, 8192, 8), threads).unwrap();
+        let crew = Crew::new(ring_in_parts(&fake, 8192, 8, 8192 / parts), threads).unwrap();
         // A target per KiB, so that a run of pieces completes several.
         let spans: Vec<Span> = (0..len.div_ceil(1024))
             .map(|i| Span {
@@ -660,7 +714,7 @@ fn a_sink_panicking_mid_run_loses_no_chunk() {
         assert_eq!(
             (chunks.live, chunks.lost),
             (8, false),
-            "{mode:?}, {threads}"
+            "{mode:?}, {threads} threads, {parts} parts"
         );
     }
 }
@@ -676,6 +730,7 @@ fn pieces_past_the_page_cache_are_read_several_at_a_time() {
             threads,
             None,
             ReadMode::Direct,
+            1,
         );
         assert!(f.result.is_ok(), "{:?}", f.result);
         check_written_bytes_are_right(&f);
@@ -694,13 +749,18 @@ fn pieces_past_the_page_cache_are_read_several_at_a_time() {
     }
 }
 
-/// Each of `threads` with reads through the page cache and past it (where several pieces
-/// are read in one call).
-fn modes_and(threads: &[usize]) -> Vec<(ReadMode, usize)> {
-    [ReadMode::Buffered, ReadMode::Direct]
-        .into_iter()
-        .flat_map(|mode| threads.iter().map(move |&t| (mode, t)))
-        .collect()
+/// Each of `threads` with reads through the page cache, a piece in one part or in three
+/// (read by several threads), and past it (where several pieces are read in one call); the
+/// third of each is the parts.
+fn modes_and(threads: &[usize]) -> Vec<(ReadMode, usize, usize)> {
+    [
+        (ReadMode::Buffered, 1),
+        (ReadMode::Buffered, 3),
+        (ReadMode::Direct, 1),
+    ]
+    .into_iter()
+    .flat_map(|(mode, parts)| threads.iter().map(move |&t| (mode, t, parts)))
+    .collect()
 }
 
 fn check_written_bytes_are_right(f: &Faulty) {
@@ -720,7 +780,7 @@ fn check_written_bytes_are_right(f: &Faulty) {
 
 #[test]
 fn record_fails_stream_drains_chunk_kept() {
-    for (mode, threads) in modes_and(&[1, 3]) {
+    for (mode, threads, parts) in modes_and(&[1, 3]) {
         let f = faulty(
             Fake {
                 fail_record: Some(3),
@@ -732,6 +792,7 @@ fn record_fails_stream_drains_chunk_kept() {
             threads,
             None,
             mode,
+            parts,
         );
         let e = f.result.as_ref().unwrap_err().to_string();
         assert!(e.contains("injected record"), "{e}");
@@ -744,7 +805,7 @@ fn record_fails_stream_drains_chunk_kept() {
 
 #[test]
 fn record_fails_stream_wait_fails_chunk_lost_memory_kept() {
-    for (mode, threads) in modes_and(&[1, 3]) {
+    for (mode, threads, parts) in modes_and(&[1, 3]) {
         let f = faulty(
             Fake {
                 fail_record: Some(2),
@@ -757,6 +818,7 @@ fn record_fails_stream_wait_fails_chunk_lost_memory_kept() {
             threads,
             None,
             mode,
+            parts,
         );
         let e = f.result.as_ref().unwrap_err().to_string();
         assert!(e.contains("injected record"), "{e}");
@@ -770,7 +832,7 @@ fn record_fails_stream_wait_fails_chunk_lost_memory_kept() {
 
 #[test]
 fn event_wait_fails_chunk_lost_memory_kept() {
-    for (mode, threads) in modes_and(&[1, 3]) {
+    for (mode, threads, parts) in modes_and(&[1, 3]) {
         let f = faulty(
             Fake {
                 fail_wait: Some(2),
@@ -782,6 +844,7 @@ fn event_wait_fails_chunk_lost_memory_kept() {
             threads,
             None,
             mode,
+            parts,
         );
         let e = f.result.as_ref().unwrap_err().to_string();
         assert!(e.contains("injected wait"), "{e}");
@@ -793,8 +856,17 @@ fn event_wait_fails_chunk_lost_memory_kept() {
 
 #[test]
 fn sink_fails_first_error_reported_ring_whole() {
-    for (mode, threads) in modes_and(&[1, 3]) {
-        let f = faulty(Fake::default(), 200_000, 8192, 3, threads, Some(4), mode);
+    for (mode, threads, parts) in modes_and(&[1, 3]) {
+        let f = faulty(
+            Fake::default(),
+            200_000,
+            8192,
+            3,
+            threads,
+            Some(4),
+            mode,
+            parts,
+        );
         let e = f.result.as_ref().unwrap_err().to_string();
         assert!(e.contains("injected sink"), "{e}");
         assert_eq!(f.live, 3);
@@ -808,7 +880,7 @@ fn sink_fails_first_error_reported_ring_whole() {
 fn every_chunk_lost_no_hang() {
     // One chunk; the first record fails and the stream never drains: the chunk is lost, and
     // threads waiting for a chunk must wake and fail, not hang.
-    for (mode, threads) in modes_and(&[1, 2, 4]) {
+    for (mode, threads, parts) in modes_and(&[1, 2, 4]) {
         let f = faulty(
             Fake {
                 fail_record: Some(1),
@@ -821,6 +893,7 @@ fn every_chunk_lost_no_hang() {
             threads,
             None,
             mode,
+            parts,
         );
         let e = f.result.as_ref().unwrap_err().to_string();
         assert!(e.contains("injected record"), "first error should win: {e}");
@@ -831,7 +904,7 @@ fn every_chunk_lost_no_hang() {
 
 #[test]
 fn copy_fails_with_threads_bytes_right() {
-    for (mode, threads) in modes_and(&[2, 4]) {
+    for (mode, threads, parts) in modes_and(&[2, 4]) {
         let f = faulty(
             Fake {
                 fail_copy: Some(5),
@@ -843,6 +916,7 @@ fn copy_fails_with_threads_bytes_right() {
             threads,
             None,
             mode,
+            parts,
         );
         assert!(f.result.is_err());
         assert_eq!(f.live, 2);
