@@ -435,12 +435,10 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
             // Other crews than the default: what the defaults were chosen by.
             for (threads, chunks, chunk, read) in [
                 (16, 32, 2usize << 20, 2usize << 20),
-                (16, 16, 4 << 20, 2 << 20),
+                (16, 16, 4 << 20, 1 << 20),
                 (16, 8, 8 << 20, 2 << 20),
-                (16, 16, 8 << 20, 1 << 20),
-                (16, 24, 8 << 20, 2 << 20),
-                (12, 12, 8 << 20, 2 << 20),
-                (16, 8, 16 << 20, 2 << 20),
+                (16, 16, 8 << 20, 2 << 20),
+                (12, 12, 4 << 20, 2 << 20),
             ] {
                 let config = ReaderConfig::new()
                     .threads(threads)

@@ -39,7 +39,7 @@ impl ReaderConfig {
     /// The most threads a reader may have.
     pub const MAX_THREADS: usize = 256;
 
-    /// The defaults: as many threads as the machine has cores, up to sixteen; as many 8 MiB
+    /// The defaults: as many threads as the machine has cores, up to sixteen; as many 4 MiB
     /// chunks, filled from the page cache in reads of 2 MiB; the mode the kernel picks per
     /// piece.
     ///
@@ -52,7 +52,7 @@ impl ReaderConfig {
             .map_or(4, usize::from)
             .min(16);
         Self {
-            chunk_bytes: 8 << 20,
+            chunk_bytes: 4 << 20,
             read_bytes: 2 << 20,
             chunks: threads,
             threads,
