@@ -74,7 +74,7 @@ struct Open<E> {
     /// The address of the piece's first byte in the chunk.
     start: usize,
     /// Held until the last part is finished.
-    chunk: Option<Chunk<E>>,
+    chunk: Chunk<E>,
     parts: usize,
     /// Parts handed out, and parts not finished yet.
     claimed: usize,
@@ -222,10 +222,11 @@ impl<D: Dma> Drop for Ring<D> {
     }
 }
 
-/// A chunk out of the ring: given back, or else, when dropped (an error or a panic), given
-/// back if no copy out of it can be running and lost if one may be.
+/// A chunk out of the ring for `job`: given back, or else, when dropped (an error or a
+/// panic), given back if no copy out of it can be running and lost if one may be.
 struct Taken<'a, D: Dma> {
     ring: &'a Ring<D>,
+    job: &'a Job<D>,
     chunk: Option<Chunk<D::Event>>,
 }
 
@@ -241,6 +242,10 @@ impl<D: Dma> Drop for Taken<'_, D> {
     fn drop(&mut self) {
         if let Some(chunk) = self.chunk.take() {
             if chunk.pending {
+                // A thread that the loss wakes finds the job failed, its panic the cause.
+                if std::thread::panicking() {
+                    self.job.fail(panicked());
+                }
                 self.ring.lose(chunk);
             } else {
                 self.ring.give_back(chunk);
@@ -272,10 +277,12 @@ pub(crate) struct Job<D: Dma> {
     /// Pieces read through the page cache part by part, oldest first, until the last part
     /// is finished.
     open: Mutex<Vec<Open<D::Event>>>,
-    /// Pieces moved or skipped so far, and whether the job is complete (`done` has run).
-    finished: Mutex<(usize, bool)>,
+    finished: Mutex<Progress>,
     all_finished: Condvar,
     done: Option<Box<Done<D>>>,
+    /// Called with the piece and the part before a part is read (a test's fault).
+    #[cfg(test)]
+    part_hook: Option<Box<dyn Fn(usize, usize) + Send + Sync>>,
 }
 
 impl<D: Dma> Job<D> {
@@ -304,9 +311,11 @@ impl<D: Dma> Job<D> {
             failed: AtomicBool::new(false),
             error: Mutex::new(None),
             open: Mutex::new(Vec::new()),
-            finished: Mutex::new((0, false)),
+            finished: Mutex::new(Progress::default()),
             all_finished: Condvar::new(),
             done: None,
+            #[cfg(test)]
+            part_hook: None,
         }
     }
 
@@ -346,6 +355,7 @@ impl<D: Dma> Job<D> {
     /// read in one call, and one large read keeps more of the storage busy than several small
     /// ones.
     pub(crate) fn work(&self, ring: &Ring<D>) {
+        let _leaving = Leaving { job: self, ring };
         loop {
             if let Some(part) = self.claim_part() {
                 self.read_part(ring, part);
@@ -395,13 +405,15 @@ impl<D: Dma> Job<D> {
             .is_ok()
     }
 
-    /// Counts `pieces` more pieces finished; the last one calls `done` and wakes the waiters.
+    /// Counts `pieces` more pieces finished; the first count that reaches every piece calls
+    /// `done` and wakes the waiters.
     fn count_finished(&self, pieces: usize) {
         let mut finished = lock(&self.finished);
-        finished.0 += pieces;
-        if finished.0 < self.pieces.len() {
+        finished.pieces += pieces;
+        if finished.pieces < self.pieces.len() || finished.closing {
             return;
         }
+        finished.closing = true;
         drop(finished);
         // Complete however `done` ends, a panic included: no waiter hangs.
         let _complete = Complete { job: self };
@@ -413,7 +425,7 @@ impl<D: Dma> Job<D> {
     /// Waits until every piece is moved or skipped and `done` has run.
     pub(crate) fn wait_finished(&self) {
         let mut finished = lock(&self.finished);
-        while !finished.1 {
+        while !finished.complete {
             finished = self
                 .all_finished
                 .wait(finished)
@@ -449,6 +461,7 @@ impl<D: Dma> Job<D> {
         };
         let mut taken = vec![Taken {
             ring,
+            job: self,
             chunk: Some(chunk),
         }];
         // Asked once per piece (the page cache's residency is a system call), and passed on.
@@ -472,6 +485,7 @@ impl<D: Dma> Job<D> {
                 *claimed += 1;
                 taken.push(Taken {
                     ring,
+                    job: self,
                     chunk: Some(chunk),
                 });
             }
@@ -479,9 +493,8 @@ impl<D: Dma> Job<D> {
         let pieces = &self.pieces[index..index + taken.len()];
         // The failure is recorded before `taken` may drop chunks as lost: a thread that a
         // loss wakes then finds the job failed, its first error the cause.
-        let starts = match settle(ring, &mut taken, pieces) {
-            Ok(starts) => starts,
-            Err(error) => return self.fail(error),
+        let Some(starts) = self.settle(ring, &mut taken, pieces) else {
+            return;
         };
         if !direct && pieces[0].len > ring.part {
             let chunk = taken[0].chunk.take().expect("taken");
@@ -489,7 +502,7 @@ impl<D: Dma> Job<D> {
             lock(&self.open).push(Open {
                 piece: index,
                 start: starts[0] as usize,
-                chunk: Some(chunk),
+                chunk,
                 parts,
                 claimed: 0,
                 unfinished: parts,
@@ -501,6 +514,39 @@ impl<D: Dma> Job<D> {
         if let Err(error) = self.fill_and_queue(ring, &mut taken, pieces, &starts, direct) {
             self.fail(error);
         }
+    }
+
+    /// Waits until no copy out of the taken chunks may still run, and returns where each of
+    /// `pieces` starts in its chunk (congruent to its offset modulo [`DIRECT_ALIGN`]). A
+    /// failed wait is the job's: that chunk is then lost and the others are given back once
+    /// settled.
+    fn settle(
+        &self,
+        ring: &Ring<D>,
+        taken: &mut [Taken<'_, D>],
+        pieces: &[Piece],
+    ) -> Option<Vec<*mut u8>> {
+        let mut starts = Vec::with_capacity(pieces.len());
+        for i in 0..taken.len() {
+            let chunk = taken[i].chunk.as_mut().expect("taken");
+            if chunk.pending {
+                if let Err(error) = ring.dma.wait(&chunk.event) {
+                    // Recorded first: a thread that the loss wakes finds the job failed.
+                    self.fail(error);
+                    // This chunk's copies are unknown: lost; the others are given back once
+                    // theirs are known to be over.
+                    if let Some(chunk) = taken[i].chunk.take() {
+                        ring.lose(chunk);
+                    }
+                    give_back_settled(ring, taken);
+                    return None;
+                }
+                chunk.pending = false;
+            }
+            let skew = (pieces[i].offset % DIRECT_ALIGN as u64) as usize;
+            starts.push((ring.base + chunk.offset + skew) as *mut u8);
+        }
+        Some(starts)
     }
 
     /// Fills the taken chunks (settled, at `starts`) with `pieces`, one each, read past the
@@ -587,6 +633,10 @@ impl<D: Dma> Job<D> {
         if self.failed.load(Ordering::Relaxed) {
             return;
         }
+        #[cfg(test)]
+        if let Some(hook) = &self.part_hook {
+            hook(part.piece, part.index);
+        }
         let piece = &self.pieces[part.piece];
         let from = part.index * ring.part;
         let len = ring.part.min(piece.len - from);
@@ -609,42 +659,84 @@ impl<D: Dma> Job<D> {
         }
     }
 
-    /// Counts a part of open piece `piece` finished, `read` or not. The last one closes the
-    /// piece: it queues the piece's copies if every part was read and the job has not
-    /// failed, and gives the chunk back; the piece is then counted finished.
+    /// Counts a part of open piece `piece` finished, `read` or not, and closes the piece if
+    /// it was the last (see [`close`](Self::close)).
     fn finish_part(&self, ring: &Ring<D>, piece: usize, read: bool) {
-        let mut open = lock(&self.open);
-        let Some(at) = open.iter().position(|open| open.piece == piece) else {
-            return;
+        let closed = {
+            let mut open = lock(&self.open);
+            // Every part is finished once, and the entry goes only with the last one.
+            if let Some(entry) = open.iter_mut().find(|open| open.piece == piece) {
+                entry.unfinished -= 1;
+                entry.failed |= !read;
+            }
+            self.take_closed(&mut open)
         };
-        let entry = &mut open[at];
-        entry.unfinished -= 1;
-        entry.failed |= !read;
-        if entry.unfinished > 0 {
+        self.close(ring, closed);
+    }
+
+    /// After a failure, skips the parts of open pieces that no thread has claimed (a thread
+    /// that panicked has left the job, and may have been the one to come back for them), and
+    /// closes the pieces that no thread reads any more.
+    fn skip_unclaimed_parts(&self, ring: &Ring<D>) {
+        let closed = self.take_closed(&mut lock(&self.open));
+        self.close(ring, closed);
+    }
+
+    /// Takes out of `open` the pieces with no part left unfinished; after a failure, skips
+    /// the unclaimed parts first.
+    fn take_closed(&self, open: &mut Vec<Open<D::Event>>) -> Vec<Open<D::Event>> {
+        if self.failed.load(Ordering::Relaxed) {
+            for entry in open.iter_mut() {
+                entry.unfinished -= entry.parts - entry.claimed;
+                entry.claimed = entry.parts;
+                entry.failed = true;
+            }
+        }
+        let (closed, left) = std::mem::take(open)
+            .into_iter()
+            .partition(|entry| entry.unfinished == 0);
+        *open = left;
+        closed
+    }
+
+    /// Closes open pieces whose parts are all finished: queues the copies of each whose parts
+    /// were all read (unless the job failed), gives the chunks back, then counts the pieces
+    /// finished.
+    fn close(&self, ring: &Ring<D>, closed: Vec<Open<D::Event>>) {
+        if closed.is_empty() {
             return;
         }
-        let entry = open.remove(at);
-        drop(open);
         let _counted = Counted {
             job: self,
-            pieces: 1,
+            pieces: closed.len(),
         };
-        // Dropped before the piece is counted: not pending (nothing queued), given back.
-        let mut taken = [Taken {
-            ring,
-            chunk: entry.chunk,
-        }];
-        if entry.failed || self.failed.load(Ordering::Relaxed) {
-            return;
-        }
-        let starts = [entry.start as *mut u8];
-        if let Err(error) = self.queue(
-            ring,
-            &mut taken,
-            std::slice::from_ref(&self.pieces[piece]),
-            &starts,
-        ) {
-            self.fail(error);
+        // Every chunk in a guard before anything can fail or panic: dropped before the
+        // pieces are counted, each given back (none has copies queued yet) or, once its
+        // copies are queued, given back or lost as they allow.
+        // The start of each piece whose parts were all read.
+        let mut closing: Vec<(Taken<'_, D>, usize, Option<usize>)> = closed
+            .into_iter()
+            .map(|entry| {
+                let taken = Taken {
+                    ring,
+                    job: self,
+                    chunk: Some(entry.chunk),
+                };
+                (taken, entry.piece, (!entry.failed).then_some(entry.start))
+            })
+            .collect();
+        for (taken, piece, start) in &mut closing {
+            let Some(start) = *start else {
+                continue;
+            };
+            if self.failed.load(Ordering::Relaxed) {
+                break;
+            }
+            let starts = [start as *mut u8];
+            let pieces = std::slice::from_ref(&self.pieces[*piece]);
+            if let Err(error) = self.queue(ring, std::slice::from_mut(taken), pieces, &starts) {
+                self.fail(error);
+            }
         }
     }
 
@@ -708,6 +800,16 @@ unsafe fn read_pieces(
     Ok(())
 }
 
+/// How far a job is.
+#[derive(Default)]
+struct Progress {
+    /// Pieces moved or skipped.
+    pieces: usize,
+    /// Whether `done` was called, and whether it has returned (the job is complete).
+    closing: bool,
+    complete: bool,
+}
+
 /// Marks a job complete when dropped, and wakes its waiters.
 struct Complete<'a, D: Dma> {
     job: &'a Job<D>,
@@ -715,8 +817,24 @@ struct Complete<'a, D: Dma> {
 
 impl<D: Dma> Drop for Complete<'_, D> {
     fn drop(&mut self) {
-        lock(&self.job.finished).1 = true;
+        lock(&self.job.finished).complete = true;
         self.job.all_finished.notify_all();
+    }
+}
+
+/// Fails the job if its thread panics out of [`Job::work`], and skips the parts that thread
+/// might have been the only one to read.
+struct Leaving<'a, D: Dma> {
+    job: &'a Job<D>,
+    ring: &'a Ring<D>,
+}
+
+impl<D: Dma> Drop for Leaving<'_, D> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.job.fail(panicked());
+            self.job.skip_unclaimed_parts(self.ring);
+        }
     }
 }
 
@@ -732,8 +850,7 @@ struct PartFinished<'a, D: Dma> {
 impl<D: Dma> Drop for PartFinished<'_, D> {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            self.job
-                .fail(Error::Invalid("a reading thread panicked".into()));
+            self.job.fail(panicked());
         }
         self.job.finish_part(self.ring, self.piece, self.read);
     }
@@ -748,43 +865,13 @@ struct Counted<'a, D: Dma> {
 impl<D: Dma> Drop for Counted<'_, D> {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            self.job
-                .fail(Error::Invalid("a reading thread panicked".into()));
+            self.job.fail(panicked());
         }
         // None for an opened piece: its last part counts it.
         if self.pieces > 0 {
             self.job.count_finished(self.pieces);
         }
     }
-}
-
-/// Waits until no copy out of the taken chunks may still run, and returns where each of
-/// `pieces` starts in its chunk (congruent to its offset modulo [`DIRECT_ALIGN`]). After a
-/// failed wait that chunk is lost and the others are given back once settled.
-fn settle<D: Dma>(
-    ring: &Ring<D>,
-    taken: &mut [Taken<'_, D>],
-    pieces: &[Piece],
-) -> Result<Vec<*mut u8>> {
-    let mut starts = Vec::with_capacity(pieces.len());
-    for i in 0..taken.len() {
-        let chunk = taken[i].chunk.as_mut().expect("taken");
-        if chunk.pending {
-            if let Err(error) = ring.dma.wait(&chunk.event) {
-                // This chunk's copies are unknown: lost; the others are given back once
-                // theirs are known to be over.
-                if let Some(chunk) = taken[i].chunk.take() {
-                    ring.lose(chunk);
-                }
-                give_back_settled(ring, taken);
-                return Err(error);
-            }
-            chunk.pending = false;
-        }
-        let skew = (pieces[i].offset % DIRECT_ALIGN as u64) as usize;
-        starts.push((ring.base + chunk.offset + skew) as *mut u8);
-    }
-    Ok(starts)
 }
 
 /// Gives back the chunks of `taken` once no copy out of them may still run (waiting for
@@ -821,6 +908,11 @@ pub(crate) fn finish<D: Dma>(job: &Job<D>, ring: &Ring<D>) -> Result<()> {
             Err(error)
         }
     }
+}
+
+/// The error of a job whose thread panicked.
+fn panicked() -> Error {
+    Error::Invalid("a reading thread panicked".into())
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -924,3 +924,123 @@ fn copy_fails_with_threads_bytes_right() {
         check_written_bytes_are_right(&f);
     }
 }
+
+#[test]
+fn a_panic_reading_a_part_fails_the_job_and_leaves_nothing_behind() {
+    let chunk = 4 * DIRECT_ALIGN;
+    for threads in [1, 3] {
+        for submitted in [true, false] {
+            let fake = Arc::new(Fake::default());
+            let mut dst = vec![0u8; 6 * chunk];
+            fake.dst_base
+                .store(dst.as_mut_ptr() as usize, Ordering::Relaxed);
+            *fake.writes.lock().unwrap() = vec![0; dst.len()];
+            let crew = Crew::new(ring_in_parts(&fake, chunk, 2, DIRECT_ALIGN), threads).unwrap();
+            let done = Arc::new(AtomicUsize::new(0));
+            let counted = done.clone();
+            let (_file, mut job) = job_for(&crew, &mut dst, Box::new(|_: &[usize], _: &()| Ok(())));
+            // A part that is neither the first nor the last of its piece: the thread that
+            // opened the piece may be the one that panics and leaves the job.
+            job.part_hook = Some(Box::new(|piece, part| {
+                assert!(!(piece == 0 && part == 1), "injected part panic");
+            }));
+            let job = Arc::new(job.when_done(Box::new(move |_| {
+                counted.fetch_add(1, Ordering::Relaxed);
+            })));
+            if submitted {
+                // The crew's threads catch the panic and go on with other jobs.
+                crew.submit(&job);
+            } else {
+                // The caller's thread reads beside them, and the panic is its own.
+                let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| crew.run(&job)));
+                assert!(run.is_err() || job.error_message().is_some());
+            }
+            let (sender, receiver) = std::sync::mpsc::channel();
+            let waiting = job.clone();
+            std::thread::spawn(move || {
+                waiting.wait_finished();
+                let _ = sender.send(());
+            });
+            let case = format!("{threads} threads, submitted: {submitted}");
+            receiver
+                .recv_timeout(std::time::Duration::from_secs(20))
+                .unwrap_or_else(|_| panic!("{case}: the job never finished"));
+            let error = job.error_message().expect("the job failed");
+            assert!(error.contains("panicked"), "{case}: {error}");
+            assert_eq!(done.load(Ordering::Relaxed), 1, "{case}");
+            let chunks = lock(&crew.ring().chunks);
+            assert_eq!(
+                (chunks.free.len(), chunks.live, chunks.lost),
+                (2, 2, false),
+                "{case}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_job_completes_once_however_its_last_counts_interleave() {
+    let fake = Arc::new(Fake::default());
+    let mut dst = vec![0u8; 100];
+    let crew = Crew::new(ring(&fake, DIRECT_ALIGN, 1), 1).unwrap();
+    let (_file, job) = job_for(&crew, &mut dst, Box::new(|_: &[usize], _: &()| Ok(())));
+    let done = Arc::new(AtomicUsize::new(0));
+    let counted = done.clone();
+    let job = job.when_done(Box::new(move |_| {
+        counted.fetch_add(1, Ordering::Relaxed);
+    }));
+    job.count_finished(job.pieces.len());
+    // A count of nothing after the job completed (an opened piece's taker, late).
+    job.count_finished(0);
+    assert_eq!(done.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn reads_through_the_page_cache_write_nothing_outside_their_piece() {
+    const CANARY: u8 = 0xA5;
+    let chunk = 4 * DIRECT_ALIGN;
+    for threads in [1, 3] {
+        for part in [1000, 3000, DIRECT_ALIGN] {
+            let (file, _) = file_of(50_000);
+            let fake = Arc::new(Fake::default());
+            // One piece of a length no part size divides, into a ring of one chunk.
+            let (offset, len) = (1234usize, 9_500usize);
+            let mut dst = vec![0u8; len];
+            fake.dst_base
+                .store(dst.as_mut_ptr() as usize, Ordering::Relaxed);
+            *fake.writes.lock().unwrap() = vec![0; len];
+            let mut memory = vec![CANARY; Ring::<Arc<Fake>>::bytes_for(chunk, 1).unwrap()];
+            let (start, bytes) = (memory.as_mut_ptr(), memory.len());
+            let ring = Ring::new(fake.clone(), start, chunk, 1, Box::new(memory))
+                .unwrap()
+                .read_in_parts_of(part);
+            let crew = Crew::new(ring, threads).unwrap();
+            let span = rows(offset as u64, len as u64, 1, 1);
+            let span = Span {
+                dst: dst.as_mut_ptr() as u64,
+                ..span
+            };
+            let pieces = cut(&[span], chunk).unwrap();
+            assert_eq!(pieces.len(), 1);
+            let files = vec![DataFile::open(file.path()).unwrap()];
+            let job = Job::new(
+                pieces,
+                files,
+                ReadMode::Buffered,
+                (),
+                1,
+                Box::new(|_: &[usize], _: &()| Ok(())),
+            );
+            crew.run(&Arc::new(job)).unwrap();
+            fake.drain();
+            // SAFETY: the ring's memory, alive while the crew is; its job is over and its
+            // copies have run, so nobody writes it now.
+            let memory = unsafe { std::slice::from_raw_parts(start, bytes) };
+            let piece = start.align_offset(DIRECT_ALIGN) + offset % DIRECT_ALIGN;
+            let outside = (memory.iter().enumerate())
+                .filter(|&(i, &byte)| !(piece..piece + len).contains(&i) && byte != CANARY)
+                .count();
+            assert_eq!(outside, 0, "{threads} threads, parts of {part}");
+        }
+    }
+}
