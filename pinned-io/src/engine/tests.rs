@@ -928,10 +928,16 @@ fn copy_fails_with_threads_bytes_right() {
 #[test]
 fn a_panic_reading_a_part_fails_the_job_and_leaves_nothing_behind() {
     let chunk = 4 * DIRECT_ALIGN;
-    for threads in [1, 3] {
-        for submitted in [true, false] {
+    for (threads, pieces, submitted) in [
+        (1, 1, true),
+        (1, 1, false),
+        (3, 1, true),
+        (3, 6, true),
+        (3, 6, false),
+    ] {
+        {
             let fake = Arc::new(Fake::default());
-            let mut dst = vec![0u8; 6 * chunk];
+            let mut dst = vec![0u8; pieces * chunk];
             fake.dst_base
                 .store(dst.as_mut_ptr() as usize, Ordering::Relaxed);
             *fake.writes.lock().unwrap() = vec![0; dst.len()];
@@ -940,20 +946,25 @@ fn a_panic_reading_a_part_fails_the_job_and_leaves_nothing_behind() {
             let counted = done.clone();
             let (_file, mut job) = job_for(&crew, &mut dst, Box::new(|_: &[usize], _: &()| Ok(())));
             // A part that is neither the first nor the last of its piece: the thread that
-            // opened the piece may be the one that panics and leaves the job.
+            // opened the piece may be the one that panics and leaves the job, after the last
+            // piece was taken (one piece) or before.
             job.part_hook = Some(Box::new(|piece, part| {
                 assert!(!(piece == 0 && part == 1), "injected part panic");
             }));
             let job = Arc::new(job.when_done(Box::new(move |_| {
                 counted.fetch_add(1, Ordering::Relaxed);
             })));
+            // The job's error: a panic on the caller's thread leaves it with the job.
+            let mut returned = None;
             if submitted {
                 // The crew's threads catch the panic and go on with other jobs.
                 crew.submit(&job);
             } else {
-                // The caller's thread reads beside them, and the panic is its own.
+                // The caller's thread reads beside them, and a panic there is its own.
                 let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| crew.run(&job)));
-                assert!(run.is_err() || job.error_message().is_some());
+                if let Ok(result) = run {
+                    returned = Some(result.expect_err("the job failed").to_string());
+                }
             }
             let (sender, receiver) = std::sync::mpsc::channel();
             let waiting = job.clone();
@@ -961,11 +972,13 @@ fn a_panic_reading_a_part_fails_the_job_and_leaves_nothing_behind() {
                 waiting.wait_finished();
                 let _ = sender.send(());
             });
-            let case = format!("{threads} threads, submitted: {submitted}");
+            let case = format!("{threads} threads, {pieces} pieces, submitted: {submitted}");
             receiver
                 .recv_timeout(std::time::Duration::from_secs(20))
                 .unwrap_or_else(|_| panic!("{case}: the job never finished"));
-            let error = job.error_message().expect("the job failed");
+            let error = returned
+                .or_else(|| job.error_message())
+                .expect("the job failed");
             assert!(error.contains("panicked"), "{case}: {error}");
             assert_eq!(done.load(Ordering::Relaxed), 1, "{case}");
             let chunks = lock(&crew.ring().chunks);
