@@ -11,6 +11,8 @@ use super::crew::Crew;
 use super::*;
 use crate::plan::{Span, cut};
 
+mod random_faults;
+
 enum Op {
     Copy {
         src: usize,
@@ -29,6 +31,8 @@ struct Fake {
     dst_base: AtomicUsize,
     /// Fail the copy call with this number (counted from 1).
     fail_copy: Option<usize>,
+    /// Panic in the copy call with this number (counted from 1).
+    panic_copy: Option<usize>,
     copy_calls: AtomicUsize,
     /// Fail the record call with this number (counted from 1), after the copies are queued.
     fail_record: Option<usize>,
@@ -99,6 +103,7 @@ impl Dma for Arc<Fake> {
         if self.fail_copy == Some(call) {
             return Err(Error::Invalid("injected copy failure".into()));
         }
+        assert_ne!(self.panic_copy, Some(call), "injected copy panic");
         let mut stream = self.stream.lock().unwrap();
         for copy in copies {
             let src = chunk as usize + copy.from;
