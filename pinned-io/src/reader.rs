@@ -319,3 +319,21 @@ impl FileReader {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_configuration_out_of_range_is_refused_with_what_was_asked() {
+        assert!(ReaderConfig::new().check().is_ok());
+        let refused = |config: ReaderConfig| config.check().unwrap_err().to_string();
+        assert!(refused(ReaderConfig::new().chunk_bytes(5000)).contains("5000"));
+        assert!(refused(ReaderConfig::new().chunk_bytes(0)).contains("multiple of"));
+        assert!(refused(ReaderConfig::new().read_bytes(0)).contains("at least one byte"));
+        assert!(refused(ReaderConfig::new().chunks(0)).contains("0 chunks"));
+        assert!(refused(ReaderConfig::new().threads(300)).contains("300 threads"));
+        // Reads larger than a chunk read each piece whole.
+        assert!(ReaderConfig::new().read_bytes(64 << 20).check().is_ok());
+    }
+}

@@ -712,8 +712,8 @@ impl<D: Dma> Job<D> {
         };
         // Every chunk in a guard before anything can fail or panic: dropped before the
         // pieces are counted, each given back (none has copies queued yet) or, once its
-        // copies are queued, given back or lost as they allow.
-        // The start of each piece whose parts were all read.
+        // copies are queued, given back or lost as they allow. With each, its piece and,
+        // if every part of it was read, where it starts.
         let mut closing: Vec<(Taken<'_, D>, usize, Option<usize>)> = closed
             .into_iter()
             .map(|entry| {
