@@ -294,9 +294,22 @@ enum Call {
     Write(usize),
 }
 
-/// The reference dataset, noting every `read_ahead` and `write` call in order.
+/// The reference dataset, noting every `read_ahead` (when it returns) and `write` call in
+/// order; naming the batch that holds sample `marked`, if any, is slow, or panics.
 struct Watched {
+    marked: Option<usize>,
+    panics: bool,
     calls: std::sync::Mutex<Vec<Call>>,
+}
+
+impl Watched {
+    fn new(marked: Option<usize>, panics: bool) -> std::sync::Arc<Self> {
+        std::sync::Arc::new(Self {
+            marked,
+            panics,
+            calls: std::sync::Mutex::new(Vec::new()),
+        })
+    }
 }
 
 impl Dataset for Watched {
@@ -308,6 +321,10 @@ impl Dataset for Watched {
         Reference.fields()
     }
     fn read_ahead(&self, indices: &[usize]) {
+        if self.marked.is_some_and(|marked| indices.contains(&marked)) {
+            assert!(!self.panics, "naming the marked batch");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
         self.calls
             .lock()
             .unwrap()
@@ -321,9 +338,7 @@ impl Dataset for Watched {
 
 #[test]
 fn workers_name_each_batch_to_the_dataset_before_writing_it() {
-    let watched = std::sync::Arc::new(Watched {
-        calls: std::sync::Mutex::new(Vec::new()),
-    });
+    let watched = Watched::new(None, false);
     let config = LoaderConfig::new(16).workers(4).shuffle(5);
     let mut loader = Loader::new(watched.clone(), config).unwrap();
     let mut batches: Vec<Vec<usize>> = epoch(&mut loader, 0)
@@ -354,9 +369,7 @@ fn workers_name_each_batch_to_the_dataset_before_writing_it() {
 
 #[test]
 fn a_worker_names_the_batch_queued_behind_its_own_before_finishing_its_own() {
-    let watched = std::sync::Arc::new(Watched {
-        calls: std::sync::Mutex::new(Vec::new()),
-    });
+    let watched = Watched::new(None, false);
     // One worker, four batches in the making: the batch it will take next is queued while
     // it writes the current one.
     let config = LoaderConfig::new(16).workers(1).prefetch(4).shuffle(9);
@@ -442,53 +455,19 @@ fn when_the_workers_set_the_pace_many_batches_are_named_before_their_worker_take
     );
 }
 
-/// The reference dataset whose naming of the batch holding sample `marked` is slow, or
-/// panics; it notes when that naming returned and every write.
-struct Marked {
-    marked: usize,
-    panics: bool,
-    calls: std::sync::Mutex<Vec<Call>>,
-}
-
-impl Dataset for Marked {
-    type Fields = (Field<u8>, Field<i64>);
-    fn len(&self) -> usize {
-        SAMPLES
-    }
-    fn fields(&self) -> Self::Fields {
-        Reference.fields()
-    }
-    fn read_ahead(&self, indices: &[usize]) {
-        if indices.contains(&self.marked) {
-            assert!(!self.panics, "naming the marked batch");
-            std::thread::sleep(std::time::Duration::from_millis(100));
-            let named = Call::ReadAhead(indices.to_vec());
-            self.calls.lock().unwrap().push(named);
-        }
-    }
-    fn write(&self, i: usize, sample: (&mut [u8], &mut [i64])) -> Result<(), BoxError> {
-        self.calls.lock().unwrap().push(Call::Write(i));
-        Reference.write(i, sample)
-    }
-}
-
 #[test]
 fn no_sample_is_written_before_its_batch_is_named_however_slow_the_naming() {
     // Several workers and batches queued: the marked batch is likely named by a worker that
     // took an earlier one, while its own worker may already hold it.
     for marked in [40, 90, 150] {
-        let dataset = std::sync::Arc::new(Marked {
-            marked,
-            panics: false,
-            calls: std::sync::Mutex::new(Vec::new()),
-        });
+        let dataset = Watched::new(Some(marked), false);
         let config = LoaderConfig::new(16).workers(3).prefetch(4).shuffle(3);
         let mut loader = Loader::new(dataset.clone(), config).unwrap();
         assert_eq!(epoch(&mut loader, 0).len(), SAMPLES.div_ceil(16));
         drop(loader);
         let calls = dataset.calls.lock().unwrap().clone();
         let named = (calls.iter())
-            .position(|call| matches!(call, Call::ReadAhead(_)))
+            .position(|call| matches!(call, Call::ReadAhead(batch) if batch.contains(&marked)))
             .expect("the marked batch was named");
         let Call::ReadAhead(batch) = &calls[named] else {
             unreachable!()
@@ -507,11 +486,7 @@ fn no_sample_is_written_before_its_batch_is_named_however_slow_the_naming() {
 fn a_panic_naming_a_batch_fails_that_batch_alone() {
     for workers in [1, 3] {
         let marked = 70;
-        let dataset = std::sync::Arc::new(Marked {
-            marked,
-            panics: true,
-            calls: std::sync::Mutex::new(Vec::new()),
-        });
+        let dataset = Watched::new(Some(marked), true);
         let config = LoaderConfig::new(16)
             .workers(workers)
             .prefetch(4)
