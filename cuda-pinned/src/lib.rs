@@ -15,7 +15,7 @@
 //! | `memory` | the kinds of page-locked memory, under the [`PinnedAllocator`] contract |
 //! | `containers` | [`PinnedVec`], [`PinnedBox`] and [`PinMemory`] |
 //! | `gpu` | [`Device`], [`Stream`], [`Event`], [`DeviceBuffer`] and its views |
-//! | `copy` | tracked copies ([`Transfer`]), batches of raw copies, non-temporal stores |
+//! | `copy` | tracked copies ([`Transfer`]), batches of raw copies, non-temporal stores ([`copy_streaming`], [`read_at_streaming`]) |
 //! | `staging` | the [`Stager`]: copies from ordinary memory through a pinned ring |
 //! | `raw`, `context` | one CUDA call per function, and the context and capture-mode policy around them |
 //! | `interop` | cudarc (the `cudarc` feature) and allocator-api2 |
@@ -123,7 +123,7 @@ pub use gpu::views::{DeviceSlice, DeviceSliceMut};
 
 // Copies.
 pub use copy::batch::{RawCopy, RawCopy2d};
-pub use copy::nontemporal::copy_streaming;
+pub use copy::nontemporal::{copy_streaming, read_at_streaming};
 pub use copy::tracked::{HostBuffer, Transfer};
 pub use copy::window::Window;
 #[cfg(feature = "cudarc")]

@@ -208,7 +208,7 @@ impl DataFile {
         let mut done = 0;
         while done < buf.len() {
             let at = offset + done as u64;
-            match self.0.buffered.read_at(&mut buf[done..], at) {
+            match cuda_pinned::read_at_streaming(&self.0.buffered, &mut buf[done..], at) {
                 Ok(0) => return Err(self.truncated(at, buf.len() - done)),
                 Ok(n) => done += n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}

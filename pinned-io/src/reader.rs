@@ -43,8 +43,10 @@ impl ReaderConfig {
     /// chunks, filled from the page cache in reads of 2 MiB; the mode the kernel picks per
     /// piece.
     ///
-    /// The DMA engine pays for every copy it starts, so copies are large; a thread reads the
-    /// page cache fastest into memory its caches still hold, so reads are small. The `files`
+    /// The DMA engine pays for every copy it starts, so copies are large; several threads
+    /// fill a chunk from the page cache, each through a small buffer that its core's caches
+    /// hold, with streaming stores into the chunk
+    /// ([`read_at_streaming`](cuda_pinned::read_at_streaming)). The `files`
     /// section of `pinned-bench` measures the choice against others (RESULTS.md of the
     /// benches).
     pub fn new() -> Self {

@@ -1,7 +1,21 @@
 //! Copies with non-temporal stores: for filling memory that the DMA engine, not the CPU,
 //! reads next.
 
+use std::cell::RefCell;
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+
 use bytemuck::NoUninit;
+
+/// The smallest copy worth non-temporal stores: below it, a plain copy's cache lines cost
+/// little, and the aligned head and tail would be most of the copy.
+const STREAMING_MIN: usize = 4096;
+
+/// Bytes of a thread's bounce buffer for [`read_at_streaming`]: small enough to stay in the
+/// core's own caches between the kernel's copy into it and the copy out, large enough for
+/// one read to carry a whole sample or part.
+const BOUNCE_BYTES: usize = 256 << 10;
 
 /// Copies `src` into `dst` with non-temporal stores, for memory the DMA engine reads next.
 ///
@@ -39,6 +53,57 @@ pub fn copy_streaming<T: NoUninit>(dst: &mut [T], src: &[T]) {
     }
 }
 
+/// Reads from `file` at `offset` into `dst` as [`FileExt::read_at`] does, with non-temporal
+/// stores: for filling memory that the DMA engine reads next from a file in the page cache.
+///
+/// The kernel copies a file's cached pages with plain stores, which first read every
+/// destination cache line in. Here it copies into a small buffer of the calling thread's
+/// (allocated on its first read, kept until it ends), which stays in the core's caches, and
+/// [`copy_streaming`] moves the bytes on into `dst`. Reads of less than 4 KiB go straight
+/// into `dst`.
+///
+/// Like `read_at`, one call may read less than `dst.len()` (at most 256 KiB): it returns the
+/// bytes read, 0 at the end of the file; callers loop as over `read_at`.
+///
+/// ```
+/// # fn main() -> std::io::Result<()> {
+/// use std::io::Write;
+/// let mut file = tempfile::tempfile()?;
+/// file.write_all(&[7u8; 300_000])?;
+/// let mut dst = vec![0u8; 300_000];
+/// let mut done = 0;
+/// while done < dst.len() {
+///     match cuda_pinned::read_at_streaming(&file, &mut dst[done..], done as u64)? {
+///         0 => break,
+///         read => done += read,
+///     }
+/// }
+/// assert!(dst.iter().all(|&b| b == 7));
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// What `read_at` returns.
+pub fn read_at_streaming(file: &File, dst: &mut [u8], offset: u64) -> io::Result<usize> {
+    thread_local! {
+        static BOUNCE: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    }
+    if dst.len() < STREAMING_MIN {
+        return file.read_at(dst, offset);
+    }
+    BOUNCE.with_borrow_mut(|bounce| {
+        if bounce.is_empty() {
+            bounce.resize(BOUNCE_BYTES, 0);
+        }
+        let len = dst.len().min(BOUNCE_BYTES);
+        let read = file.read_at(&mut bounce[..len], offset)?;
+        copy_streaming(&mut dst[..read], &bounce[..read]);
+        Ok(read)
+    })
+}
+
 /// Copies `bytes` from `src` to `dst` with non-temporal stores where the CPU has AVX2, else
 /// as `copy_nonoverlapping` does. The stores are fenced before returning: whatever the caller
 /// does next (releasing a lock) is seen after them.
@@ -48,7 +113,7 @@ pub fn copy_streaming<T: NoUninit>(dst: &mut [T], src: &[T]) {
 /// As `copy_nonoverlapping`: `src` readable and `dst` writable for `bytes`, not overlapping.
 pub(crate) unsafe fn copy_bytes_streaming(src: *const u8, dst: *mut u8, bytes: usize) {
     #[cfg(all(target_arch = "x86_64", not(miri)))]
-    if bytes >= 4096 && std::arch::is_x86_feature_detected!("avx2") {
+    if bytes >= STREAMING_MIN && std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2 (checked above); the ranges as the caller promised.
         return unsafe { copy_streaming_avx2(src, dst, bytes) };
     }
@@ -91,7 +156,82 @@ unsafe fn copy_streaming_avx2(src: *const u8, dst: *mut u8, bytes: usize) {
 
 #[cfg(test)]
 mod tests {
-    use super::copy_streaming;
+    use std::io::Write;
+
+    use proptest::prelude::*;
+
+    use super::{BOUNCE_BYTES, STREAMING_MIN, copy_streaming, read_at_streaming};
+
+    /// A file of `len` bytes, each a function of its offset, and those bytes.
+    fn file_of(len: usize) -> (std::fs::File, Vec<u8>) {
+        let bytes: Vec<u8> = (0..len).map(|i| (i * 7 + i / 251) as u8).collect();
+        let mut file = tempfile::tempfile().expect("a temporary file");
+        file.write_all(&bytes).expect("written");
+        (file, bytes)
+    }
+
+    /// Sizes around the edges of the streaming path and of the bounce buffer.
+    fn edge(bounce_edges: bool) -> impl Strategy<Value = usize> {
+        let edges = if bounce_edges {
+            vec![STREAMING_MIN, BOUNCE_BYTES, 2 * BOUNCE_BYTES]
+        } else {
+            vec![STREAMING_MIN]
+        };
+        (prop::sample::select(edges), -40i64..40)
+            .prop_map(|(e, d)| e.saturating_add_signed(d as isize))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: if cfg!(miri) { 4 } else { 256 },
+            ..ProptestConfig::default()
+        })]
+
+        /// Reading in a loop, as callers do, fills the destination with the file's bytes from
+        /// the offset, as far as the file goes; no call reads past what it was given or
+        /// returns more than it read, and the rest of the destination is left alone.
+        #[test]
+        fn streaming_reads_land_like_plain_reads(
+            file_len in prop_oneof![edge(!cfg!(miri)), 0usize..10_000],
+            dst_len in prop_oneof![edge(!cfg!(miri)), 0usize..10_000],
+            offset in 0usize..6_000,
+            into in 0usize..64,
+        ) {
+            let (file, bytes) = file_of(file_len);
+            let mut target = vec![0xEEu8; into + dst_len + 64];
+            let dst = &mut target[into..into + dst_len];
+            let mut done = 0;
+            while done < dst.len() {
+                let read = read_at_streaming(&file, &mut dst[done..], (offset + done) as u64)
+                    .expect("read");
+                prop_assert!(read <= dst.len() - done);
+                if read == 0 {
+                    break;
+                }
+                done += read;
+            }
+            let expected = dst_len.min(file_len.saturating_sub(offset));
+            prop_assert_eq!(done, expected);
+            prop_assert_eq!(&target[into..into + done], &bytes[offset.min(file_len)..][..done]);
+            prop_assert!(target[..into].iter().all(|&b| b == 0xEE));
+            prop_assert!(target[into + done..].iter().all(|&b| b == 0xEE));
+        }
+    }
+
+    /// A read the file system refuses is returned as its error.
+    #[test]
+    fn a_failed_read_is_returned() {
+        let file = std::fs::File::create(
+            tempfile::tempdir()
+                .expect("a directory")
+                .path()
+                .join("write-only"),
+        )
+        .expect("created");
+        let error = read_at_streaming(&file, &mut [0u8; 2 * STREAMING_MIN], 0)
+            .expect_err("a write-only descriptor cannot be read");
+        assert_eq!(error.raw_os_error(), Some(libc::EBADF));
+    }
 
     /// Streaming copies equal plain ones at every alignment of either side, below and above
     /// the size where the non-temporal path starts, tails of every length included.

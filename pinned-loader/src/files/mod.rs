@@ -1,10 +1,11 @@
-//! Datasets read from files: each sample read with `pread` straight into its place in a
-//! pinned batch (no copy through pageable memory, no mapping).
+//! Datasets read from files: each sample read with `pread` into its place in a pinned batch,
+//! with no mapping and no copy through pageable memory. Reads pass through a small buffer
+//! that stays in the reading core's caches, and reach the batch with streaming stores
+//! ([`read_at_streaming`](cuda_pinned::read_at_streaming)).
 
 use std::fmt;
 use std::fs::File;
 use std::io;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 mod header;
@@ -126,7 +127,7 @@ impl Source {
         while done < into.len() {
             // Cannot overflow: the sample lay inside the file when it was opened.
             let at = offset + done as u64;
-            match self.file.read_at(&mut into[done..], at) {
+            match cuda_pinned::read_at_streaming(&self.file, &mut into[done..], at) {
                 Ok(0) => {
                     return Err(FileError::Shrunk {
                         path: self.path.clone(),

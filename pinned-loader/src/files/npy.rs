@@ -15,7 +15,7 @@ use crate::fields::{Field, Fields};
 ///
 /// Reads numpy's format versions 1.0, 2.0 and 3.0, C-ordered, of little-endian bool, integer
 /// and float elements of 1 to 8 bytes (`|b1 |u1 |i1 <u2 <i2 <f2 <u4 <i4 <f4 <u8 <i8 <f8`).
-/// Each sample is read with `pread` wherever the caller wants it: no mapping, no buffer.
+/// Each sample is read with `pread` wherever the caller wants it, with no mapping.
 ///
 /// ```no_run
 /// let images = pinned_loader::NpyArray::open("train_images.npy")?;
@@ -253,7 +253,7 @@ tuple_npy_fields!(A, B, C, D, E);
 tuple_npy_fields!(A, B, C, D, E, F);
 
 /// A [`Dataset`] over `.npy` arrays of the same number of samples, one array per field:
-/// sample `i` of the dataset is sample `i` of every array, read straight into the batch.
+/// sample `i` of the dataset is sample `i` of every array, read into its place in the batch.
 ///
 /// ```no_run
 /// use pinned_loader::{Field, Loader, LoaderConfig, NpyDataset};
