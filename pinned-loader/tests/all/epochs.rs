@@ -816,17 +816,40 @@ fn each_epoch_has_figures_and_a_verdict() {
 
     let mut loader = Loader::new(Indexed::new(64), config(8, 2)).unwrap();
     // The first epoch pins the slots, which on a GPU can wait behind other threads'
-    // registrations: the slow consumer is judged on the next.
+    // registrations: the slow consumer is judged on the next. A stall of the whole process
+    // (other tests' device-wide work, a busy host) can still hold one batch back for longer
+    // than the consumer's own work, so it is judged on up to three epochs.
     assert_eq!(run_epoch(&mut loader, 0).len(), 8);
-    for batch in loader.epoch(1) {
-        drop(batch.unwrap());
-        std::thread::sleep(Duration::from_millis(20));
+    let mut verdicts = Vec::new();
+    for epoch in 1..=3 {
+        for batch in loader.epoch(epoch) {
+            drop(batch.unwrap());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let verdict = loader
+            .epoch_stats()
+            .last()
+            .expect("the epoch's figures")
+            .verdict();
+        let consumer = verdict.limit == pinned_loader::Limit::Consumer;
+        verdicts.push(verdict);
+        if consumer {
+            break;
+        }
     }
-    let verdict = loader.epoch_stats()[1].verdict();
-    assert_eq!(verdict.limit, pinned_loader::Limit::Consumer, "{verdict}");
-    assert!(
-        verdict
-            .to_string()
-            .starts_with("epoch 1: the consumer limits it")
+    let verdict = verdicts.last().expect("one epoch at least");
+    assert_eq!(
+        verdict.limit,
+        pinned_loader::Limit::Consumer,
+        "{}",
+        verdicts
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("\n")
     );
+    assert!(verdict.to_string().starts_with(&format!(
+        "epoch {}: the consumer limits it",
+        verdict.stats.epoch
+    )));
 }
