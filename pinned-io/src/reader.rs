@@ -20,9 +20,11 @@ pub struct ReaderConfig {
     /// The most bytes of one piece: a piece of a read fills one chunk of the pinned ring and
     /// goes to the device in one copy (per destination). A multiple of 4096.
     pub chunk_bytes: usize,
-    /// The most bytes one thread reads through the page cache at once: several threads fill
-    /// a chunk from the page cache together, in reads of this size. (Reads past the page
-    /// cache fill a whole chunk, or several, in one call.)
+    /// The most bytes of a chunk that one thread takes on at once through the page cache:
+    /// several threads fill a chunk from the page cache together, in parts of this size
+    /// (each read in calls of at most 256 KiB, see
+    /// [`read_at_streaming`](cuda_pinned::read_at_streaming)). Reads past the page cache fill
+    /// a whole chunk, or several, in one call.
     pub read_bytes: usize,
     /// Chunks in the ring: the pinned memory the reader holds is `chunks` times
     /// `chunk_bytes` and two pages (room for reads past the page cache, which read whole
@@ -40,7 +42,7 @@ impl ReaderConfig {
     pub const MAX_THREADS: usize = 256;
 
     /// The defaults: as many threads as the machine has cores, up to sixteen; as many 4 MiB
-    /// chunks, filled from the page cache in reads of 2 MiB; the mode the kernel picks per
+    /// chunks, filled from the page cache in parts of 2 MiB; the mode the kernel picks per
     /// piece.
     ///
     /// The DMA engine pays for every copy it starts, so copies are large; several threads
@@ -68,7 +70,7 @@ impl ReaderConfig {
         self
     }
 
-    /// With reads of at most `bytes` through the page cache.
+    /// With parts of at most `bytes` read through the page cache by one thread.
     pub fn read_bytes(mut self, bytes: usize) -> Self {
         self.read_bytes = bytes;
         self

@@ -92,8 +92,7 @@
 //! On a GPU, [`DeviceLoader`] turns the same loader into batches on the device:
 //! `for batch in device.epoch(e) { let (images, labels) = batch?.ready_on(&stream)?; … }`.
 //!
-//! Datasets in files are read sample by sample with `pread`, into their places in the
-//! pinned batch:
+//! Datasets in files are read sample by sample into their places in the pinned batch:
 //! [`NpyDataset`] over `.npy` arrays (one per field; each field's element type is checked
 //! against its file's when it opens) and [`RecordDataset`] over fixed-size records in one or
 //! more files. Every batch names the dataset samples it holds, [`HostBatch::indices`]:

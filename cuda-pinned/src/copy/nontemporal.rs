@@ -17,6 +17,9 @@ const STREAMING_MIN: usize = 4096;
 /// one read to carry a whole sample or part.
 const BOUNCE_BYTES: usize = 256 << 10;
 
+/// The bounce buffer's alignment: a page, which reads past the page cache (`O_DIRECT`) need.
+const BOUNCE_ALIGN: usize = 4096;
+
 /// Copies `src` into `dst` with non-temporal stores, for memory the DMA engine reads next.
 ///
 /// It does what [`slice::copy_from_slice`] does (for plain-old-data `T`), with non-temporal stores
@@ -57,13 +60,15 @@ pub fn copy_streaming<T: NoUninit>(dst: &mut [T], src: &[T]) {
 /// stores: for filling memory that the DMA engine reads next from a file in the page cache.
 ///
 /// The kernel copies a file's cached pages with plain stores, which first read every
-/// destination cache line in. Here it copies into a small buffer of the calling thread's
-/// (allocated on its first read, kept until it ends), which stays in the core's caches, and
-/// [`copy_streaming`] moves the bytes on into `dst`. Reads of less than 4 KiB go straight
-/// into `dst`.
+/// destination cache line in. Here it copies into a small, page-aligned buffer of the calling
+/// thread's (allocated on its first read, kept until it ends), which stays in the core's
+/// caches, and [`copy_streaming`] moves the bytes on into `dst`. Reads of less than 4 KiB go
+/// straight into `dst`, and so does a read where the thread's buffer cannot be had (while the
+/// thread ends, or from a signal handler that interrupted a read).
 ///
 /// Like `read_at`, one call may read less than `dst.len()` (at most 256 KiB): it returns the
-/// bytes read, 0 at the end of the file; callers loop as over `read_at`.
+/// bytes read, 0 at the end of the file; callers loop as over `read_at`. A descriptor opened
+/// with `O_DIRECT` takes the same offsets and lengths as with `read_at`.
 ///
 /// ```
 /// # fn main() -> std::io::Result<()> {
@@ -93,15 +98,27 @@ pub fn read_at_streaming(file: &File, dst: &mut [u8], offset: u64) -> io::Result
     if dst.len() < STREAMING_MIN {
         return file.read_at(dst, offset);
     }
-    BOUNCE.with_borrow_mut(|bounce| {
+    let streamed = BOUNCE.try_with(|bounce| {
+        let mut bounce = bounce.try_borrow_mut().ok()?;
         if bounce.is_empty() {
-            bounce.resize(BOUNCE_BYTES, 0);
+            *bounce = vec![0; BOUNCE_BYTES + BOUNCE_ALIGN];
         }
+        // The vector is never resized again: its aligned part stays where it is.
+        let skew = bounce.as_ptr().addr().wrapping_neg() % BOUNCE_ALIGN;
+        let bounce = &mut bounce[skew..skew + BOUNCE_BYTES];
         let len = dst.len().min(BOUNCE_BYTES);
-        let read = file.read_at(&mut bounce[..len], offset)?;
-        copy_streaming(&mut dst[..read], &bounce[..read]);
-        Ok(read)
-    })
+        let read = file.read_at(&mut bounce[..len], offset);
+        if let Ok(read) = read {
+            copy_streaming(&mut dst[..read], &bounce[..read]);
+        }
+        Some(read)
+    });
+    match streamed {
+        Ok(Some(read)) => read,
+        // The thread's buffer is gone (the thread is ending) or in use (a signal handler):
+        // read straight in.
+        Ok(None) | Err(_) => file.read_at(dst, offset),
+    }
 }
 
 /// Copies `bytes` from `src` to `dst` with non-temporal stores where the CPU has AVX2, else
@@ -207,6 +224,84 @@ mod tests {
             prop_assert!(target[..into].iter().all(|&b| b == 0xEE));
             prop_assert!(target[into + done..].iter().all(|&b| b == 0xEE));
         }
+    }
+
+    /// Reads in a loop as callers do; returns the bytes read.
+    fn read_all(file: &std::fs::File, dst: &mut [u8], offset: usize) -> std::io::Result<usize> {
+        let mut done = 0;
+        while done < dst.len() {
+            match read_at_streaming(file, &mut dst[done..], (offset + done) as u64)? {
+                0 => break,
+                read => done += read,
+            }
+        }
+        Ok(done)
+    }
+
+    /// A descriptor that reads past the page cache (`O_DIRECT`) takes aligned reads into an
+    /// aligned destination, as with `read_at`: the bounce buffer is page-aligned too.
+    #[test]
+    #[cfg_attr(miri, ignore = "opens files, which Miri's isolation refuses")]
+    fn a_descriptor_past_the_page_cache_reads_as_with_read_at() {
+        use std::os::unix::fs::OpenOptionsExt;
+        const LEN: usize = 3 * BOUNCE_BYTES + 4 * STREAMING_MIN;
+        // Beside the sources: a temporary folder may be in memory, which has no `O_DIRECT`.
+        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).expect("a directory");
+        let path = dir.path().join("direct");
+        let bytes: Vec<u8> = (0..LEN).map(|i| (i * 7 + i / 251) as u8).collect();
+        std::fs::write(&path, &bytes).expect("written");
+        let Ok(file) = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&path)
+        else {
+            eprintln!("skipped: this file system refuses O_DIRECT");
+            return;
+        };
+        let mut room = vec![0u8; LEN + 4096];
+        let skew = room.as_ptr().align_offset(4096);
+        let dst = &mut room[skew..skew + LEN];
+        assert_eq!(read_all(&file, dst, 0).expect("read"), LEN);
+        assert!(dst == &bytes[..]);
+    }
+
+    /// A read from a thread-local destructor that runs after the thread's bounce buffer is
+    /// gone reads straight in, instead of panicking (which would abort the process).
+    #[test]
+    #[cfg_attr(miri, ignore = "opens files, which Miri's isolation refuses")]
+    fn a_read_while_the_thread_ends_reads_straight_in() {
+        use std::cell::RefCell;
+        use std::sync::mpsc;
+
+        type Sent = std::io::Result<Vec<u8>>;
+        struct ReadsWhenDropped(Option<(std::fs::File, mpsc::Sender<Sent>)>);
+        impl Drop for ReadsWhenDropped {
+            fn drop(&mut self) {
+                if let Some((file, sender)) = self.0.take() {
+                    let mut dst = vec![0u8; 2 * STREAMING_MIN];
+                    let read = read_all(&file, &mut dst, 0).map(|n| dst[..n].to_vec());
+                    let _ = sender.send(read);
+                }
+            }
+        }
+        thread_local! {
+            static LAST: RefCell<ReadsWhenDropped> =
+                const { RefCell::new(ReadsWhenDropped(None)) };
+        }
+        let (file, bytes) = file_of(3 * STREAMING_MIN);
+        let (sender, receiver) = mpsc::channel();
+        std::thread::spawn(move || {
+            // Destructors run in the reverse order of first use: the bounce buffer, used
+            // after this, goes first.
+            let own = file.try_clone().expect("a second descriptor");
+            LAST.with_borrow_mut(|last| last.0 = Some((own, sender)));
+            let mut dst = vec![0u8; 2 * STREAMING_MIN];
+            assert_eq!(read_all(&file, &mut dst, 0).expect("read"), dst.len());
+        })
+        .join()
+        .expect("the thread ends without a panic");
+        let read = receiver.recv().expect("the destructor ran").expect("read");
+        assert_eq!(read, bytes[..2 * STREAMING_MIN]);
     }
 
     /// A read the file system refuses is returned as its error.

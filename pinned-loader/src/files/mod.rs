@@ -1,7 +1,8 @@
-//! Datasets read from files: each sample read with `pread` into its place in a pinned batch,
-//! with no mapping and no copy through pageable memory. Reads pass through a small buffer
-//! that stays in the reading core's caches, and reach the batch with streaming stores
-//! ([`read_at_streaming`](cuda_pinned::read_at_streaming)).
+//! Datasets read from files: each sample read into its place in a pinned batch with `pread`
+//! and no mapping. A read passes through a small buffer of the reading thread's, which stays
+//! in its core's caches, and reaches the batch with streaming stores
+//! ([`read_at_streaming`](cuda_pinned::read_at_streaming)): the sample crosses main memory
+//! once, as a read straight into the batch would.
 
 use std::fmt;
 use std::fs::File;

@@ -15,7 +15,7 @@ use crate::fields::{Field, Fields};
 ///
 /// Reads numpy's format versions 1.0, 2.0 and 3.0, C-ordered, of little-endian bool, integer
 /// and float elements of 1 to 8 bytes (`|b1 |u1 |i1 <u2 <i2 <f2 <u4 <i4 <f4 <u8 <i8 <f8`).
-/// Each sample is read with `pread` wherever the caller wants it, with no mapping.
+/// Each sample is read with `pread` (and no mapping) wherever the caller wants it.
 ///
 /// ```no_run
 /// let images = pinned_loader::NpyArray::open("train_images.npy")?;

@@ -13,7 +13,7 @@ use crate::fields::Fields;
 /// The layout is the dataset's [`Fields`]: `(Field::<u8>::new(3072), Field::<i64>::new(1))` reads
 /// records of a 3,072-byte image then an 8-byte label. Elements are read in the machine's own
 /// byte order. Sample `i` is the `i`-th record counting through the files in order; each
-/// field of it is read with `pread` into its place in the batch.
+/// field of it is read into its place in the batch.
 ///
 /// ```no_run
 /// use pinned_loader::{Field, RecordDataset};
