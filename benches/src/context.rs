@@ -1,6 +1,8 @@
 //! What a record says about its run besides the figures: the commit, the date, and the name
 //! its file takes.
 
+use std::path::{Path, PathBuf};
+
 use crate::report::Report;
 
 /// The commit this tool was built from (`git rev-parse --short=7 HEAD`, `-dirty` when the
@@ -54,14 +56,32 @@ pub fn gpu_slug(report: &Report) -> String {
     }
 }
 
-/// The file name a record of `report` takes: `<date>-<gpu>-<commit>.json`.
-pub fn record_name(report: &Report) -> String {
+/// The file name a record of `report` takes: `<date>-<gpu>-<commit>.json` for a full run,
+/// `<date>-<gpu>-<commit>-<command>.json` for one command's sections (`files`, `loader`…), so
+/// that records of several commands of one build sit side by side.
+pub fn record_name(report: &Report, command: &str) -> String {
+    let section = if command == "all" {
+        String::new()
+    } else {
+        format!("-{command}")
+    };
     format!(
-        "{}-{}-{}.json",
+        "{}-{}-{}{section}.json",
         report.date,
         gpu_slug(report),
         report.commit
     )
+}
+
+/// Where a record named `name` goes in `dir`: that name, or, where a record of that name
+/// exists already (the same command run twice on one build), the first free
+/// `<stem>-2.json`, `<stem>-3.json`…
+pub fn record_path(dir: &Path, name: &str) -> PathBuf {
+    let stem = name.strip_suffix(".json").unwrap_or(name);
+    std::iter::once(dir.join(name))
+        .chain((2..).map(|n| dir.join(format!("{stem}-{n}.json"))))
+        .find(|path| !path.exists())
+        .expect("an unbounded sequence of names has a free one")
 }
 
 /// `args` as one line a shell would read back: arguments with spaces or quotes in quotes.
@@ -101,13 +121,35 @@ mod tests {
             commit: "1dc3c9a-dirty".into(),
             ..Report::default()
         };
-        assert_eq!(record_name(&report), "2026-11-22-cpu-1dc3c9a-dirty.json");
+        assert_eq!(
+            record_name(&report, "all"),
+            "2026-11-22-cpu-1dc3c9a-dirty.json"
+        );
         report
             .machine
             .push(("device 0".into(), "NVIDIA H100 80GB HBM3".into()));
         assert_eq!(
-            record_name(&report),
+            record_name(&report, "all"),
             "2026-11-22-nvidia-h100-80gb-hbm3-1dc3c9a-dirty.json"
+        );
+        assert_eq!(
+            record_name(&report, "files"),
+            "2026-11-22-nvidia-h100-80gb-hbm3-1dc3c9a-dirty-files.json"
+        );
+    }
+
+    #[test]
+    fn a_second_record_of_one_name_does_not_replace_the_first() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let first = record_path(dir.path(), "r.json");
+        assert_eq!(first, dir.path().join("r.json"));
+        std::fs::write(&first, "{}").expect("written");
+        let second = record_path(dir.path(), "r.json");
+        assert_eq!(second, dir.path().join("r-2.json"));
+        std::fs::write(&second, "{}").expect("written");
+        assert_eq!(
+            record_path(dir.path(), "r.json"),
+            dir.path().join("r-3.json")
         );
     }
 

@@ -38,7 +38,7 @@ struct Options {
     /// Also draw bandwidth and allocation latency against size, as SVG.
     #[arg(long, global = true, value_name = "FILE")]
     plot: Option<PathBuf>,
-    /// Also write the JSON record to DIR/<date>-<gpu>-<commit>.json.
+    /// Also write the JSON record to DIR/<date>-<gpu>-<commit>[-<command>].json.
     #[arg(long, global = true, value_name = "DIR")]
     record: Option<PathBuf>,
 }
@@ -129,7 +129,7 @@ fn main() -> ExitCode {
     } else {
         print_tables(&report, command, options.quick);
     }
-    write_files(&options, &report)
+    write_files(&options, &report, command)
 }
 
 /// The `results` subcommand, which measures nothing: writes the results files from `records`.
@@ -172,7 +172,7 @@ fn print_tables(report: &Report, command: &str, quick: bool) {
 
 /// Writes the plot and the record where `--plot` and `--record` ask, after the report is
 /// printed; the exit status says whether they could be written.
-fn write_files(options: &Options, report: &Report) -> ExitCode {
+fn write_files(options: &Options, report: &Report, command: &str) -> ExitCode {
     if let Some(path) = &options.plot {
         if let Err(e) = std::fs::write(path, plot::svg(report)) {
             eprintln!("pinned-bench: cannot write {}: {e}", path.display());
@@ -183,7 +183,7 @@ fn write_files(options: &Options, report: &Report) -> ExitCode {
         }
     }
     if let Some(dir) = &options.record {
-        let path = dir.join(context::record_name(report));
+        let path = context::record_path(dir, &context::record_name(report, command));
         if let Err(e) =
             std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&path, report.to_json()))
         {
