@@ -692,11 +692,7 @@ impl<D: Dma> Job<D> {
                 entry.failed = true;
             }
         }
-        let (closed, left) = std::mem::take(open)
-            .into_iter()
-            .partition(|entry| entry.unfinished == 0);
-        *open = left;
-        closed
+        open.extract_if(.., |entry| entry.unfinished == 0).collect()
     }
 
     /// Closes open pieces whose parts are all finished: queues the copies of each whose parts
