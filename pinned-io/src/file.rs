@@ -204,11 +204,16 @@ impl DataFile {
     }
 
     /// Reads all of `buf` through the page cache from `offset`.
+    ///
+    /// Straight in, with the kernel's own stores: the chunk is copied to the device right
+    /// after, and reads that leave it in the CPU's caches loaded checkpoints faster than
+    /// streaming stores ([`read_at_streaming`](cuda_pinned::read_at_streaming)), which send
+    /// it to memory first (docs/tuning.md).
     fn read_cached(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         let mut done = 0;
         while done < buf.len() {
             let at = offset + done as u64;
-            match cuda_pinned::read_at_streaming(&self.0.buffered, &mut buf[done..], at) {
+            match self.0.buffered.read_at(&mut buf[done..], at) {
                 Ok(0) => return Err(self.truncated(at, buf.len() - done)),
                 Ok(n) => done += n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}

@@ -6,9 +6,8 @@
 //! to the device is queued; a chunk is reused once its copy is done. Reads and copies
 //! overlap, and the pinned memory held is the ring's, whatever the size of the file. Each
 //! piece is read through the page cache where the kernel holds it, in parts by several
-//! threads at once (with streaming stores into the chunk), and past the cache (`O_DIRECT`)
-//! where it does not ([`ReadMode`]), in one large read, so that a cold file keeps the storage
-//! busy.
+//! threads at once, and past the cache (`O_DIRECT`) where it does not ([`ReadMode`]), in one
+//! large read, so that a cold file keeps the storage busy.
 //!
 //! | type | what |
 //! |---|---|

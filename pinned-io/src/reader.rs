@@ -21,10 +21,8 @@ pub struct ReaderConfig {
     /// goes to the device in one copy (per destination). A multiple of 4096.
     pub chunk_bytes: usize,
     /// The most bytes of a chunk that one thread takes on at once through the page cache:
-    /// several threads fill a chunk from the page cache together, in parts of this size
-    /// (each read in calls of at most 256 KiB, see
-    /// [`read_at_streaming`](cuda_pinned::read_at_streaming)). Reads past the page cache fill
-    /// a whole chunk, or several, in one call.
+    /// several threads fill a chunk from the page cache together, in parts of this size.
+    /// Reads past the page cache fill a whole chunk, or several, in one call.
     pub read_bytes: usize,
     /// Chunks in the ring: the pinned memory the reader holds is `chunks` times
     /// `chunk_bytes` and two pages (room for reads past the page cache, which read whole
@@ -46,11 +44,9 @@ impl ReaderConfig {
     /// piece.
     ///
     /// The DMA engine pays for every copy it starts, so copies are large; several threads
-    /// fill a chunk from the page cache, each through a small buffer that its core's caches
-    /// hold, with streaming stores into the chunk
-    /// ([`read_at_streaming`](cuda_pinned::read_at_streaming)). The `files`
-    /// section of `pinned-bench` measures the choice against others (RESULTS.md of the
-    /// benches).
+    /// fill a chunk from the page cache at once, so that it is soon full and on its way. The
+    /// `files` section of `pinned-bench` measures the choice against others (RESULTS.md of
+    /// the benches).
     pub fn new() -> Self {
         let threads = std::thread::available_parallelism()
             .map_or(4, usize::from)

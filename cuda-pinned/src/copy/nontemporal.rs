@@ -57,7 +57,8 @@ pub fn copy_streaming<T: NoUninit>(dst: &mut [T], src: &[T]) {
 }
 
 /// Reads from `file` at `offset` into `dst` as [`FileExt::read_at`] does, with non-temporal
-/// stores: for filling memory that the DMA engine reads next from a file in the page cache.
+/// stores: for filling large buffers from a file in the page cache, such as batches of
+/// samples, that no core reads back soon.
 ///
 /// The kernel copies a file's cached pages with plain stores, which first read every
 /// destination cache line in. Here it copies into a small, page-aligned buffer of the calling
@@ -65,6 +66,10 @@ pub fn copy_streaming<T: NoUninit>(dst: &mut [T], src: &[T]) {
 /// caches, and [`copy_streaming`] moves the bytes on into `dst`. Reads of less than 4 KiB go
 /// straight into `dst`, and so does a read where the thread's buffer cannot be had (while the
 /// thread ends, or from a signal handler that interrupted a read).
+///
+/// Streaming stores send the bytes to memory. A small buffer that a device copy reads right
+/// after it is filled may be read faster from the CPU's caches, where plain `read_at` leaves
+/// it: measure both.
 ///
 /// Like `read_at`, one call may read less than `dst.len()` (at most 256 KiB): it returns the
 /// bytes read, 0 at the end of the file; callers loop as over `read_at`. A descriptor opened
