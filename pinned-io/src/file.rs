@@ -205,10 +205,10 @@ impl DataFile {
 
     /// Reads all of `buf` through the page cache from `offset`.
     ///
-    /// Straight in, with the kernel's own stores: checkpoints loaded faster so than through
-    /// [`read_at_streaming`](cuda_pinned::read_at_streaming)'s streaming stores (docs/tuning.md),
-    /// likely because the chunk's copy, queued right after, finds it still in the CPU's
-    /// caches.
+    /// Straight in, with the kernel's own stores: checkpoints loaded faster this way than
+    /// through [`read_at_streaming`](cuda_pinned::read_at_streaming)'s streaming stores
+    /// (docs/tuning.md), likely because the chunk's copy, queued right after, finds it still
+    /// in the CPU's caches.
     fn read_cached(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         let mut done = 0;
         while done < buf.len() {
