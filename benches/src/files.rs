@@ -529,15 +529,18 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
         }
         let mut cold_seconds = None;
         if may_drop {
-            let cold_reps = if quick { 1 } else { 3 };
+            let cold_reps = if quick { 1 } else { 5 };
             let file_len = std::fs::metadata(&path).map_err(|e| e.to_string())?.len() as usize;
-            let ceiling = timed(
-                cold_reps,
-                || {
+            // The disk's rate drifts within a run: the ceiling and pinned-io take turns, so
+            // that each drift touches both alike.
+            let (mut ceiling, mut cold) = (Vec::new(), Vec::new());
+            for _ in 0..cold_reps {
+                let from_disk = || {
                     drop_caches();
-                },
-                || direct_ceiling(&path, file_len),
-            )?;
+                };
+                ceiling.extend(timed(1, from_disk, || direct_ceiling(&path, file_len))?);
+                cold.extend(timed(1, from_disk, || ours(&path, &reader))?);
+            }
             let ceiling_rate =
                 Spread::of(ceiling.iter().map(|&s| gbps(file_len, s)).collect()).median;
             row(
@@ -548,13 +551,6 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
                 ceiling,
                 0.0,
             );
-            let cold = timed(
-                cold_reps,
-                || {
-                    drop_caches();
-                },
-                || ours(&path, &reader),
-            )?;
             row(
                 &mut section,
                 "pinned-io, cold",

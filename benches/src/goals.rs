@@ -507,6 +507,24 @@ pub const GOALS: &[Goal] = &[
         readme: false,
     },
     Goal {
+        name: "loader, host collate, a worker per core, from a `.npy` file (warm)",
+        figure: Figure::PercentOf(
+            read("loader", LOADER_NPY_PER_CORE, LOADER_SPREAD),
+            read("loader", LOADER_MEMORY_PER_CORE, LOADER_SPREAD),
+        ),
+        unit: "% of memory",
+        decimals: 1,
+        reference: &[Reference::Same(
+            "the same loader over memory",
+            read("loader", LOADER_MEMORY_PER_CORE, LOADER_SPREAD),
+            "batches/s",
+            0,
+        )],
+        target: Target::AtLeast(90.0),
+        goal: "≥ 90%",
+        readme: false,
+    },
+    Goal {
         name: "loader, host collate, 8 workers, from a `.npy` file (cold)",
         figure: Figure::PercentOf(
             read("loader", LOADER_NPY_COLD, LOADER_GBPS),
@@ -689,6 +707,14 @@ const LOADER_NPY: &[(&str, Pick)] = &[(
     "mode",
     Pick::Is("host collate, 8 workers, from a .npy file in the page cache (alternating)"),
 )];
+/// The loader section's row of warm epochs from a `.npy` file with a worker per core.
+pub const LOADER_NPY_PER_CORE_ROW: &str =
+    "host collate, a worker per core, from a .npy file in the page cache (alternating)";
+/// The loader section's row over memory that the row above is measured against.
+pub const LOADER_MEMORY_PER_CORE_ROW: &str =
+    "host collate, a worker per core, from memory (alternating)";
+const LOADER_NPY_PER_CORE: &[(&str, Pick)] = &[("mode", Pick::Is(LOADER_NPY_PER_CORE_ROW))];
+const LOADER_MEMORY_PER_CORE: &[(&str, Pick)] = &[("mode", Pick::Is(LOADER_MEMORY_PER_CORE_ROW))];
 /// The loader section's row of its cold epochs from a `.npy` file.
 pub const LOADER_COLD_ROW: &str =
     "host collate, 8 workers, from a .npy file, cold page cache, one epoch";

@@ -111,6 +111,10 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
+//! A worker reading from the page cache moves bytes more slowly than one copying from
+//! memory (the kernel copies them), so a dataset in files wants more workers than the same
+//! samples in memory to keep the device fed: up to one per core that training leaves free.
+//!
 //! | PyTorch | pinned-loader |
 //! |---|---|
 //! | `Dataset.__getitem__` + `collate_fn` | [`SampleDataset::get`] (the loader collates), or [`Dataset::write`] (the dataset writes into the batch itself) |
