@@ -7,7 +7,7 @@
 use std::io::Write;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cuda_pinned::{DeviceBuffer, PinnedVec, Stream};
 use pinned_io::{Checkpoint, FileReader, LoadOptions, ReaderConfig};
@@ -82,9 +82,14 @@ fn drop_caches() -> bool {
     std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
 }
 
+/// How long the device is left alone after device memory is freed: the driver goes on
+/// releasing it after `cudaFree` returns, and a copy started in that time runs at about
+/// half the link's rate.
+const SETTLE: Duration = Duration::from_millis(250);
+
 /// Seconds of `run`, each of `reps` runs preceded by `before`.
-/// What `run` returns (device memory) is dropped after the clock stops: freeing it is not
-/// part of loading.
+/// What `run` returns (device memory) is dropped after the clock stops, and the device left
+/// to settle: freeing it is not part of loading.
 fn timed<T>(
     reps: usize,
     mut before: impl FnMut(),
@@ -97,6 +102,7 @@ fn timed<T>(
         let loaded = run()?;
         seconds.push(start.elapsed().as_secs_f64());
         drop(loaded);
+        std::thread::sleep(SETTLE);
     }
     Ok(seconds)
 }
@@ -139,7 +145,8 @@ fn first_tensor(path: &Path, reader: &FileReader) -> Result<f64, String> {
         .map_err(|e| e.to_string())?;
     loading.tensors()[0].wait().map_err(|e| e.to_string())?;
     let first = start.elapsed().as_secs_f64();
-    loading.wait().map_err(|e| e.to_string())?;
+    drop(loading.wait().map_err(|e| e.to_string())?);
+    std::thread::sleep(SETTLE);
     Ok(first)
 }
 
