@@ -12,6 +12,11 @@ use std::time::{Duration, Instant};
 use cuda_pinned::{DeviceBuffer, PinnedVec, Stream};
 use pinned_io::{Checkpoint, FileReader, LoadOptions, ReaderConfig};
 
+use pinned_bench::goals::{
+    FILES_FIRST_BACK_TO_BACK_ROW as FIRST_BACK_TO_BACK_ROW,
+    FILES_FIRST_SETTLED_ROW as FIRST_SETTLED_ROW,
+};
+
 use crate::progress::Progress;
 use crate::report::{Section, Value};
 use crate::stats::{Spread, gbps};
@@ -83,28 +88,59 @@ fn drop_caches() -> bool {
 }
 
 /// How long the device is left alone after device memory is freed: the driver goes on
-/// releasing it after `cudaFree` returns, and a copy started in that time runs at about
-/// half the link's rate.
+/// releasing it after `cudaFree` returns, and a copy started in that time runs markedly
+/// slower (docs/tuning.md).
 const SETTLE: Duration = Duration::from_millis(250);
 
-/// Seconds of `run`, each of `reps` runs preceded by `before`.
-/// What `run` returns (device memory) is dropped after the clock stops, and the device left
-/// to settle: freeing it is not part of loading.
-fn timed<T>(
+/// Drops what a run made (device memory, mostly) and leaves the device to settle, so that
+/// the driver's release of it does not slow the next run.
+fn free_and_settle<T>(made: T) {
+    drop(made);
+    std::thread::sleep(SETTLE);
+}
+
+/// What a timed run made, dropped after the clock stops.
+type Made = Box<dyn std::any::Any>;
+
+/// A run to time, boxing what it makes.
+type Run<'a> = &'a mut dyn FnMut() -> Result<Made, String>;
+
+/// Seconds of each of `runs`, which take turns `reps` times, each preceded by `before`, so
+/// that the VM's drift from second to second touches them alike. What a run makes is freed
+/// after the clock stops, and the device left to settle: freeing is not part of the run.
+fn taking_turns(
     reps: usize,
     mut before: impl FnMut(),
-    mut run: impl FnMut() -> Result<T, String>,
-) -> Result<Vec<f64>, String> {
-    let mut seconds = Vec::with_capacity(reps);
+    runs: &mut [Run<'_>],
+) -> Result<Vec<Vec<f64>>, String> {
+    let mut seconds = vec![Vec::with_capacity(reps); runs.len()];
     for _ in 0..reps {
-        before();
-        let start = Instant::now();
-        let loaded = run()?;
-        seconds.push(start.elapsed().as_secs_f64());
-        drop(loaded);
-        std::thread::sleep(SETTLE);
+        for (run, seconds) in runs.iter_mut().zip(&mut seconds) {
+            before();
+            let start = Instant::now();
+            let made = run()?;
+            seconds.push(start.elapsed().as_secs_f64());
+            free_and_settle(made);
+        }
     }
     Ok(seconds)
+}
+
+/// Seconds of `run`, `reps` times, each preceded by `before`, as [`taking_turns`] times it.
+fn timed<T: 'static>(
+    reps: usize,
+    before: impl FnMut(),
+    run: impl FnMut() -> Result<T, String>,
+) -> Result<Vec<f64>, String> {
+    let mut run = boxed(run);
+    Ok(taking_turns(reps, before, &mut [&mut run])?.remove(0))
+}
+
+/// `run` made into a [`Run`].
+fn boxed<T: 'static>(
+    mut run: impl FnMut() -> Result<T, String>,
+) -> impl FnMut() -> Result<Made, String> {
+    move || run().map(|made| Box::new(made) as Made)
 }
 
 fn ours(path: &Path, reader: &FileReader) -> Result<pinned_io::Loaded, String> {
@@ -136,9 +172,9 @@ fn ours_onto(
     loading.wait().map_err(|e| e.to_string())
 }
 
-/// The first tensor usable on the device: seconds from the call to its event having passed;
-/// the device is left to settle afterwards where `settle` says.
-fn first_tensor(path: &Path, reader: &FileReader, settle: bool) -> Result<f64, String> {
+/// The first tensor usable on the device: seconds from the call to its event having passed,
+/// and the whole load, for the caller to free.
+fn first_tensor(path: &Path, reader: &FileReader) -> Result<(f64, pinned_io::Loaded), String> {
     let start = Instant::now();
     let checkpoint = Checkpoint::open(path).map_err(|e| e.to_string())?;
     let loading = checkpoint
@@ -146,11 +182,7 @@ fn first_tensor(path: &Path, reader: &FileReader, settle: bool) -> Result<f64, S
         .map_err(|e| e.to_string())?;
     loading.tensors()[0].wait().map_err(|e| e.to_string())?;
     let first = start.elapsed().as_secs_f64();
-    drop(loading.wait().map_err(|e| e.to_string())?);
-    if settle {
-        std::thread::sleep(SETTLE);
-    }
-    Ok(first)
+    Ok((first, loading.wait().map_err(|e| e.to_string())?))
 }
 
 /// candle's shape: the file mapped, one pageable copy per tensor.
@@ -414,22 +446,56 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
         let path = written.path.clone();
         let bytes = written.bytes;
         // Warm: the file in the page cache (read once first).
-        ours(&path, &reader)?;
+        free_and_settle(ours(&path, &reader)?);
         let mut pinned = PinnedVec::<u8>::with_capacity(1 << 30).map_err(|e| e.to_string())?;
         pinned.resize(1 << 30, 1);
         let mut device = DeviceBuffer::<u8>::zeroed(1 << 30).map_err(|e| e.to_string())?;
-        // The VM's rates drift from second to second: the reference copy and the load take
-        // turns, and a load is short enough to take many turns.
-        let (mut h2d, mut warm) = (Vec::new(), Vec::new());
-        for _ in 0..warm_reps {
-            h2d.extend(timed(
-                1,
-                || {},
-                || device.copy_from_host(&pinned).map_err(|e| e.to_string()),
-            )?);
-            warm.extend(timed(1, || {}, || ours(&path, &reader))?);
+        // Crews other than the default, on the large checkpoint: what the defaults were
+        // chosen by.
+        let crews: &[(usize, usize, usize, usize)] = if label == "large" {
+            &[
+                (16, 32, 2 << 20, 2 << 20),
+                (16, 16, 4 << 20, 1 << 20),
+                (16, 8, 8 << 20, 2 << 20),
+                (16, 16, 8 << 20, 2 << 20),
+                (12, 12, 4 << 20, 2 << 20),
+            ]
+        } else {
+            &[]
+        };
+        let mut others = Vec::with_capacity(crews.len());
+        for &(threads, chunks, chunk, read) in crews {
+            let config = ReaderConfig::new()
+                .threads(threads)
+                .chunk_bytes(chunk)
+                .read_bytes(read)
+                .chunks(chunks);
+            let other =
+                FileReader::with_config_in(reader.device(), config, cuda_pinned::DefaultPinned)
+                    .map_err(|e| e.to_string())?;
+            let name = format!(
+                "pinned-io, warm, {threads} threads, {chunks} chunks of {} read in {}",
+                crate::report::size_label(chunk as u64),
+                crate::report::size_label(read as u64)
+            );
+            others.push((name, other));
         }
-        drop((pinned, device));
+        // The reference copy, the default crew and the others take turns; a load is short
+        // enough to take many.
+        let mut seconds = {
+            let mut h2d = boxed(|| device.copy_from_host(&pinned).map_err(|e| e.to_string()));
+            let mut default = boxed(|| ours(&path, &reader));
+            let mut other_runs: Vec<_> = others
+                .iter()
+                .map(|(_, other)| boxed(|| ours(&path, other)))
+                .collect();
+            let mut runs: Vec<Run<'_>> = vec![&mut h2d, &mut default];
+            runs.extend(other_runs.iter_mut().map(|run| run as Run<'_>));
+            taking_turns(warm_reps, || {}, &mut runs)?
+        };
+        free_and_settle((pinned, device));
+        let other_seconds = seconds.split_off(2);
+        let [h2d, warm]: [Vec<f64>; 2] = seconds.try_into().expect("a series for each run");
         let h2d_rate = Spread::of(h2d.iter().map(|&s| gbps(1 << 30, s)).collect()).median;
         row(
             &mut section,
@@ -447,31 +513,8 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
             warm.clone(),
             h2d_rate,
         );
-        if label == "large" {
-            // Other crews than the default: what the defaults were chosen by.
-            for (threads, chunks, chunk, read) in [
-                (16, 32, 2usize << 20, 2usize << 20),
-                (16, 16, 4 << 20, 1 << 20),
-                (16, 8, 8 << 20, 2 << 20),
-                (16, 16, 8 << 20, 2 << 20),
-                (12, 12, 4 << 20, 2 << 20),
-            ] {
-                let config = ReaderConfig::new()
-                    .threads(threads)
-                    .chunk_bytes(chunk)
-                    .read_bytes(read)
-                    .chunks(chunks);
-                let other =
-                    FileReader::with_config_in(reader.device(), config, cuda_pinned::DefaultPinned)
-                        .map_err(|e| e.to_string())?;
-                let warm = timed(reps, || {}, || ours(&path, &other))?;
-                let name = format!(
-                    "pinned-io, warm, {threads} threads, {chunks} chunks of {} read in {}",
-                    crate::report::size_label(chunk as u64),
-                    crate::report::size_label(read as u64)
-                );
-                row(&mut section, &name, &case, bytes, warm, h2d_rate);
-            }
+        for ((name, _), other) in others.iter().zip(other_seconds) {
+            row(&mut section, name, &case, bytes, other, h2d_rate);
         }
         if label == "large" {
             // The reads alone, into page-locked memory: what the crew's reading costs.
@@ -497,25 +540,27 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
                 h2d_rate,
             );
         }
-        // Back to back, the driver still releases the last load's memory while the next
-        // one starts; settled, it has released it, and the next allocation costs more. A
-        // process's first load is in neither state.
-        for (settle, name) in [
-            (false, "pinned-io, first tensor usable (ms)"),
-            (
-                true,
-                "pinned-io, first tensor usable, the device settled (ms)",
-            ),
-        ] {
-            // The first of the runs starts in the same state as the others.
-            first_tensor(&path, &reader, settle)?;
-            let first_ms = Spread::of(
-                (0..reps)
-                    .map(|_| first_tensor(&path, &reader, settle).map(|s| s * 1e3))
-                    .collect::<Result<Vec<_>, _>>()?,
-            );
+        // Back to back, each load starts while the driver still releases the memory of the
+        // one before; settled, the driver has released it, and the allocation costs more.
+        // Neither stands for a process's first load, which docs/tuning.md measures apart.
+        for (settled, name) in [(false, FIRST_BACK_TO_BACK_ROW), (true, FIRST_SETTLED_ROW)] {
+            let free = |loaded| {
+                if settled {
+                    free_and_settle(loaded)
+                } else {
+                    drop(loaded)
+                }
+            };
+            // One run discarded, so that the first timed run follows a run as the others do.
+            free(first_tensor(&path, &reader)?.1);
+            let mut ms = Vec::with_capacity(reps);
+            for _ in 0..reps {
+                let (seconds, loaded) = first_tensor(&path, &reader)?;
+                ms.push(seconds * 1e3);
+                free(loaded);
+            }
             let mut cells = vec![Value::Text(name.into()), Value::Text(case.clone())];
-            cells.extend(first_ms.cells(2));
+            cells.extend(Spread::of(ms).cells(2));
             cells.push(Value::Text("—".into()));
             section.row(cells);
         }
@@ -557,16 +602,18 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
         if may_drop {
             let cold_reps = if quick { 1 } else { 5 };
             let file_len = std::fs::metadata(&path).map_err(|e| e.to_string())?.len() as usize;
-            // The disk's rate drifts within a run: the ceiling and pinned-io take turns, so
-            // that each drift touches both alike.
-            let (mut ceiling, mut cold) = (Vec::new(), Vec::new());
-            for _ in 0..cold_reps {
-                let from_disk = || {
+            // The disk's rate drifts within a run: the ceiling and pinned-io take turns.
+            let mut ceiling_run = boxed(|| direct_ceiling(&path, file_len));
+            let mut cold_run = boxed(|| ours(&path, &reader));
+            let [ceiling, cold]: [Vec<f64>; 2] = taking_turns(
+                cold_reps,
+                || {
                     drop_caches();
-                };
-                ceiling.extend(timed(1, from_disk, || direct_ceiling(&path, file_len))?);
-                cold.extend(timed(1, from_disk, || ours(&path, &reader))?);
-            }
+                },
+                &mut [&mut ceiling_run, &mut cold_run],
+            )?
+            .try_into()
+            .expect("a series for each run");
             let ceiling_rate =
                 Spread::of(ceiling.iter().map(|&s| gbps(file_len, s)).collect()).median;
             row(
