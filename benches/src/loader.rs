@@ -31,7 +31,7 @@ const IMAGES: usize = 1024;
 const BATCH: usize = 64;
 const BATCH_BYTES: f64 = (BATCH * (IMAGE + 8)) as f64;
 /// The most workers of the rows with a worker per core, so that records of machines with
-/// many cores stay comparable.
+/// many cores stay comparable (the rows' names, shared with the goals, say it).
 const PER_CORE_CAP: usize = 16;
 /// Batches before steady state is timed.
 const WARM: usize = 30;
