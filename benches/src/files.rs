@@ -1,4 +1,4 @@
-//! `files`: safetensors checkpoints from a file to the GPU — one of 200 large bf16 tensors
+//! `files`: safetensors checkpoints from a file to the GPU — one of 205 large bf16 tensors
 //! and one of 2,000 small ones — warm (in the page cache) and cold (cache dropped, where
 //! the process may), against in the same run: page-locked H2D, the disk's `O_DIRECT`
 //! ceiling, an mmap with one pageable copy per tensor, the file read into a `Vec` and one
@@ -106,14 +106,15 @@ type Made = Box<dyn std::any::Any>;
 type Run<'a> = &'a mut dyn FnMut() -> Result<Made, String>;
 
 /// Seconds of each of `runs`, which take turns `reps` times, each preceded by `before`, so
-/// that the VM's drift from second to second touches them alike. What a run makes is freed
-/// after the clock stops, and the device left to settle: freeing is not part of the run.
+/// that the machine's drift from second to second touches them alike. What a run makes is
+/// freed after the clock stops, and the device left to settle: freeing is not part of the
+/// run.
 fn taking_turns(
     reps: usize,
     mut before: impl FnMut(),
     runs: &mut [Run<'_>],
 ) -> Result<Vec<Vec<f64>>, String> {
-    let mut seconds = vec![Vec::with_capacity(reps); runs.len()];
+    let mut seconds: Vec<Vec<f64>> = (0..runs.len()).map(|_| Vec::with_capacity(reps)).collect();
     for _ in 0..reps {
         for (run, seconds) in runs.iter_mut().zip(&mut seconds) {
             before();
@@ -132,15 +133,49 @@ fn timed<T: 'static>(
     before: impl FnMut(),
     run: impl FnMut() -> Result<T, String>,
 ) -> Result<Vec<f64>, String> {
-    let mut run = boxed(run);
+    let mut run = as_run(run);
     Ok(taking_turns(reps, before, &mut [&mut run])?.remove(0))
 }
 
-/// `run` made into a [`Run`].
-fn boxed<T: 'static>(
+/// `run` as a [`Run`]: what it makes, boxed.
+fn as_run<T: 'static>(
     mut run: impl FnMut() -> Result<T, String>,
 ) -> impl FnMut() -> Result<Made, String> {
     move || run().map(|made| Box::new(made) as Made)
+}
+
+/// Crews other than the default, each with its row's name, each through one discarded load
+/// as the default reader is: what the defaults were chosen by.
+fn other_crews(path: &Path, reader: &FileReader) -> Result<Vec<(String, FileReader)>, String> {
+    let configs = [
+        (16, 32, 2, 2),
+        (16, 16, 4, 1),
+        (16, 8, 8, 2),
+        (16, 16, 8, 2),
+        (12, 12, 4, 2),
+    ]
+    .map(|(threads, chunks, chunk_mib, read_mib)| {
+        ReaderConfig::new()
+            .threads(threads)
+            .chunks(chunks)
+            .chunk_bytes(chunk_mib << 20)
+            .read_bytes(read_mib << 20)
+    });
+    let mut crews = Vec::with_capacity(configs.len());
+    for config in configs {
+        let name = format!(
+            "pinned-io, warm, {} threads, {} chunks of {} read in {}",
+            config.threads,
+            config.chunks,
+            crate::report::size_label(config.chunk_bytes as u64),
+            crate::report::size_label(config.read_bytes as u64)
+        );
+        let crew = FileReader::with_config_in(reader.device(), config, cuda_pinned::DefaultPinned)
+            .map_err(|e| e.to_string())?;
+        free_and_settle(ours(path, &crew)?);
+        crews.push((name, crew));
+    }
+    Ok(crews)
 }
 
 fn ours(path: &Path, reader: &FileReader) -> Result<pinned_io::Loaded, String> {
@@ -450,52 +485,29 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
         let mut pinned = PinnedVec::<u8>::with_capacity(1 << 30).map_err(|e| e.to_string())?;
         pinned.resize(1 << 30, 1);
         let mut device = DeviceBuffer::<u8>::zeroed(1 << 30).map_err(|e| e.to_string())?;
-        // Crews other than the default, on the large checkpoint: what the defaults were
-        // chosen by.
-        let crews: &[(usize, usize, usize, usize)] = if label == "large" {
-            &[
-                (16, 32, 2 << 20, 2 << 20),
-                (16, 16, 4 << 20, 1 << 20),
-                (16, 8, 8 << 20, 2 << 20),
-                (16, 16, 8 << 20, 2 << 20),
-                (12, 12, 4 << 20, 2 << 20),
-            ]
+        let others = if label == "large" {
+            other_crews(&path, &reader)?
         } else {
-            &[]
+            Vec::new()
         };
-        let mut others = Vec::with_capacity(crews.len());
-        for &(threads, chunks, chunk, read) in crews {
-            let config = ReaderConfig::new()
-                .threads(threads)
-                .chunk_bytes(chunk)
-                .read_bytes(read)
-                .chunks(chunks);
-            let other =
-                FileReader::with_config_in(reader.device(), config, cuda_pinned::DefaultPinned)
-                    .map_err(|e| e.to_string())?;
-            let name = format!(
-                "pinned-io, warm, {threads} threads, {chunks} chunks of {} read in {}",
-                crate::report::size_label(chunk as u64),
-                crate::report::size_label(read as u64)
-            );
-            others.push((name, other));
-        }
         // The reference copy, the default crew and the others take turns; a load is short
         // enough to take many.
-        let mut seconds = {
-            let mut h2d = boxed(|| device.copy_from_host(&pinned).map_err(|e| e.to_string()));
-            let mut default = boxed(|| ours(&path, &reader));
+        let seconds = {
+            let mut h2d = as_run(|| device.copy_from_host(&pinned).map_err(|e| e.to_string()));
+            let mut default = as_run(|| ours(&path, &reader));
             let mut other_runs: Vec<_> = others
                 .iter()
-                .map(|(_, other)| boxed(|| ours(&path, other)))
+                .map(|(_, other)| as_run(|| ours(&path, other)))
                 .collect();
             let mut runs: Vec<Run<'_>> = vec![&mut h2d, &mut default];
             runs.extend(other_runs.iter_mut().map(|run| run as Run<'_>));
             taking_turns(warm_reps, || {}, &mut runs)?
         };
         free_and_settle((pinned, device));
-        let other_seconds = seconds.split_off(2);
-        let [h2d, warm]: [Vec<f64>; 2] = seconds.try_into().expect("a series for each run");
+        let mut seconds = seconds.into_iter();
+        let (Some(h2d), Some(warm)) = (seconds.next(), seconds.next()) else {
+            unreachable!("a series for each run");
+        };
         let h2d_rate = Spread::of(h2d.iter().map(|&s| gbps(1 << 30, s)).collect()).median;
         row(
             &mut section,
@@ -513,8 +525,10 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
             warm.clone(),
             h2d_rate,
         );
-        for ((name, _), other) in others.iter().zip(other_seconds) {
-            row(&mut section, name, &case, bytes, other, h2d_rate);
+        // The other crews go with their rows, so that their threads and rings are not kept
+        // through the runs below.
+        for ((name, _crew), other) in others.into_iter().zip(seconds) {
+            row(&mut section, &name, &case, bytes, other, h2d_rate);
         }
         if label == "large" {
             // The reads alone, into page-locked memory: what the crew's reading costs.
@@ -603,8 +617,8 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
             let cold_reps = if quick { 1 } else { 5 };
             let file_len = std::fs::metadata(&path).map_err(|e| e.to_string())?.len() as usize;
             // The disk's rate drifts within a run: the ceiling and pinned-io take turns.
-            let mut ceiling_run = boxed(|| direct_ceiling(&path, file_len));
-            let mut cold_run = boxed(|| ours(&path, &reader));
+            let mut ceiling_run = as_run(|| direct_ceiling(&path, file_len));
+            let mut cold_run = as_run(|| ours(&path, &reader));
             let [ceiling, cold]: [Vec<f64>; 2] = taking_turns(
                 cold_reps,
                 || {

@@ -744,6 +744,9 @@ pub const LOADER_NPY_ROW: &str =
 /// The loader section's row over memory that the row above is measured against.
 pub const LOADER_MEMORY_ROW: &str = "host collate, 8 workers, from memory (alternating)";
 const LOADER_NPY: &[(&str, Pick)] = &[("mode", Pick::Is(LOADER_NPY_ROW))];
+/// The most workers of the loader's rows with a worker per core, so that records of machines
+/// with many cores stay comparable; the rows' names below say it.
+pub const LOADER_PER_CORE_CAP: usize = 16;
 /// The loader section's row of warm epochs from a `.npy` file with a worker per core.
 pub const LOADER_NPY_PER_CORE_ROW: &str = "host collate, a worker per core (at most 16), from a .npy file in the page cache (alternating)";
 /// The loader section's row over memory that the row above is measured against.

@@ -20,6 +20,7 @@ use pinned_bench::goals::{
     LOADER_COLD_CEILING_ROW as COLD_CEILING_ROW, LOADER_COLD_ROW as COLD_ROW,
     LOADER_MEMORY_PER_CORE_ROW as MEMORY_PER_CORE_ROW, LOADER_MEMORY_ROW as MEMORY_ROW,
     LOADER_NPY_PER_CORE_ROW as NPY_PER_CORE_ROW, LOADER_NPY_ROW as NPY_ROW,
+    LOADER_PER_CORE_CAP as PER_CORE_CAP,
 };
 
 use crate::progress::Progress;
@@ -30,9 +31,6 @@ const IMAGE: usize = 3 * 224 * 224;
 const IMAGES: usize = 1024;
 const BATCH: usize = 64;
 const BATCH_BYTES: f64 = (BATCH * (IMAGE + 8)) as f64;
-/// The most workers of the rows with a worker per core, so that records of machines with
-/// many cores stay comparable (the rows' names, shared with the goals, say it).
-const PER_CORE_CAP: usize = 16;
 /// Batches before steady state is timed.
 const WARM: usize = 30;
 /// The first batches, timed from construction on: the span the hand-written loader's anchor

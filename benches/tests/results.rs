@@ -206,3 +206,20 @@ fn each_record_names_the_sections_it_gives() {
         "{text}"
     );
 }
+
+#[test]
+fn the_per_core_rows_name_their_cap() {
+    use pinned_bench::goals::{
+        GOALS, LOADER_MEMORY_PER_CORE_ROW, LOADER_NPY_PER_CORE_ROW, LOADER_PER_CORE_CAP,
+    };
+    let cap = format!("(at most {LOADER_PER_CORE_CAP})");
+    for name in [LOADER_NPY_PER_CORE_ROW, LOADER_MEMORY_PER_CORE_ROW] {
+        assert!(name.contains(&cap), "{name:?} does not say {cap}");
+    }
+    assert!(
+        GOALS
+            .iter()
+            .any(|goal| goal.name.contains("a worker per core") && goal.name.contains(&cap)),
+        "the per-core goal does not say {cap}"
+    );
+}
