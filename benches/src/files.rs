@@ -5,6 +5,7 @@
 //! copy, and PyTorch's two paths where `python3` has torch and safetensors.
 
 use std::io::Write;
+use std::mem::MaybeUninit;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -13,6 +14,8 @@ use cuda_pinned::{DeviceBuffer, PinnedVec, Stream};
 use pinned_io::{Checkpoint, FileReader, LoadOptions, ReaderConfig};
 
 use pinned_bench::goals::{
+    FILES_ALLOCATION_BACK_TO_BACK_ROW as ALLOCATION_BACK_TO_BACK_ROW,
+    FILES_ALLOCATION_SETTLED_ROW as ALLOCATION_SETTLED_ROW,
     FILES_FIRST_BACK_TO_BACK_ROW as FIRST_BACK_TO_BACK_ROW,
     FILES_FIRST_SETTLED_ROW as FIRST_SETTLED_ROW,
 };
@@ -557,26 +560,39 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
         // Back to back, each load starts while the driver still releases the memory of the
         // one before; settled, the driver has released it, and the allocation costs more.
         // Neither stands for a process's first load, which docs/tuning.md measures apart.
-        for (settled, name) in [(false, FIRST_BACK_TO_BACK_ROW), (true, FIRST_SETTLED_ROW)] {
-            let free = |loaded| {
+        // Each state's allocation of the checkpoint's bytes, taking turns with its loads,
+        // shows what the driver alone takes of the first tensor's time.
+        let states = [
+            (false, FIRST_BACK_TO_BACK_ROW, ALLOCATION_BACK_TO_BACK_ROW),
+            (true, FIRST_SETTLED_ROW, ALLOCATION_SETTLED_ROW),
+        ];
+        for (settled, name, allocation_name) in states {
+            let free = |made: Made| {
                 if settled {
-                    free_and_settle(loaded)
+                    free_and_settle(made)
                 } else {
-                    drop(loaded)
+                    drop(made)
                 }
             };
             // One run discarded, so that the first timed run follows a run as the others do.
-            free(first_tensor(&path, &reader)?.1);
-            let mut ms = Vec::with_capacity(reps);
+            free(Box::new(first_tensor(&path, &reader)?.1));
+            let (mut first_ms, mut allocation_ms) = (Vec::new(), Vec::new());
             for _ in 0..reps {
+                let start = Instant::now();
+                let memory = DeviceBuffer::<MaybeUninit<u8>>::uninit_on(reader.device(), bytes)
+                    .map_err(|e| e.to_string())?;
+                allocation_ms.push(start.elapsed().as_secs_f64() * 1e3);
+                free(Box::new(memory));
                 let (seconds, loaded) = first_tensor(&path, &reader)?;
-                ms.push(seconds * 1e3);
-                free(loaded);
+                first_ms.push(seconds * 1e3);
+                free(Box::new(loaded));
             }
-            let mut cells = vec![Value::Text(name.into()), Value::Text(case.clone())];
-            cells.extend(Spread::of(ms).cells(2));
-            cells.push(Value::Text("—".into()));
-            section.row(cells);
+            for (name, ms) in [(name, first_ms), (allocation_name, allocation_ms)] {
+                let mut cells = vec![Value::Text(name.into()), Value::Text(case.clone())];
+                cells.extend(Spread::of(ms).cells(2));
+                cells.push(Value::Text("—".into()));
+                section.row(cells);
+            }
         }
         let mmap = timed(reps, || {}, || mmap_per_tensor(&path, &written, &stream))?;
         row(

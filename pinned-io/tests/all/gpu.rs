@@ -217,6 +217,48 @@ fn a_file_that_shrinks_while_loading_fails_every_waiter() {
 
 #[test]
 #[ignore = "needs a CUDA device"]
+fn a_checkpoint_larger_than_the_device_is_an_error_and_the_reader_goes_on() {
+    // One tensor of 256 GiB in a sparse file: its header is sound, no device holds it.
+    let bytes: u64 = 256 << 30;
+    let header =
+        format!(r#"{{"huge":{{"dtype":"U8","shape":[{bytes}],"data_offsets":[0,{bytes}]}}}}"#);
+    let mut file = tempfile::Builder::new()
+        .suffix(".safetensors")
+        .tempfile()
+        .unwrap();
+    file.write_all(&(header.len() as u64).to_le_bytes())
+        .unwrap();
+    file.write_all(header.as_bytes()).unwrap();
+    file.as_file()
+        .set_len(8 + header.len() as u64 + bytes)
+        .unwrap();
+    let huge = Checkpoint::open(file.path()).unwrap();
+    let reader = FileReader::new().unwrap();
+    // Refused with CUDA's out-of-memory error; the reader's crew and ring stay whole.
+    let error = huge.load(&reader, &LoadOptions::new()).unwrap_err();
+    assert!(matches!(error, Error::Cuda(_)), "{error:?}");
+    let tensors = mixed_tensors();
+    let small = checkpoint(&tensors);
+    let loaded = Checkpoint::open(small.path())
+        .unwrap()
+        .load(&reader, &LoadOptions::new())
+        .unwrap()
+        .wait()
+        .unwrap();
+    for (name, _, _, data) in &tensors {
+        let got = loaded
+            .tensor(name)
+            .unwrap()
+            .wait()
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        assert!(got == *data, "tensor {name}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
 fn cold_reads_go_past_the_page_cache() {
     let bytes = pattern(64 << 20, 3);
     let file = temp_file(&bytes);
