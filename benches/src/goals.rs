@@ -743,10 +743,10 @@ pub const FILES_FIRST_SETTLED_ROW: &str = "pinned-io, first tensor usable, the d
 /// The files section's row of the device's allocation of the checkpoint's bytes, taking turns
 /// with the loads back to back.
 pub const FILES_ALLOCATION_BACK_TO_BACK_ROW: &str =
-    "device allocation of the checkpoint's bytes, loads back to back (ms) (reference)";
+    "the device's allocation alone of the checkpoint's bytes, loads back to back (ms)";
 /// The same, taking turns with the loads of a settled device.
 pub const FILES_ALLOCATION_SETTLED_ROW: &str =
-    "device allocation of the checkpoint's bytes, the device settled (ms) (reference)";
+    "the device's allocation alone of the checkpoint's bytes, the device settled (ms)";
 const FILES_ALLOCATION_BACK_TO_BACK: &[(&str, Pick)] = &[
     ("path", Pick::Is(FILES_ALLOCATION_BACK_TO_BACK_ROW)),
     ("checkpoint", FILES_LARGE),
