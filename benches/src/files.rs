@@ -579,7 +579,9 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
             // One run discarded, so that the first timed run follows a run as the others do.
             free(Box::new(first_tensor(&path, &reader)?.1));
             let (mut first_ms, mut allocation_ms) = (Vec::new(), Vec::new());
-            for _ in 0..reps {
+            // A latency varies more from load to load than a load's rate: as many turns as
+            // the warm loads take.
+            for _ in 0..warm_reps {
                 let start = Instant::now();
                 let mut memory = DeviceBuffer::<MaybeUninit<u8>>::uninit_on(reader.device(), bytes)
                     .map_err(|e| e.to_string())?;
