@@ -245,13 +245,21 @@ fn a_checkpoint_larger_than_the_device_is_an_error_and_the_reader_goes_on() {
     );
     let tensors = mixed_tensors();
     let small = checkpoint(&tensors);
-    let loaded = Checkpoint::open(small.path())
-        .unwrap()
-        .load(&reader, &LoadOptions::new())
+    loads_every_tensor(&Checkpoint::open(small.path()).unwrap(), &reader, &tensors);
+}
+
+/// Loads every tensor of `checkpoint` and checks each against `tensors`.
+fn loads_every_tensor(
+    checkpoint: &Checkpoint,
+    reader: &FileReader,
+    tensors: &[(String, Dtype, Vec<usize>, Vec<u8>)],
+) {
+    let loaded = checkpoint
+        .load(reader, &LoadOptions::new())
         .unwrap()
         .wait()
         .unwrap();
-    for (name, _, _, data) in &tensors {
+    for (name, _, _, data) in tensors {
         let got = loaded
             .tensor(name)
             .unwrap()
@@ -352,21 +360,7 @@ fn a_sharded_checkpoint_loads_from_its_index() {
     let checkpoint = Checkpoint::open(dir.path()).unwrap();
     assert_eq!(checkpoint.files().count(), 2);
     let reader = small_reader(ReadMode::Auto);
-    let loaded = checkpoint
-        .load(&reader, &LoadOptions::new())
-        .unwrap()
-        .wait()
-        .unwrap();
-    for (name, _, _, data) in &tensors {
-        let got = loaded
-            .tensor(name)
-            .unwrap()
-            .wait()
-            .unwrap()
-            .to_vec()
-            .unwrap();
-        assert!(got == *data, "tensor {name}");
-    }
+    loads_every_tensor(&checkpoint, &reader, &tensors);
     // A filter loads only what it keeps.
     let options = LoadOptions::new().only(|t| t.name() == "t5");
     let loaded = checkpoint.load(&reader, &options).unwrap().wait().unwrap();
