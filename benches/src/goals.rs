@@ -636,7 +636,7 @@ pub const GOALS: &[Goal] = &[
         unit: "ms",
         decimals: 2,
         reference: &[Reference::Same(
-            "the device's allocation of the checkpoint's bytes alone",
+            "the device's allocation alone of the checkpoint's bytes",
             read("files", FILES_ALLOCATION_BACK_TO_BACK, FILES_SPREAD),
             "ms",
             2,
@@ -651,7 +651,7 @@ pub const GOALS: &[Goal] = &[
         unit: "ms",
         decimals: 2,
         reference: &[Reference::Same(
-            "the device's allocation of the checkpoint's bytes alone",
+            "the device's allocation alone of the checkpoint's bytes",
             read("files", FILES_ALLOCATION_SETTLED, FILES_SPREAD),
             "ms",
             2,
