@@ -14,7 +14,7 @@ use super::index::ShardIndex;
 use super::split::{Split, extent};
 use crate::engine::crew::Crew;
 use crate::engine::cuda::Cuda;
-use crate::engine::{self, Job};
+use crate::engine::{self, Destination, Job};
 use crate::error::{Error, Result};
 use crate::file::DataFile;
 use crate::plan::{self, Span};
@@ -165,7 +165,10 @@ impl Checkpoint {
     ///
     /// The reader's threads read while the DMA engine copies; pinned memory is the reader's
     /// ring only, whatever the checkpoint's size. The selected tensors share one device
-    /// allocation per device.
+    /// allocation per device, and the threads start reading before it is made (an allocation
+    /// can take milliseconds): what they read meanwhile waits in the ring. The first tensor's
+    /// copies are queued before those of the tensors after it, so that it is usable as soon
+    /// as it can be.
     ///
     /// # Errors
     ///
@@ -176,20 +179,18 @@ impl Checkpoint {
         let plan = self.plan(options)?;
         let device = reader.device();
         let stream = Stream::on(device)?;
-        let primary = OnDevice::new(device, &plan)?;
-        let mut replicas: Vec<(OnDevice, Stream)> = Vec::with_capacity(options.replicas.len());
+        // The reader's own device, or one named twice, holds its copy already.
+        let mut others: Vec<Device> = Vec::with_capacity(options.replicas.len());
         for &other in &options.replicas {
-            // The reader's own device, or one named twice, holds its copy already.
-            if other == device || replicas.iter().any(|(copy, _)| copy.device == other) {
-                continue;
+            if other != device && !others.contains(&other) {
+                others.push(other);
             }
-            // The replica's stream reads the reader's device's memory.
-            if other.can_access_peer(device)? {
-                other.enable_peer_access(device)?;
-            }
-            let stream = Stream::on(other)?;
-            replicas.push((OnDevice::new(other, &plan)?, stream));
         }
+        // Each tensor's readiness on each device, the reader's first.
+        let ready: Vec<Vec<Arc<Ready>>> = (0..=others.len())
+            .map(|_| plan.iter().map(|_| Arc::default()).collect())
+            .collect();
+        // Offsets into the device memory, allocated below.
         let spans: Vec<Span> = plan
             .iter()
             .enumerate()
@@ -199,19 +200,13 @@ impl Checkpoint {
                 width: planned.extent.width,
                 rows: planned.extent.rows,
                 pitch: planned.extent.pitch,
-                dst: primary.memory.as_raw() + planned.at,
+                dst: planned.at,
                 target,
             })
             .collect();
         let pieces = plan::cut(&spans, reader.crew.ring().capacity())?;
-        let sink = fan_out(&primary, &replicas);
-        let (replicas, replica_streams): (Vec<OnDevice>, Vec<Stream>) =
-            replicas.into_iter().unzip();
         // Whatever never landed when the job ends fails, so that no waiter hangs.
-        let all_ready: Vec<Arc<Ready>> = std::iter::once(&primary)
-            .chain(&replicas)
-            .flat_map(|copy| copy.tensors.iter().map(|t| t.ready.clone()))
-            .collect();
+        let all_ready: Vec<Arc<Ready>> = ready.iter().flatten().cloned().collect();
         let done = Box::new(move |job: &Job<Cuda>| {
             let why = match job.error_message() {
                 Some(error) => format!("the checkpoint's load failed: {error}"),
@@ -221,17 +216,31 @@ impl Checkpoint {
                 ready.set(State::Failed(why.clone()));
             }
         });
-        let job = Job::new(
+        // The crew reads while the device memory is allocated, which can take milliseconds;
+        // what it reads meanwhile waits in the ring, and goes to the device in order once the
+        // memory is there.
+        let job = Job::to_come(
             pieces,
             self.files.clone(),
             reader.config().mode,
             stream.clone(),
             plan.len(),
-            sink,
         )
         .when_done(done);
         let job = Arc::new(job);
         reader.crew.submit(&job);
+        let coming = Coming {
+            job: &job,
+            crew: &reader.crew,
+        };
+        let (primary, replicas) = allocate(device, &others, &plan, &ready)?;
+        let sink = fan_out(&primary, &replicas);
+        coming.arrive(Destination {
+            base: primary.memory.as_raw(),
+            sink,
+        });
+        let (replicas, replica_streams): (Vec<OnDevice>, Vec<Stream>) =
+            replicas.into_iter().unzip();
         Ok(Loading {
             primary,
             replicas,
@@ -387,22 +396,67 @@ struct OnDevice {
     tensors: Vec<LoadedTensor>,
 }
 
+/// A load's job until its destination is named: dropped before (an error or a panic while
+/// allocating), the job is abandoned, so that its pieces do not wait for memory that will not
+/// come.
+struct Coming<'a> {
+    job: &'a Job<Cuda>,
+    crew: &'a Crew<Cuda>,
+}
+
+impl Coming<'_> {
+    fn arrive(self, destination: Destination<Cuda>) {
+        self.job.arrive(self.crew.ring(), destination);
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Coming<'_> {
+    fn drop(&mut self) {
+        let why = Error::Invalid("the load's device memory was not allocated".into());
+        self.job.abandon(self.crew.ring(), why);
+        self.job.wait_finished();
+    }
+}
+
+/// Allocates the load's memory on the reader's device, and on each of `others` with a stream
+/// to copy with; `ready` holds each device's tensors' readiness, the reader's first.
+fn allocate(
+    device: Device,
+    others: &[Device],
+    plan: &[Planned],
+    ready: &[Vec<Arc<Ready>>],
+) -> Result<(OnDevice, Vec<(OnDevice, Stream)>)> {
+    let primary = OnDevice::new(device, plan, &ready[0])?;
+    let mut replicas = Vec::with_capacity(others.len());
+    for (&other, ready) in others.iter().zip(&ready[1..]) {
+        // The replica's stream reads the reader's device's memory.
+        if other.can_access_peer(device)? {
+            other.enable_peer_access(device)?;
+        }
+        let stream = Stream::on(other)?;
+        replicas.push((OnDevice::new(other, plan, ready)?, stream));
+    }
+    Ok((primary, replicas))
+}
+
 impl OnDevice {
-    fn new(device: Device, plan: &[Planned]) -> Result<Self> {
+    fn new(device: Device, plan: &[Planned], ready: &[Arc<Ready>]) -> Result<Self> {
         let bytes = plan.last().map_or(0, |p| p.at + p.extent.bytes());
         let bytes = usize::try_from(bytes)
             .map_err(|_| Error::Invalid("a checkpoint larger than the address space".into()))?;
         let memory = Arc::new(DeviceBuffer::<MaybeUninit<u8>>::uninit_on(device, bytes)?);
         let tensors = plan
             .iter()
-            .map(|p| LoadedTensor {
+            .zip(ready)
+            .map(|(p, ready)| LoadedTensor {
                 name: p.name.clone(),
                 dtype: p.dtype,
                 shape: p.shape.clone(),
                 memory: memory.clone(),
                 start: p.at as usize,
                 bytes: p.extent.bytes() as usize,
-                ready: Arc::default(),
+                ready: ready.clone(),
             })
             .collect();
         Ok(Self {

@@ -19,13 +19,19 @@ impl Dma for Cuda {
         Ok(Event::untimed_on(self.device)?)
     }
 
-    unsafe fn copy(&self, stream: &Stream, chunk: *const u8, copies: &[ChunkCopy]) -> Result<()> {
+    unsafe fn copy(
+        &self,
+        stream: &Stream,
+        chunk: *const u8,
+        copies: &[ChunkCopy],
+        base: u64,
+    ) -> Result<()> {
         let address = |copy: &ChunkCopy| chunk.wrapping_add(copy.from) as u64;
         let dense: Vec<RawCopy> = copies
             .iter()
             .filter(|copy| copy.rows == 1)
             .map(|copy| RawCopy {
-                dst: copy.dst,
+                dst: base + copy.dst,
                 src: address(copy),
                 bytes: copy.width,
             })
@@ -36,7 +42,7 @@ impl Dma for Cuda {
         unsafe { stream.copy_batch_raw(&dense) }?;
         for copy in copies.iter().filter(|copy| copy.rows > 1) {
             let strided = RawCopy2d {
-                dst: copy.dst,
+                dst: base + copy.dst,
                 dst_pitch: copy.width,
                 src: address(copy),
                 src_pitch: copy.pitch,

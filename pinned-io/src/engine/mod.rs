@@ -12,10 +12,21 @@
 //! own, and the one that finishes the last part queues the piece's copies. So copies stay
 //! large (the DMA engine pays for each one it starts) while reads stay small (a thread reads
 //! the page cache fastest into memory its caches still hold).
+//!
+//! A job's first target goes to the device first. Until every piece holding its bytes has
+//! queued its copies, a filled piece after them waits in its chunk, and the thread that
+//! queues the lead's last piece queues the waiting ones, in order. Otherwise a piece of the
+//! first target read a little late queues behind the copies of the pieces after it, and a
+//! load's first tensor, which its caller may be waiting for, lands later than it has to. At
+//! most half the ring waits so: the lead's own pieces always find a chunk.
+//!
+//! A job may also start before its destination exists (a load's device memory, whose
+//! allocation can take milliseconds): its pieces then wait in their chunks, and are queued
+//! once it is known.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use crate::error::{Error, Result};
 use crate::file::{DIRECT_ALIGN, DataFile, ReadMode};
@@ -32,7 +43,7 @@ pub(crate) trait Dma: Send + Sync + 'static {
     type Event: Send + Sync;
 
     fn event(&self) -> Result<Self::Event>;
-    /// Queues `copies` out of `chunk` on `stream`.
+    /// Queues `copies` out of `chunk` on `stream`, each to `base` plus its `dst`.
     ///
     /// # Safety
     ///
@@ -44,6 +55,7 @@ pub(crate) trait Dma: Send + Sync + 'static {
         stream: &Self::Stream,
         chunk: *const u8,
         copies: &[ChunkCopy],
+        base: u64,
     ) -> Result<()>;
     fn record(&self, event: &mut Self::Event, stream: &Self::Stream) -> Result<()>;
     fn wait(&self, event: &Self::Event) -> Result<()>;
@@ -64,6 +76,8 @@ struct Chunks<E> {
     free: VecDeque<Chunk<E>>,
     /// Chunks not lost (a chunk whose copies could not be accounted for is never reused).
     live: usize,
+    /// Chunks whose pieces are parked by their jobs (see [`Job::queue`]).
+    parked: usize,
     lost: bool,
 }
 
@@ -81,6 +95,30 @@ struct Open<E> {
     unfinished: usize,
     /// Whether a part was not read (an error, a panic, or a failed job).
     failed: bool,
+}
+
+/// A filled piece, in its chunk from `start`, waiting for the job's destination or for the
+/// lead's copies to be queued.
+struct Parked<E> {
+    piece: usize,
+    start: usize,
+    chunk: Chunk<E>,
+    /// Whether the ring counts it (a piece waiting for the lead, not for the destination).
+    counted: bool,
+}
+
+/// What becomes of filled pieces: queued now (to the destination at this base), parked, or
+/// given back unqueued (the job failed before its destination was known).
+enum Turn {
+    Now(u64),
+    Parked,
+    Skipped,
+}
+
+/// The job's lead pieces not yet queued, and the pieces waiting for them.
+struct Lead<E> {
+    left: usize,
+    parked: Vec<Parked<E>>,
 }
 
 /// Part `index` of open piece `piece`, whose first byte is at `start`.
@@ -149,6 +187,7 @@ impl<D: Dma> Ring<D> {
             chunks: Mutex::new(Chunks {
                 free,
                 live: count,
+                parked: 0,
                 lost: false,
             }),
             freed: Condvar::new(),
@@ -179,6 +218,15 @@ impl<D: Dma> Ring<D> {
                     "every chunk of the reader's ring was lost to device errors".into(),
                 ));
             }
+            // Parked chunks wait for pieces that need a chunk: with every chunk left parked
+            // (the others lost), none comes back.
+            if chunks.parked >= chunks.live {
+                return Err(Error::Invalid(
+                    "every chunk of the reader's ring was lost to device errors or waits for a \
+                     piece that needs one"
+                        .into(),
+                ));
+            }
             chunks = self
                 .freed
                 .wait(chunks)
@@ -189,6 +237,22 @@ impl<D: Dma> Ring<D> {
     /// A free chunk, if one is free now.
     fn try_take(&self) -> Option<Chunk<D::Event>> {
         lock(&self.chunks).free.pop_front()
+    }
+
+    /// Counts `count` more chunks parked if at most half the live chunks are then parked, by
+    /// every job together: the pieces that parked chunks wait for must find chunks.
+    fn park(&self, count: usize) -> bool {
+        let mut chunks = lock(&self.chunks);
+        let room = chunks.parked + count <= chunks.live / 2;
+        if room {
+            chunks.parked += count;
+        }
+        room
+    }
+
+    /// Counts `count` chunks no longer parked.
+    fn unpark(&self, count: usize) {
+        lock(&self.chunks).parked -= count;
     }
 
     fn give_back(&self, chunk: Chunk<D::Event>) {
@@ -259,6 +323,13 @@ impl<D: Dma> Drop for Taken<'_, D> {
 pub(crate) type Sink<D> =
     dyn Fn(&[usize], &<D as Dma>::Stream) -> Result<()> + Send + Sync + 'static;
 
+/// Where a job's bytes go: each copy's `dst` is an offset from `base`, and `sink` completes
+/// the targets.
+pub(crate) struct Destination<D: Dma> {
+    pub(crate) base: u64,
+    pub(crate) sink: Box<Sink<D>>,
+}
+
 /// Called once when every piece of a job has been moved or skipped (after a failure).
 pub(crate) type Done<D> = dyn Fn(&Job<D>) + Send + Sync + 'static;
 
@@ -271,7 +342,13 @@ pub(crate) struct Job<D: Dma> {
     next: AtomicUsize,
     /// Pieces each target still waits for.
     remaining: Vec<AtomicUsize>,
-    sink: Box<Sink<D>>,
+    /// Targets without bytes (no piece to wait for).
+    empty: Vec<usize>,
+    /// Pieces `0..lead` hold the first target's bytes (the target the first piece starts).
+    lead: usize,
+    lead_state: Mutex<Lead<D::Event>>,
+    /// Set once (after the job is shared, under `lead_state`'s lock).
+    destination: OnceLock<Destination<D>>,
     failed: AtomicBool,
     error: Mutex<Option<Error>>,
     /// Pieces read through the page cache part by part, oldest first, until the last part
@@ -286,8 +363,8 @@ pub(crate) struct Job<D: Dma> {
 }
 
 impl<D: Dma> Job<D> {
-    /// A job for `pieces` of `files` toward `targets` targets; targets without bytes reach
-    /// `sink` when the first thread starts.
+    /// A job for `pieces` of `files` toward `targets` targets, whose copies' `dst` are
+    /// addresses; targets without bytes reach `sink` when the job starts.
     pub(crate) fn new(
         pieces: Vec<Piece>,
         files: Vec<DataFile>,
@@ -296,10 +373,34 @@ impl<D: Dma> Job<D> {
         targets: usize,
         sink: Box<Sink<D>>,
     ) -> Self {
-        let remaining = pieces_per_target(&pieces, targets)
-            .into_iter()
-            .map(AtomicUsize::new)
+        let job = Self::to_come(pieces, files, mode, stream, targets);
+        // No other thread has the job yet.
+        let _ = job.destination.set(Destination { base: 0, sink });
+        job
+    }
+
+    /// A job for `pieces` of `files` toward `targets` targets whose destination is not known
+    /// yet: its threads read, and its pieces wait in their chunks until
+    /// [`arrive`](Self::arrive) names it (or the job fails).
+    pub(crate) fn to_come(
+        pieces: Vec<Piece>,
+        files: Vec<DataFile>,
+        mode: ReadMode,
+        stream: D::Stream,
+        targets: usize,
+    ) -> Self {
+        let counts = pieces_per_target(&pieces, targets);
+        let empty = (counts.iter().enumerate())
+            .filter(|&(_, &count)| count == 0)
+            .map(|(target, _)| target)
             .collect();
+        let remaining = counts.into_iter().map(AtomicUsize::new).collect();
+        let first = pieces.first().and_then(|piece| piece.copies.first());
+        let lead = first.map_or(0, |first| {
+            1 + (pieces.iter())
+                .rposition(|piece| piece.copies.iter().any(|c| c.target == first.target))
+                .unwrap_or(0)
+        });
         Self {
             pieces,
             files,
@@ -307,7 +408,13 @@ impl<D: Dma> Job<D> {
             stream,
             next: AtomicUsize::new(0),
             remaining,
-            sink,
+            empty,
+            lead,
+            lead_state: Mutex::new(Lead {
+                left: lead,
+                parked: Vec::new(),
+            }),
+            destination: OnceLock::new(),
             failed: AtomicBool::new(false),
             error: Mutex::new(None),
             open: Mutex::new(Vec::new()),
@@ -325,21 +432,53 @@ impl<D: Dma> Job<D> {
         self
     }
 
-    /// Completes the targets that wait for no piece (and the job, if it has none). Called
-    /// once, before any thread works; an error fails the job.
+    /// Completes the targets that wait for no piece (and the job, if it has none), where the
+    /// destination is known (else [`arrive`](Self::arrive) does). Called once, before any
+    /// thread works; an error fails the job.
     pub(crate) fn start(&self) {
-        let empty: Vec<usize> = (self.remaining.iter().enumerate())
-            .filter(|(_, remaining)| remaining.load(Ordering::Relaxed) == 0)
-            .map(|(target, _)| target)
-            .collect();
-        if !empty.is_empty()
-            && let Err(error) = (self.sink)(&empty, &self.stream)
+        if let Some(destination) = self.destination.get() {
+            self.complete_empty(destination);
+        }
+    }
+
+    fn complete_empty(&self, destination: &Destination<D>) {
+        // Not the targets' counts: once the destination is known, other targets may reach
+        // none as their pieces land.
+        if !self.empty.is_empty()
+            && let Err(error) = (destination.sink)(&self.empty, &self.stream)
         {
             self.fail(error);
         }
         if self.pieces.is_empty() {
             self.count_finished(0);
         }
+    }
+
+    /// Names the destination of a job made by [`to_come`](Self::to_come) (once), completes
+    /// its targets without bytes, and queues the pieces that waited for it, on the calling
+    /// thread, in order. An error fails the job.
+    pub(crate) fn arrive(&self, ring: &Ring<D>, destination: Destination<D>) {
+        let parked = {
+            let mut lead = lock(&self.lead_state);
+            if self.destination.set(destination).is_err() {
+                return;
+            }
+            std::mem::take(&mut lead.parked)
+        };
+        // Every crew thread may have left the job, its pieces all read: after a failure (a
+        // panic included), nobody else releases what waits for a lead no longer queued.
+        let _leaving = Leaving { job: self, ring };
+        self.complete_empty(self.destination.get().expect("just set"));
+        if let Err(error) = self.queue_parked(ring, parked) {
+            self.fail(error);
+        }
+    }
+
+    /// Fails a job whose destination will never come, with `error`, and gives back the
+    /// chunks of the pieces that waited for it.
+    pub(crate) fn abandon(&self, ring: &Ring<D>, error: Error) {
+        self.fail(error);
+        self.release_parked(ring);
     }
 
     /// Whether every piece has been taken by a thread.
@@ -511,8 +650,11 @@ impl<D: Dma> Job<D> {
             *claimed -= 1;
             return;
         }
-        if let Err(error) = self.fill_and_queue(ring, &mut taken, pieces, &starts, direct) {
-            self.fail(error);
+        match self.fill_and_queue(ring, &mut taken, index, &starts, direct) {
+            // Counted by the thread that queues them.
+            Ok(true) => *claimed -= taken.len(),
+            Ok(false) => {}
+            Err(error) => self.fail(error),
         }
     }
 
@@ -549,16 +691,18 @@ impl<D: Dma> Job<D> {
         Some(starts)
     }
 
-    /// Fills the taken chunks (settled, at `starts`) with `pieces`, one each, read past the
-    /// page cache if `direct`, and queues their copies.
+    /// Fills the taken chunks (settled, at `starts`) with the pieces from `first` on, one
+    /// each, read past the page cache if `direct`, and queues their copies (or parks them:
+    /// see [`queue`](Self::queue)).
     fn fill_and_queue(
         &self,
         ring: &Ring<D>,
         taken: &mut [Taken<'_, D>],
-        pieces: &[Piece],
+        first: usize,
         starts: &[*mut u8],
         direct: bool,
-    ) -> Result<()> {
+    ) -> Result<bool> {
+        let pieces = &self.pieces[first..first + taken.len()];
         let file = &self.files[pieces[0].file];
         // SAFETY: each chunk is this thread's alone (taken from the free list) and its last
         // copies are over (settled); it spans `capacity + 2 * DIRECT_ALIGN` bytes, so the
@@ -571,27 +715,44 @@ impl<D: Dma> Job<D> {
             give_back_settled(ring, taken);
             return Err(error);
         }
-        self.queue(ring, taken, pieces, starts)
+        self.queue(ring, taken, first, starts)
     }
 
-    /// Queues the copies of `pieces`, filled at `starts` in the taken chunks, one each; gives
-    /// each chunk back where its copies are accounted for (else it is lost when dropped), then
-    /// counts the pieces toward their targets.
+    /// Queues the copies of the pieces from `first` on, filled at `starts` in the taken
+    /// chunks, one each; gives each chunk back where its copies are accounted for (else it is
+    /// lost when dropped), then counts the pieces toward their targets.
+    ///
+    /// Pieces that come before the destination is known, and pieces past the lead that come
+    /// before the lead's pieces are all queued (where there is room), are parked instead: then
+    /// the result is `true`, and the thread that names the destination or queues the lead's
+    /// last piece queues them, and counts them finished. Pieces that come after the job
+    /// failed, its destination unknown, are given back unqueued.
     fn queue(
         &self,
         ring: &Ring<D>,
         taken: &mut [Taken<'_, D>],
-        pieces: &[Piece],
+        first: usize,
         starts: &[*mut u8],
-    ) -> Result<()> {
+    ) -> Result<bool> {
+        let base = match self.turn(ring, taken, first, starts) {
+            Turn::Now(base) => base,
+            Turn::Parked => return Ok(true),
+            Turn::Skipped => {
+                // No copies were queued out of them.
+                taken.iter_mut().for_each(Taken::give_back);
+                return Ok(false);
+            }
+        };
+        let pieces = &self.pieces[first..first + taken.len()];
         for ((taken, piece), &start) in taken.iter_mut().zip(pieces).zip(starts) {
             let chunk = taken.chunk.as_mut().expect("taken");
             // From here on copies out of the chunk may be queued: lost if dropped.
             chunk.pending = true;
-            // SAFETY: the copies read the piece's bytes, filled by the caller; the chunk is
-            // left alone until its event, recorded next, completes (or, if that fails, it is
-            // lost).
-            let queued = unsafe { ring.dma.copy(&self.stream, start, &piece.copies) }
+            // SAFETY: the copies read the piece's bytes, filled at `start` by the caller (or,
+            // for a parked piece, by the thread that parked it, its chunk held untouched
+            // since); the chunk is left alone until its event, recorded next, completes (or,
+            // if that fails, it is lost).
+            let queued = unsafe { ring.dma.copy(&self.stream, start, &piece.copies, base) }
                 .and_then(|()| ring.dma.record(&mut chunk.event, &self.stream));
             if let Err(error) = queued {
                 // Copies may be queued that no event covers: reused only once the stream is
@@ -606,7 +767,115 @@ impl<D: Dma> Job<D> {
         }
         // Every chunk is back before the targets complete (the sink runs): nothing is held
         // if it fails or panics.
-        pieces.iter().try_for_each(|piece| self.landed(piece))
+        pieces.iter().try_for_each(|piece| self.landed(piece))?;
+        self.lead_queued(ring, first, pieces.len())?;
+        Ok(false)
+    }
+
+    /// What becomes of the filled pieces from `first` on (see [`queue`](Self::queue)); when
+    /// parked, their chunks are taken out of `taken`.
+    fn turn(
+        &self,
+        ring: &Ring<D>,
+        taken: &mut [Taken<'_, D>],
+        first: usize,
+        starts: &[*mut u8],
+    ) -> Turn {
+        let mut lead = lock(&self.lead_state);
+        let failed = self.failed.load(Ordering::Relaxed);
+        let counted = match self.destination.get() {
+            // Nobody names the destination of a failed job.
+            None if failed => return Turn::Skipped,
+            None => false,
+            // Not once the job has failed: the lead may never be queued then.
+            Some(destination) => {
+                if first < self.lead || lead.left == 0 || failed || !ring.park(taken.len()) {
+                    return Turn::Now(destination.base);
+                }
+                true
+            }
+        };
+        for (i, (taken, &start)) in taken.iter_mut().zip(starts).enumerate() {
+            lead.parked.push(Parked {
+                piece: first + i,
+                start: start as usize,
+                chunk: taken.chunk.take().expect("taken"),
+                counted,
+            });
+        }
+        Turn::Parked
+    }
+
+    /// Counts the lead's pieces among the `count` from `first` on as queued; the thread that
+    /// queues the lead's last piece then queues the parked pieces.
+    fn lead_queued(&self, ring: &Ring<D>, first: usize, count: usize) -> Result<()> {
+        let queued = self.lead.saturating_sub(first).min(count);
+        if queued == 0 {
+            return Ok(());
+        }
+        let parked = {
+            let mut lead = lock(&self.lead_state);
+            lead.left -= queued;
+            if lead.left > 0 {
+                return Ok(());
+            }
+            std::mem::take(&mut lead.parked)
+        };
+        self.queue_parked(ring, parked)
+    }
+
+    /// Queues `parked` in the pieces' order (unless the job has failed), and counts them
+    /// finished however that ends, but for those parked again (for the lead).
+    fn queue_parked(&self, ring: &Ring<D>, mut parked: Vec<Parked<D::Event>>) -> Result<()> {
+        if parked.is_empty() {
+            return Ok(());
+        }
+        ring.unpark(parked.iter().filter(|parked| parked.counted).count());
+        parked.sort_unstable_by_key(|parked| parked.piece);
+        let mut counted = Counted {
+            job: self,
+            pieces: parked.len(),
+        };
+        // Every chunk in a guard before anything can fail or panic: dropped before the
+        // pieces are counted, each given back (none has copies queued yet) or, once its
+        // copies are queued, given back or lost as they allow.
+        let mut held: Vec<(Taken<'_, D>, usize, usize)> = parked
+            .into_iter()
+            .map(|parked| {
+                let taken = Taken {
+                    ring,
+                    job: self,
+                    chunk: Some(parked.chunk),
+                };
+                (taken, parked.piece, parked.start)
+            })
+            .collect();
+        for (taken, piece, start) in &mut held {
+            if self.failed.load(Ordering::Relaxed) {
+                break;
+            }
+            let starts = [*start as *mut u8];
+            if self.queue(ring, std::slice::from_mut(taken), *piece, &starts)? {
+                // Counted by the thread that queues it.
+                counted.pieces -= 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// After a failure, gives back the chunks of the parked pieces (none has copies queued)
+    /// and counts the pieces finished: nobody comes to queue them.
+    fn release_parked(&self, ring: &Ring<D>) {
+        let parked = std::mem::take(&mut lock(&self.lead_state).parked);
+        if parked.is_empty() {
+            return;
+        }
+        let count = parked.len();
+        ring.unpark(parked.iter().filter(|parked| parked.counted).count());
+        for parked in parked {
+            ring.give_back(parked.chunk);
+        }
+        self.count_finished(count);
     }
 
     /// The next unread part of the oldest open piece, claimed, if any piece has one.
@@ -702,7 +971,7 @@ impl<D: Dma> Job<D> {
         if closed.is_empty() {
             return;
         }
-        let _counted = Counted {
+        let mut counted = Counted {
             job: self,
             pieces: closed.len(),
         };
@@ -729,9 +998,11 @@ impl<D: Dma> Job<D> {
                 break;
             }
             let starts = [start as *mut u8];
-            let pieces = std::slice::from_ref(&self.pieces[*piece]);
-            if let Err(error) = self.queue(ring, std::slice::from_mut(taken), pieces, &starts) {
-                self.fail(error);
+            match self.queue(ring, std::slice::from_mut(taken), *piece, &starts) {
+                // Counted by the thread that queues it.
+                Ok(true) => counted.pieces -= 1,
+                Ok(false) => {}
+                Err(error) => self.fail(error),
             }
         }
     }
@@ -747,7 +1018,8 @@ impl<D: Dma> Job<D> {
         if targets.is_empty() {
             return Ok(());
         }
-        (self.sink)(&targets, &self.stream)
+        let destination = (self.destination.get()).expect("known before any copy is queued");
+        (destination.sink)(&targets, &self.stream)
     }
 }
 
@@ -818,8 +1090,9 @@ impl<D: Dma> Drop for Complete<'_, D> {
     }
 }
 
-/// Fails the job if its thread panics out of [`Job::work`], and skips the parts that thread
-/// might have been the only one to read.
+/// A thread leaving a job (out of [`Job::work`], or out of [`Job::arrive`]): fails the job if
+/// it panics, and skips the parts it might have been the only one to read; releases parked
+/// pieces when the job has failed.
 struct Leaving<'a, D: Dma> {
     job: &'a Job<D>,
     ring: &'a Ring<D>,
@@ -830,6 +1103,11 @@ impl<D: Dma> Drop for Leaving<'_, D> {
         if std::thread::panicking() {
             self.job.fail(panicked());
             self.job.skip_unclaimed_parts(self.ring);
+        }
+        // Every thread leaves through here, so the last to leave a failed job finds every
+        // piece parked for a lead that is no longer queued.
+        if self.job.failed.load(Ordering::Relaxed) {
+            self.job.release_parked(self.ring);
         }
     }
 }

@@ -98,7 +98,7 @@ impl Dma for Arc<Fake> {
         Ok(Arc::default())
     }
 
-    unsafe fn copy(&self, _: &(), chunk: *const u8, copies: &[ChunkCopy]) -> Result<()> {
+    unsafe fn copy(&self, _: &(), chunk: *const u8, copies: &[ChunkCopy], base: u64) -> Result<()> {
         let call = self.copy_calls.fetch_add(1, Ordering::Relaxed) + 1;
         if self.fail_copy == Some(call) {
             return Err(Error::Invalid("injected copy failure".into()));
@@ -116,7 +116,10 @@ impl Dma for Arc<Fake> {
             }
             stream.push(Op::Copy {
                 src,
-                copy: *copy,
+                copy: ChunkCopy {
+                    dst: base + copy.dst,
+                    ..*copy
+                },
                 snap,
             });
         }
@@ -1061,4 +1064,209 @@ fn reads_through_the_page_cache_write_nothing_outside_their_piece() {
             assert_eq!(outside, 0, "{threads} threads, parts of {part}");
         }
     }
+}
+
+#[test]
+fn the_first_target_is_queued_before_the_pieces_after_it() {
+    let chunk = 4 * DIRECT_ALIGN;
+    let (file, bytes) = file_of(6 * chunk);
+    let fake = Arc::new(Fake::default());
+    let mut dst = vec![0u8; 6 * chunk];
+    let base = dst.as_mut_ptr() as u64;
+    fake.dst_base.store(base as usize, Ordering::Relaxed);
+    *fake.writes.lock().unwrap() = vec![0; dst.len()];
+    let crew = Crew::new(ring_in_parts(&fake, chunk, 8, DIRECT_ALIGN), 4).unwrap();
+    // The first target in two pieces, the second in four.
+    let split = 2 * chunk as u64;
+    let spans = [
+        rows(0, split, 1, split),
+        rows(split, 4 * chunk as u64, 1, 4 * chunk as u64),
+    ];
+    let mut spans = spans.map(|span| Span {
+        dst: base + span.offset,
+        ..span
+    });
+    spans[1].target = 1;
+    let pieces = cut(&spans, chunk).unwrap();
+    assert_eq!(pieces.len(), 6);
+    // For each sink call: its targets, and the copies queued by then.
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let (sink_seen, sink_fake) = (seen.clone(), fake.clone());
+    let copies_queued = |fake: &Fake| -> Vec<usize> {
+        let stream = fake.stream.lock().unwrap();
+        (stream.iter())
+            .filter_map(|op| match op {
+                Op::Copy { copy, .. } => Some(copy.target),
+                Op::Record(_) => None,
+            })
+            .collect()
+    };
+    let mut job = Job::new(
+        pieces,
+        vec![DataFile::open(file.path()).unwrap()],
+        ReadMode::Buffered,
+        (),
+        2,
+        Box::new(move |targets: &[usize], _: &()| {
+            let queued = copies_queued(&sink_fake);
+            sink_seen.lock().unwrap().push((targets.to_vec(), queued));
+            Ok(())
+        }),
+    );
+    // The first piece is read late: the pieces after the first target are filled before it.
+    job.part_hook = Some(Box::new(|piece, _| {
+        if piece == 0 {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }));
+    crew.run(&Arc::new(job)).unwrap();
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    let (first_targets, queued_by_then) = &seen[0];
+    assert_eq!(first_targets, &[0], "{seen:?}");
+    assert_eq!(
+        queued_by_then,
+        &[0, 0],
+        "the first target waited behind: {seen:?}"
+    );
+    assert_eq!(copies_queued(&fake), [0, 0, 1, 1, 1, 1]);
+    fake.drain();
+    assert!(dst == bytes);
+    assert!(fake.writes.lock().unwrap().iter().all(|&w| w == 1));
+    assert_eq!(fake.clobbered.load(Ordering::Relaxed), 0);
+    let chunks = lock(&crew.ring().chunks);
+    assert_eq!((chunks.free.len(), chunks.parked), (8, 0));
+}
+
+/// A job of three targets of two chunks each, at offsets from a destination named later, on
+/// a crew of three threads over a ring of `chunks` chunks; the file's bytes, and how many
+/// times `done` was called.
+struct ToCome {
+    _file: tempfile::NamedTempFile,
+    bytes: Vec<u8>,
+    fake: Arc<Fake>,
+    crew: Crew<Arc<Fake>>,
+    job: Arc<Job<Arc<Fake>>>,
+    done: Arc<AtomicUsize>,
+}
+
+fn job_to_come(chunks: usize) -> ToCome {
+    let chunk = 4 * DIRECT_ALIGN;
+    let (file, bytes) = file_of(6 * chunk);
+    let fake = Arc::new(Fake::default());
+    let crew = Crew::new(ring_in_parts(&fake, chunk, chunks, DIRECT_ALIGN), 3).unwrap();
+    let width = 2 * chunk as u64;
+    let spans: Vec<Span> = (0..3)
+        .map(|target| Span {
+            dst: target as u64 * width,
+            target,
+            ..rows(target as u64 * width, width, 1, width)
+        })
+        .collect();
+    let pieces = cut(&spans, chunk).unwrap();
+    let files = vec![DataFile::open(file.path()).unwrap()];
+    let done = Arc::new(AtomicUsize::new(0));
+    let counted = done.clone();
+    let job =
+        Job::to_come(pieces, files, ReadMode::Buffered, (), 3).when_done(Box::new(move |_| {
+            counted.fetch_add(1, Ordering::Relaxed);
+        }));
+    ToCome {
+        _file: file,
+        bytes,
+        fake,
+        crew,
+        job: Arc::new(job),
+        done,
+    }
+}
+
+/// Waits until `count` pieces of `job` are parked.
+fn until_parked(job: &Job<Arc<Fake>>, count: usize) {
+    let start = std::time::Instant::now();
+    while lock(&job.lead_state).parked.len() < count {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(20),
+            "never parked"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn a_job_reads_before_its_destination_is_named_then_queues_in_order() {
+    let ToCome {
+        _file,
+        bytes,
+        fake,
+        crew,
+        job,
+        done,
+    } = job_to_come(8);
+    crew.submit(&job);
+    // Every piece is read into a chunk of its own, and waits.
+    until_parked(&job, 6);
+    assert_eq!(fake.copy_calls.load(Ordering::Relaxed), 0);
+    let mut dst = vec![0u8; bytes.len()];
+    let base = dst.as_mut_ptr() as u64;
+    fake.dst_base.store(base as usize, Ordering::Relaxed);
+    *fake.writes.lock().unwrap() = vec![0; dst.len()];
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let sink_seen = seen.clone();
+    let sink = Box::new(move |targets: &[usize], _: &()| {
+        sink_seen.lock().unwrap().extend_from_slice(targets);
+        Ok(())
+    });
+    job.arrive(crew.ring(), Destination { base, sink });
+    job.wait_finished();
+    assert!(job.take_error().is_none());
+    assert_eq!(done.load(Ordering::Relaxed), 1);
+    assert_eq!(*seen.lock().unwrap(), [0, 1, 2]);
+    let queued: Vec<u64> = (fake.stream.lock().unwrap().iter())
+        .filter_map(|op| match op {
+            Op::Copy { copy, .. } => Some(copy.dst - base),
+            Op::Record(_) => None,
+        })
+        .collect();
+    let chunk = 4 * DIRECT_ALIGN as u64;
+    assert_eq!(queued, (0..6).map(|i| i * chunk).collect::<Vec<_>>());
+    fake.drain();
+    assert!(dst == bytes);
+    assert!(fake.writes.lock().unwrap().iter().all(|&w| w == 1));
+    let chunks = lock(&crew.ring().chunks);
+    assert_eq!((chunks.free.len(), chunks.parked), (8, 0));
+}
+
+#[test]
+fn a_job_whose_destination_never_comes_gives_its_chunks_back_and_completes() {
+    // Two chunks for six pieces: the crew's threads wait for chunks that pieces hold.
+    let ToCome {
+        _file,
+        fake,
+        crew,
+        job,
+        done,
+        ..
+    } = job_to_come(2);
+    crew.submit(&job);
+    until_parked(&job, 2);
+    job.abandon(
+        crew.ring(),
+        Error::Invalid("the destination never came".into()),
+    );
+    let (sender, receiver) = std::sync::mpsc::channel();
+    let waiting = job.clone();
+    std::thread::spawn(move || {
+        waiting.wait_finished();
+        let _ = sender.send(());
+    });
+    receiver
+        .recv_timeout(std::time::Duration::from_secs(20))
+        .expect("the job never finished");
+    let error = job.take_error().expect("the job failed").to_string();
+    assert!(error.contains("never came"), "{error}");
+    assert_eq!(done.load(Ordering::Relaxed), 1);
+    assert_eq!(fake.copy_calls.load(Ordering::Relaxed), 0);
+    let chunks = lock(&crew.ring().chunks);
+    assert_eq!((chunks.free.len(), chunks.live, chunks.parked), (2, 2, 0));
 }

@@ -1,7 +1,8 @@
 //! The crew against random cases: 1–8 threads, rings of 1–4 small chunks, parts down to a
-//! byte, 1–3 jobs at once on one crew (run by their caller or submitted), every read mode,
-//! and one injected fault: a sink, copy, record or event wait that fails, or a sink, copy or
-//! part read that panics. Whatever happens, every job completes once (no hang), no target
+//! byte, 1–3 jobs at once on one crew (run by their caller or submitted, with their
+//! destination named at once, a little later, or never), every read mode, and one injected
+//! fault: a sink, copy, record or event wait that fails, or a sink, copy or part read that
+//! panics. Whatever happens, every job completes once (no hang), no target
 //! completes twice, no chunk is missing or reused under a copy, no byte lands twice or
 //! wrong, and a failed job reports the injected fault (or the chunks it lost, to the other
 //! jobs).
@@ -78,6 +79,18 @@ struct Case {
     submitted: bool,
     mode: ReadMode,
     faults: Faults,
+    /// For submitted jobs: when their destination is named.
+    named: Named,
+}
+
+/// When a submitted job's destination is named.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Named {
+    AtOnce,
+    /// After the job is submitted, this many microseconds later.
+    Later(u64),
+    /// Never: the job is abandoned (an injected fault), this many microseconds later.
+    Never(u64),
 }
 
 impl Case {
@@ -116,7 +129,18 @@ impl Case {
             submitted: r.below(2) == 0,
             mode: [ReadMode::Buffered, ReadMode::Auto, ReadMode::Direct][r.below(3)],
             faults,
+            named: match r.below(4) {
+                0 | 1 => Named::AtOnce,
+                2 => Named::Later(r.below(300) as u64),
+                _ if with_faults => Named::Never(r.below(300) as u64),
+                _ => Named::Later(r.below(300) as u64),
+            },
         }
+    }
+
+    /// Whether a fault is injected: one of `faults`, or a destination never named.
+    fn faulty(&self) -> bool {
+        self.faults.any() || matches!(self.named, Named::Never(_))
     }
 }
 
@@ -154,6 +178,13 @@ fn run_case(case: &Case) -> std::result::Result<(), String> {
     let (outcome, outcomes) = mpsc::channel();
     let mut threads = Vec::new();
     for j in 0..case.jobs {
+        let named = if case.submitted {
+            case.named
+        } else {
+            Named::AtOnce
+        };
+        // Copies go to addresses, or to offsets from a destination named later.
+        let base = if named == Named::AtOnce { dst_base } else { 0 };
         // Targets of random widths covering this job's bytes.
         let mut r = Rng::new(case.seed ^ (j as u64 + 1));
         let mut spans = Vec::new();
@@ -166,7 +197,7 @@ fn run_case(case: &Case) -> std::result::Result<(), String> {
                 width: width as u64,
                 rows: 1,
                 pitch: width as u64,
-                dst: (dst_base + j * case.len + at) as u64,
+                dst: (base + j * case.len + at) as u64,
                 target: spans.len(),
             });
             at += width;
@@ -176,22 +207,22 @@ fn run_case(case: &Case) -> std::result::Result<(), String> {
         let completed = Arc::new(Mutex::new(Vec::new()));
         let (sink_completed, calls) = (completed.clone(), sink_calls.clone());
         let (fails, panics) = (faults.sink_fails, faults.sink_panics);
-        let mut job = Job::new(
-            pieces,
-            vec![data_file.clone()],
-            case.mode,
-            (),
-            targets,
-            Box::new(move |targets: &[usize], _: &()| {
-                let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
-                assert_ne!(panics, Some(n), "injected sink panic");
-                if fails == Some(n) {
-                    return Err(Error::Invalid("injected sink failure".into()));
-                }
-                sink_completed.lock().unwrap().extend_from_slice(targets);
-                Ok(())
-            }),
-        );
+        let sink: Box<Sink<Arc<Fake>>> = Box::new(move |targets: &[usize], _: &()| {
+            let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+            assert_ne!(panics, Some(n), "injected sink panic");
+            if fails == Some(n) {
+                return Err(Error::Invalid("injected sink failure".into()));
+            }
+            sink_completed.lock().unwrap().extend_from_slice(targets);
+            Ok(())
+        });
+        let files = vec![data_file.clone()];
+        let (mut job, mut sink) = if named == Named::AtOnce {
+            (Job::new(pieces, files, case.mode, (), targets, sink), None)
+        } else {
+            let job = Job::to_come(pieces, files, case.mode, (), targets);
+            (job, Some(sink))
+        };
         let (reads, panics) = (part_reads.clone(), faults.part_panics);
         job.part_hook = Some(Box::new(move |_, _| {
             let n = reads.fetch_add(1, Ordering::SeqCst) + 1;
@@ -206,8 +237,32 @@ fn run_case(case: &Case) -> std::result::Result<(), String> {
         threads.push(std::thread::spawn(move || {
             let result = if submitted {
                 crew.submit(&job);
+                // Naming the destination queues what waited for it, on this thread: a copy or
+                // a sink may panic here.
+                let naming =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match named {
+                        Named::AtOnce => {}
+                        Named::Later(micros) => {
+                            std::thread::sleep(Duration::from_micros(micros));
+                            let sink = sink.take().expect("named once");
+                            let base = dst_base as u64;
+                            job.arrive(crew.ring(), Destination { base, sink });
+                        }
+                        Named::Never(micros) => {
+                            std::thread::sleep(Duration::from_micros(micros));
+                            let error = Error::Invalid("injected: no destination".into());
+                            job.abandon(crew.ring(), error);
+                        }
+                    }));
                 job.wait_finished();
-                Ok(job.take_error().map_or(Ok(()), Err))
+                match naming {
+                    Ok(()) => Ok(job.take_error().map_or(Ok(()), Err)),
+                    Err(panic) => {
+                        // A panic's payload may panic when dropped: leaked.
+                        std::mem::forget(panic);
+                        Err(())
+                    }
+                }
             } else {
                 let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| crew.run(&job)));
                 run.map_err(|panic| {
@@ -275,11 +330,11 @@ fn run_case(case: &Case) -> std::result::Result<(), String> {
             broken.push("a target completed twice".into());
         }
         match &job.result {
-            Ok(Ok(())) if !faults.any() && count != job.targets => {
+            Ok(Ok(())) if !case.faulty() && count != job.targets => {
                 broken.push(format!("{count} of {} targets completed", job.targets));
             }
-            Ok(Err(error)) if !faults.any() => broken.push(format!("failed: {error}")),
-            Err(()) if !faults.any() => broken.push("the caller panicked".into()),
+            Ok(Err(error)) if !case.faulty() => broken.push(format!("failed: {error}")),
+            Err(()) if !case.faulty() => broken.push("the caller panicked".into()),
             Ok(Err(error)) => {
                 let error = error.to_string();
                 // Another job's fault may lose the chunks this one waits for.
@@ -298,7 +353,7 @@ fn run_case(case: &Case) -> std::result::Result<(), String> {
     if writes.iter().any(|&w| w > 1) {
         broken.push("a byte written twice".into());
     }
-    if !faults.any() && writes.iter().any(|&w| w != 1) {
+    if !case.faulty() && writes.iter().any(|&w| w != 1) {
         broken.push("a byte not written".into());
     }
     if !faults.stream_never_drains
@@ -322,7 +377,8 @@ fn quiet_injected_panics() {
             let message = (info.payload().downcast_ref::<String>().map(String::as_str))
                 .or_else(|| info.payload().downcast_ref::<&str>().copied())
                 .unwrap_or("");
-            if !message.contains("injected") {
+            // A failed case's report may quote the injected fault: it is shown.
+            if !message.contains("injected") || message.starts_with("Test failed") {
                 previous(info);
             }
         }));
