@@ -7,9 +7,9 @@
 //! overlap, and the pinned memory held is the ring's, whatever the size of the file. Each
 //! piece is read through the page cache where the kernel holds it, in parts by several
 //! threads at once, and past the cache (`O_DIRECT`) where it does not ([`ReadMode`]), in one
-//! large read, so that a cold file keeps the storage busy. A checkpoint's first tensor goes
-//! to the device before the tensors after it, and reading starts while the device memory is
-//! allocated.
+//! large read, so that a cold file keeps the storage busy. A checkpoint's first tensor is
+//! read while its device memory is allocated, and goes to the device before the tensors
+//! after it.
 //!
 //! | type | what |
 //! |---|---|

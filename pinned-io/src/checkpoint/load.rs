@@ -165,10 +165,9 @@ impl Checkpoint {
     ///
     /// The reader's threads read while the DMA engine copies; pinned memory is the reader's
     /// ring only, whatever the checkpoint's size. The selected tensors share one device
-    /// allocation per device, and the threads start reading before it is made (an allocation
-    /// can take milliseconds): what they read meanwhile waits in the ring. The first tensor's
-    /// copies are queued before those of the tensors after it, so that it is usable as soon
-    /// as it can be.
+    /// allocation per device; while it is made (which can take milliseconds), the threads
+    /// already read the first tensor into the ring. The first tensor's copies are queued
+    /// before those of the tensors after it, so that it is usable as soon as it can be.
     ///
     /// # Errors
     ///
@@ -216,9 +215,9 @@ impl Checkpoint {
                 ready.set(State::Failed(why.clone()));
             }
         });
-        // The crew reads while the device memory is allocated, which can take milliseconds;
-        // what it reads meanwhile waits in the ring, and goes to the device in order once the
-        // memory is there.
+        // The crew reads the first tensor while the device memory is allocated, which can
+        // take milliseconds; what it reads waits in the ring, and goes to the device once the
+        // memory is named.
         let job = Job::to_come(
             pieces,
             self.files.clone(),

@@ -21,8 +21,9 @@
 //! most half the ring waits so: the lead's own pieces always find a chunk.
 //!
 //! A job may also start before its destination exists (a load's device memory, whose
-//! allocation can take milliseconds): its pieces then wait in their chunks, and are queued
-//! once it is known.
+//! allocation can take milliseconds): its threads then read the lead's pieces only, which
+//! wait in their chunks until the thread that names the destination queues them. Only the
+//! lead: that thread queues them before it returns, and each copy call costs microseconds.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -349,6 +350,10 @@ pub(crate) struct Job<D: Dma> {
     lead_state: Mutex<Lead<D::Event>>,
     /// Set once (after the job is shared, under `lead_state`'s lock).
     destination: OnceLock<Destination<D>>,
+    /// Where threads wait, while the destination is unknown, for something to do: the
+    /// destination, a failure, or an opened piece's parts.
+    gate: Mutex<()>,
+    news: Condvar,
     failed: AtomicBool,
     error: Mutex<Option<Error>>,
     /// Pieces read through the page cache part by part, oldest first, until the last part
@@ -415,6 +420,8 @@ impl<D: Dma> Job<D> {
                 parked: Vec::new(),
             }),
             destination: OnceLock::new(),
+            gate: Mutex::new(()),
+            news: Condvar::new(),
             failed: AtomicBool::new(false),
             error: Mutex::new(None),
             open: Mutex::new(Vec::new()),
@@ -465,6 +472,7 @@ impl<D: Dma> Job<D> {
             }
             std::mem::take(&mut lead.parked)
         };
+        self.wake();
         // Every crew thread may have left the job, its pieces all read: after a failure (a
         // panic included), nobody else releases what waits for a lead no longer queued.
         let _leaving = Leaving { job: self, ring };
@@ -503,6 +511,9 @@ impl<D: Dma> Job<D> {
             if self.exhausted() {
                 return;
             }
+            if self.await_destination() {
+                continue;
+            }
             let index = self.next.fetch_add(1, Ordering::Relaxed);
             if index >= self.pieces.len() {
                 continue;
@@ -518,6 +529,34 @@ impl<D: Dma> Job<D> {
             }
             drop(counted);
         }
+    }
+
+    /// Waits, while the destination is unknown and every piece of the lead is taken, until
+    /// there is news (see [`wake`](Self::wake)); returns whether it waited.
+    fn await_destination(&self) -> bool {
+        let unknown = || self.destination.get().is_none() && !self.failed.load(Ordering::Relaxed);
+        if !unknown() || self.next.load(Ordering::Relaxed) < self.lead {
+            return false;
+        }
+        let gate = lock(&self.gate);
+        // Checked again under the gate: news comes through it.
+        if !unknown()
+            || lock(&self.open)
+                .iter()
+                .any(|open| open.claimed < open.parts)
+        {
+            return false;
+        }
+        drop(self.news.wait(gate).unwrap_or_else(PoisonError::into_inner));
+        true
+    }
+
+    /// Wakes the threads waiting for the destination: it is known, the job failed, or a piece
+    /// was opened. Called after the change.
+    fn wake(&self) {
+        // Taken and let go: a waiter has either seen the change or waits, and is woken.
+        drop(lock(&self.gate));
+        self.news.notify_all();
     }
 
     /// Whether `piece` is read past the page cache (as [`DataFile::read_at`] decides).
@@ -576,6 +615,7 @@ impl<D: Dma> Job<D> {
     pub(crate) fn fail(&self, error: Error) {
         self.failed.store(true, Ordering::Relaxed);
         lock(&self.error).get_or_insert(error);
+        self.wake();
     }
 
     /// The job's error, if a piece failed.
@@ -647,6 +687,9 @@ impl<D: Dma> Job<D> {
                 unfinished: parts,
                 failed: false,
             });
+            if self.destination.get().is_none() {
+                self.wake();
+            }
             *claimed -= 1;
             return;
         }

@@ -44,6 +44,8 @@ struct Fake {
     fail_wait_stream: bool,
     /// Copies that ran after their source bytes changed (a chunk reused too early).
     clobbered: AtomicUsize,
+    /// The target of every copy queued, in the order queued (drained or not).
+    queued: Mutex<Vec<usize>>,
 }
 
 impl Fake {
@@ -106,6 +108,7 @@ impl Dma for Arc<Fake> {
         assert_ne!(self.panic_copy, Some(call), "injected copy panic");
         let mut stream = self.stream.lock().unwrap();
         for copy in copies {
+            self.queued.lock().unwrap().push(copy.target);
             let src = chunk as usize + copy.from;
             let mut snap = Vec::new();
             for row in 0..copy.rows {
@@ -1068,6 +1071,13 @@ fn reads_through_the_page_cache_write_nothing_outside_their_piece() {
 
 #[test]
 fn the_first_target_is_queued_before_the_pieces_after_it() {
+    // Four pieces wait for the lead: half the ring.
+    first_target_first(8, 2);
+}
+
+/// Six pieces read by four threads through a ring of `chunks` chunks, the first `lead` of
+/// them the first target's, the first piece read late: the first target is queued first.
+fn first_target_first(chunks: usize, lead: usize) {
     let chunk = 4 * DIRECT_ALIGN;
     let (file, bytes) = file_of(6 * chunk);
     let fake = Arc::new(Fake::default());
@@ -1075,13 +1085,10 @@ fn the_first_target_is_queued_before_the_pieces_after_it() {
     let base = dst.as_mut_ptr() as u64;
     fake.dst_base.store(base as usize, Ordering::Relaxed);
     *fake.writes.lock().unwrap() = vec![0; dst.len()];
-    let crew = Crew::new(ring_in_parts(&fake, chunk, 8, DIRECT_ALIGN), 4).unwrap();
-    // The first target in two pieces, the second in four.
-    let split = 2 * chunk as u64;
-    let spans = [
-        rows(0, split, 1, split),
-        rows(split, 4 * chunk as u64, 1, 4 * chunk as u64),
-    ];
+    let crew = Crew::new(ring_in_parts(&fake, chunk, chunks, DIRECT_ALIGN), 4).unwrap();
+    let split = (lead * chunk) as u64;
+    let rest = (6 * chunk) as u64 - split;
+    let spans = [rows(0, split, 1, split), rows(split, rest, 1, rest)];
     let mut spans = spans.map(|span| Span {
         dst: base + span.offset,
         ..span
@@ -1092,15 +1099,7 @@ fn the_first_target_is_queued_before_the_pieces_after_it() {
     // For each sink call: its targets, and the copies queued by then.
     let seen = Arc::new(Mutex::new(Vec::new()));
     let (sink_seen, sink_fake) = (seen.clone(), fake.clone());
-    let copies_queued = |fake: &Fake| -> Vec<usize> {
-        let stream = fake.stream.lock().unwrap();
-        (stream.iter())
-            .filter_map(|op| match op {
-                Op::Copy { copy, .. } => Some(copy.target),
-                Op::Record(_) => None,
-            })
-            .collect()
-    };
+    let copies_queued = |fake: &Fake| fake.queued.lock().unwrap().clone();
     let mut job = Job::new(
         pieces,
         vec![DataFile::open(file.path()).unwrap()],
@@ -1126,16 +1125,17 @@ fn the_first_target_is_queued_before_the_pieces_after_it() {
     assert_eq!(first_targets, &[0], "{seen:?}");
     assert_eq!(
         queued_by_then,
-        &[0, 0],
+        &vec![0; lead],
         "the first target waited behind: {seen:?}"
     );
-    assert_eq!(copies_queued(&fake), [0, 0, 1, 1, 1, 1]);
+    let order: Vec<usize> = (0..6).map(|piece| usize::from(piece >= lead)).collect();
+    assert_eq!(copies_queued(&fake), order, "{chunks} chunks");
     fake.drain();
     assert!(dst == bytes);
     assert!(fake.writes.lock().unwrap().iter().all(|&w| w == 1));
     assert_eq!(fake.clobbered.load(Ordering::Relaxed), 0);
-    let chunks = lock(&crew.ring().chunks);
-    assert_eq!((chunks.free.len(), chunks.parked), (8, 0));
+    let ring = lock(&crew.ring().chunks);
+    assert_eq!((ring.free.len(), ring.parked), (chunks, 0));
 }
 
 /// A job of three targets of two chunks each, at offsets from a destination named later, on
@@ -1194,7 +1194,7 @@ fn until_parked(job: &Job<Arc<Fake>>, count: usize) {
 }
 
 #[test]
-fn a_job_reads_before_its_destination_is_named_then_queues_in_order() {
+fn a_job_reads_its_lead_before_its_destination_is_named_then_queues_in_order() {
     let ToCome {
         _file,
         bytes,
@@ -1204,8 +1204,12 @@ fn a_job_reads_before_its_destination_is_named_then_queues_in_order() {
         done,
     } = job_to_come(8);
     crew.submit(&job);
-    // Every piece is read into a chunk of its own, and waits.
-    until_parked(&job, 6);
+    // The first target's two pieces are read, each into a chunk of its own, and wait; the
+    // threads read no further.
+    until_parked(&job, 2);
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert_eq!(lock(&job.lead_state).parked.len(), 2);
+    assert_eq!(job.next.load(Ordering::Relaxed), 2);
     assert_eq!(fake.copy_calls.load(Ordering::Relaxed), 0);
     let mut dst = vec![0u8; bytes.len()];
     let base = dst.as_mut_ptr() as u64;
