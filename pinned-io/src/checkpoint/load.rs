@@ -396,8 +396,9 @@ struct OnDevice {
 }
 
 /// A load's job until its destination is named: dropped before (an error or a panic while
-/// allocating), the job is abandoned, so that its pieces do not wait for memory that will not
-/// come.
+/// allocating) or while (a panic), the job is abandoned, so that its pieces do not wait for
+/// memory that will not come, and no copy queued into that memory still runs when it is
+/// freed.
 struct Coming<'a> {
     job: &'a Job<Cuda>,
     crew: &'a Crew<Cuda>,
@@ -413,8 +414,11 @@ impl Coming<'_> {
 impl Drop for Coming<'_> {
     fn drop(&mut self) {
         let why = Error::Invalid("the load's device memory was not allocated".into());
-        self.job.abandon(self.crew.ring(), why);
-        self.job.wait_finished();
+        let ring = self.crew.ring();
+        self.job.abandon(ring, why);
+        // Only a panic while naming the memory can have queued copies into it (the replicas'
+        // copies are tracked by their memory); the crew finishes the job on its own.
+        let _ = self.job.stream.synchronize();
     }
 }
 

@@ -451,10 +451,21 @@ impl<D: Dma> Job<D> {
     fn complete_empty(&self, destination: &Destination<D>) {
         // Not the targets' counts: once the destination is known, other targets may reach
         // none as their pieces land.
-        if !self.empty.is_empty()
-            && let Err(error) = (destination.sink)(&self.empty, &self.stream)
-        {
-            self.fail(error);
+        if !self.empty.is_empty() {
+            // A panic here is the job's failure, as in a crew thread: the job still goes to
+            // the crew, whose threads skip its pieces, so that it completes.
+            let sunk = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                (destination.sink)(&self.empty, &self.stream)
+            }));
+            match sunk {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => self.fail(error),
+                Err(payload) => {
+                    // A panic's payload may panic when dropped: leaked.
+                    std::mem::forget(payload);
+                    self.fail(panicked());
+                }
+            }
         }
         if self.pieces.is_empty() {
             self.count_finished(0);
@@ -476,10 +487,10 @@ impl<D: Dma> Job<D> {
         // Every crew thread may have left the job, its pieces all read: after a failure (a
         // panic included), nobody else releases what waits for a lead no longer queued.
         let _leaving = Leaving { job: self, ring };
+        // Before the pieces are counted, so that `done` sees a failure of the sink; a panic
+        // in it is caught, so that nothing strands the pieces taken out of the lead.
         self.complete_empty(self.destination.get().expect("just set"));
-        if let Err(error) = self.queue_parked(ring, parked) {
-            self.fail(error);
-        }
+        self.queue_parked(ring, parked);
     }
 
     /// Fails a job whose destination will never come, with `error`, and gives back the
@@ -487,6 +498,10 @@ impl<D: Dma> Job<D> {
     pub(crate) fn abandon(&self, ring: &Ring<D>, error: Error) {
         self.fail(error);
         self.release_parked(ring);
+        // A job without pieces completes here: no thread counts one.
+        if self.pieces.is_empty() {
+            self.count_finished(0);
+        }
     }
 
     /// Whether every piece has been taken by a thread.
@@ -811,7 +826,7 @@ impl<D: Dma> Job<D> {
         // Every chunk is back before the targets complete (the sink runs): nothing is held
         // if it fails or panics.
         pieces.iter().try_for_each(|piece| self.landed(piece))?;
-        self.lead_queued(ring, first, pieces.len())?;
+        self.lead_queued(ring, first, pieces.len());
         Ok(false)
     }
 
@@ -851,27 +866,28 @@ impl<D: Dma> Job<D> {
 
     /// Counts the lead's pieces among the `count` from `first` on as queued; the thread that
     /// queues the lead's last piece then queues the parked pieces.
-    fn lead_queued(&self, ring: &Ring<D>, first: usize, count: usize) -> Result<()> {
+    fn lead_queued(&self, ring: &Ring<D>, first: usize, count: usize) {
         let queued = self.lead.saturating_sub(first).min(count);
         if queued == 0 {
-            return Ok(());
+            return;
         }
         let parked = {
             let mut lead = lock(&self.lead_state);
             lead.left -= queued;
             if lead.left > 0 {
-                return Ok(());
+                return;
             }
             std::mem::take(&mut lead.parked)
         };
-        self.queue_parked(ring, parked)
+        self.queue_parked(ring, parked);
     }
 
     /// Queues `parked` in the pieces' order (unless the job has failed), and counts them
-    /// finished however that ends, but for those parked again (for the lead).
-    fn queue_parked(&self, ring: &Ring<D>, mut parked: Vec<Parked<D::Event>>) -> Result<()> {
+    /// finished however that ends, but for those parked again (for the lead). An error fails
+    /// the job before they are counted, so that `done` sees it.
+    fn queue_parked(&self, ring: &Ring<D>, mut parked: Vec<Parked<D::Event>>) {
         if parked.is_empty() {
-            return Ok(());
+            return;
         }
         ring.unpark(parked.iter().filter(|parked| parked.counted).count());
         parked.sort_unstable_by_key(|parked| parked.piece);
@@ -898,12 +914,16 @@ impl<D: Dma> Job<D> {
                 break;
             }
             let starts = [*start as *mut u8];
-            if self.queue(ring, std::slice::from_mut(taken), *piece, &starts)? {
+            match self.queue(ring, std::slice::from_mut(taken), *piece, &starts) {
                 // Counted by the thread that queues it.
-                counted.pieces -= 1;
+                Ok(true) => counted.pieces -= 1,
+                Ok(false) => {}
+                Err(error) => {
+                    self.fail(error);
+                    break;
+                }
             }
         }
-        Ok(())
     }
 
     /// After a failure, gives back the chunks of the parked pieces (none has copies queued)

@@ -1274,3 +1274,43 @@ fn a_job_whose_destination_never_comes_gives_its_chunks_back_and_completes() {
     let chunks = lock(&crew.ring().chunks);
     assert_eq!((chunks.free.len(), chunks.live, chunks.parked), (2, 2, 0));
 }
+
+#[test]
+fn a_job_without_pieces_completes_once_named_or_abandoned() {
+    for named in [true, false] {
+        let fake = Arc::new(Fake::default());
+        let crew = Crew::new(ring(&fake, DIRECT_ALIGN, 2), 2).unwrap();
+        // One target without bytes.
+        let job = Arc::new(Job::to_come(
+            Vec::new(),
+            Vec::new(),
+            ReadMode::Buffered,
+            (),
+            1,
+        ));
+        crew.submit(&job);
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        if named {
+            let sink_seen = seen.clone();
+            let sink = Box::new(move |targets: &[usize], _: &()| {
+                sink_seen.lock().unwrap().extend_from_slice(targets);
+                Ok(())
+            });
+            job.arrive(crew.ring(), Destination { base: 0, sink });
+        } else {
+            let error = Error::Invalid("the destination never came".into());
+            job.abandon(crew.ring(), error);
+        }
+        let (sender, receiver) = std::sync::mpsc::channel();
+        let waiting = job.clone();
+        std::thread::spawn(move || {
+            waiting.wait_finished();
+            let _ = sender.send(());
+        });
+        receiver
+            .recv_timeout(std::time::Duration::from_secs(20))
+            .unwrap_or_else(|_| panic!("named: {named}: the job never finished"));
+        assert_eq!(job.take_error().is_none(), named);
+        assert_eq!(*seen.lock().unwrap(), if named { vec![0] } else { vec![] });
+    }
+}

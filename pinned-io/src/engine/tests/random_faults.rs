@@ -149,6 +149,8 @@ struct JobOutcome {
     /// The job's result, or `Err` when its caller panicked out of `run`.
     result: std::result::Result<Result<()>, ()>,
     done_calls: usize,
+    /// Whether the job had an error when `done` was called.
+    done_saw_error: bool,
     completed: Vec<usize>,
     targets: usize,
 }
@@ -190,7 +192,11 @@ fn run_case(case: &Case) -> std::result::Result<(), String> {
         let mut spans = Vec::new();
         let mut at = 0;
         while at < case.len {
-            let width = (1 + r.below(9000)).min(case.len - at);
+            // Now and then a target without bytes, completed without a piece.
+            let width = match r.below(16) {
+                0 => 0,
+                _ => (1 + r.below(9000)).min(case.len - at),
+            };
             spans.push(Span {
                 file: 0,
                 offset: (j * case.len + at) as u64,
@@ -229,8 +235,10 @@ fn run_case(case: &Case) -> std::result::Result<(), String> {
             assert_ne!(panics, Some(n), "injected part panic");
         }));
         let done_calls = Arc::new(AtomicUsize::new(0));
-        let counted = done_calls.clone();
-        let job = Arc::new(job.when_done(Box::new(move |_| {
+        let done_saw_error = Arc::new(AtomicBool::new(false));
+        let (counted, saw) = (done_calls.clone(), done_saw_error.clone());
+        let job = Arc::new(job.when_done(Box::new(move |job: &Job<Arc<Fake>>| {
+            saw.store(job.error_message().is_some(), Ordering::SeqCst);
             counted.fetch_add(1, Ordering::SeqCst);
         })));
         let (crew, outcome, submitted) = (crew.clone(), outcome.clone(), case.submitted);
@@ -275,6 +283,7 @@ fn run_case(case: &Case) -> std::result::Result<(), String> {
             let _ = outcome.send(JobOutcome {
                 result,
                 done_calls: done_calls.load(Ordering::SeqCst),
+                done_saw_error: done_saw_error.load(Ordering::SeqCst),
                 completed: completed.lock().unwrap().clone(),
                 targets,
             });
@@ -322,6 +331,13 @@ fn run_case(case: &Case) -> std::result::Result<(), String> {
         if job.done_calls != 1 {
             broken.push(format!("done called {} times", job.done_calls));
         }
+        // `done` runs once every piece is counted, and a failure is the job's before its
+        // pieces are: `done` sees the job's outcome.
+        if let Ok(result) = &job.result
+            && result.is_err() != job.done_saw_error
+        {
+            broken.push(format!("done saw an error: {}", job.done_saw_error));
+        }
         let mut completed = job.completed.clone();
         completed.sort_unstable();
         let count = completed.len();
@@ -330,7 +346,7 @@ fn run_case(case: &Case) -> std::result::Result<(), String> {
             broken.push("a target completed twice".into());
         }
         match &job.result {
-            Ok(Ok(())) if !case.faulty() && count != job.targets => {
+            Ok(Ok(())) if count != job.targets => {
                 broken.push(format!("{count} of {} targets completed", job.targets));
             }
             Ok(Err(error)) if !case.faulty() => broken.push(format!("failed: {error}")),
@@ -385,8 +401,15 @@ fn quiet_injected_panics() {
     });
 }
 
+/// Cases per test: `PROPTEST_CASES` where set (for longer runs), else 200.
+fn cases() -> u32 {
+    (std::env::var("PROPTEST_CASES").ok())
+        .and_then(|cases| cases.parse().ok())
+        .unwrap_or(200)
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(200))]
+    #![proptest_config(ProptestConfig::with_cases(cases()))]
 
     #[test]
     fn random_cases_land_every_byte_once(seed in any::<u64>()) {
