@@ -526,10 +526,10 @@ impl<D: Dma> Job<D> {
             if self.exhausted() {
                 return;
             }
-            if self.await_destination() {
+            let Some(index) = self.claim_piece() else {
+                self.await_destination();
                 continue;
-            }
-            let index = self.next.fetch_add(1, Ordering::Relaxed);
+            };
             if index >= self.pieces.len() {
                 continue;
             }
@@ -546,24 +546,34 @@ impl<D: Dma> Job<D> {
         }
     }
 
-    /// Waits, while the destination is unknown and every piece of the lead is taken, until
-    /// there is news (see [`wake`](Self::wake)); returns whether it waited.
-    fn await_destination(&self) -> bool {
-        let unknown = || self.destination.get().is_none() && !self.failed.load(Ordering::Relaxed);
-        if !unknown() || self.next.load(Ordering::Relaxed) < self.lead {
-            return false;
-        }
+    /// Whether piece `index` may be taken: any once the destination is known (or the job
+    /// failed, its pieces then skipped), else the lead's only.
+    fn may_take(&self, index: usize) -> bool {
+        index < self.lead || self.destination.get().is_some() || self.failed.load(Ordering::Relaxed)
+    }
+
+    /// Takes the next piece, if it may be taken.
+    fn claim_piece(&self) -> Option<usize> {
+        (self.next)
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |next| {
+                self.may_take(next).then_some(next + 1)
+            })
+            .ok()
+    }
+
+    /// Waits, while the destination is unknown, until there is news (see
+    /// [`wake`](Self::wake)).
+    fn await_destination(&self) {
         let gate = lock(&self.gate);
-        // Checked again under the gate: news comes through it.
-        if !unknown()
-            || lock(&self.open)
+        // Checked under the gate: news comes through it.
+        let unknown = self.destination.get().is_none() && !self.failed.load(Ordering::Relaxed);
+        if unknown
+            && !lock(&self.open)
                 .iter()
                 .any(|open| open.claimed < open.parts)
         {
-            return false;
+            drop(self.news.wait(gate).unwrap_or_else(PoisonError::into_inner));
         }
-        drop(self.news.wait(gate).unwrap_or_else(PoisonError::into_inner));
-        true
     }
 
     /// Wakes the threads waiting for the destination: it is known, the job failed, or a piece
@@ -586,16 +596,18 @@ impl<D: Dma> Job<D> {
     }
 
     /// Takes piece `index + taken` along with the pieces before it, if nobody has taken it
-    /// yet.
+    /// yet and it may be taken.
     fn take_along(&self, index: usize, taken: usize) -> bool {
-        self.next
-            .compare_exchange(
-                index + taken,
-                index + taken + 1,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            )
-            .is_ok()
+        self.may_take(index + taken)
+            && self
+                .next
+                .compare_exchange(
+                    index + taken,
+                    index + taken + 1,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
     }
 
     /// Counts `pieces` more pieces finished; the first count that reaches every piece calls
