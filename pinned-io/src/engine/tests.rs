@@ -977,16 +977,8 @@ fn a_panic_reading_a_part_fails_the_job_and_leaves_nothing_behind() {
                     returned = Some(result.expect_err("the job failed").to_string());
                 }
             }
-            let (sender, receiver) = std::sync::mpsc::channel();
-            let waiting = job.clone();
-            std::thread::spawn(move || {
-                waiting.wait_finished();
-                let _ = sender.send(());
-            });
             let case = format!("{threads} threads, {pieces} pieces, submitted: {submitted}");
-            receiver
-                .recv_timeout(std::time::Duration::from_secs(20))
-                .unwrap_or_else(|_| panic!("{case}: the job never finished"));
+            assert!(finishes(&job), "{case}: the job never finished");
             let error = returned
                 .or_else(|| job.error_message())
                 .expect("the job failed");
@@ -1261,15 +1253,7 @@ fn a_job_whose_destination_never_comes_gives_its_chunks_back_and_completes() {
         crew.ring(),
         Error::Invalid("the destination never came".into()),
     );
-    let (sender, receiver) = std::sync::mpsc::channel();
-    let waiting = job.clone();
-    std::thread::spawn(move || {
-        waiting.wait_finished();
-        let _ = sender.send(());
-    });
-    receiver
-        .recv_timeout(std::time::Duration::from_secs(20))
-        .expect("the job never finished");
+    assert!(finishes(&job), "the job never finished");
     let error = job.take_error().expect("the job failed").to_string();
     assert!(error.contains("never came"), "{error}");
     assert_eq!(done.load(Ordering::Relaxed), 1);
@@ -1304,16 +1288,22 @@ fn a_job_without_pieces_completes_once_named_or_abandoned() {
             let error = Error::Invalid("the destination never came".into());
             job.abandon(crew.ring(), error);
         }
-        let (sender, receiver) = std::sync::mpsc::channel();
-        let waiting = job.clone();
-        std::thread::spawn(move || {
-            waiting.wait_finished();
-            let _ = sender.send(());
-        });
-        receiver
-            .recv_timeout(std::time::Duration::from_secs(20))
-            .unwrap_or_else(|_| panic!("named: {named}: the job never finished"));
+        assert!(finishes(&job), "named: {named}: the job never finished");
         assert_eq!(job.take_error().is_none(), named);
         assert_eq!(*seen.lock().unwrap(), if named { vec![0] } else { vec![] });
     }
+}
+
+/// Whether `job` finishes within 20 seconds (a thread of its own waits for it, left behind if
+/// it does not).
+fn finishes(job: &Arc<Job<Arc<Fake>>>) -> bool {
+    let (sender, receiver) = std::sync::mpsc::channel();
+    let waiting = job.clone();
+    std::thread::spawn(move || {
+        waiting.wait_finished();
+        let _ = sender.send(());
+    });
+    receiver
+        .recv_timeout(std::time::Duration::from_secs(20))
+        .is_ok()
 }
