@@ -416,9 +416,13 @@ impl Drop for Coming<'_> {
         let why = Error::Invalid("the load's device memory was not allocated".into());
         let ring = self.crew.ring();
         self.job.abandon(ring, why);
-        // Only a panic while naming the memory can have queued copies into it (the replicas'
-        // copies are tracked by their memory); the crew finishes the job on its own.
-        let _ = self.job.stream.synchronize();
+        // Only after a panic while naming the memory may copies into it be queued, by this
+        // thread and the crew's until they find the job failed: waited for (the replicas'
+        // copies are tracked by their memory). Else nothing waits for the crew.
+        if self.job.named() {
+            self.job.wait_finished();
+            let _ = self.job.stream.synchronize();
+        }
     }
 }
 

@@ -350,6 +350,9 @@ pub(crate) struct Job<D: Dma> {
     lead_state: Mutex<Lead<D::Event>>,
     /// Set once (after the job is shared, under `lead_state`'s lock).
     destination: OnceLock<Destination<D>>,
+    /// Whether the job waits to be named or abandoned: it does not complete before, so that
+    /// `done` sees what naming it does.
+    unnamed: AtomicBool,
     /// Where threads wait, while the destination is unknown, for something to do: the
     /// destination, a failure, or an opened piece's parts.
     gate: Mutex<()>,
@@ -378,15 +381,16 @@ impl<D: Dma> Job<D> {
         targets: usize,
         sink: Box<Sink<D>>,
     ) -> Self {
-        let job = Self::to_come(pieces, files, mode, stream, targets);
+        let mut job = Self::to_come(pieces, files, mode, stream, targets);
         // No other thread has the job yet.
         let _ = job.destination.set(Destination { base: 0, sink });
+        job.unnamed = AtomicBool::new(false);
         job
     }
 
     /// A job for `pieces` of `files` toward `targets` targets whose destination is not known
-    /// yet: its threads read, and its pieces wait in their chunks until
-    /// [`arrive`](Self::arrive) names it (or the job fails).
+    /// yet: its threads read the lead's pieces only, which wait in their chunks until
+    /// [`arrive`](Self::arrive) names it (or [`abandon`](Self::abandon) gives it up).
     pub(crate) fn to_come(
         pieces: Vec<Piece>,
         files: Vec<DataFile>,
@@ -420,6 +424,7 @@ impl<D: Dma> Job<D> {
                 parked: Vec::new(),
             }),
             destination: OnceLock::new(),
+            unnamed: AtomicBool::new(true),
             gate: Mutex::new(()),
             news: Condvar::new(),
             failed: AtomicBool::new(false),
@@ -484,6 +489,8 @@ impl<D: Dma> Job<D> {
             std::mem::take(&mut lead.parked)
         };
         self.wake();
+        // The job may complete once this is over, however it ends.
+        let _named = Named { job: self };
         // Every crew thread may have left the job, its pieces all read: after a failure (a
         // panic included), nobody else releases what waits for a lead no longer queued.
         let _leaving = Leaving { job: self, ring };
@@ -493,13 +500,24 @@ impl<D: Dma> Job<D> {
         self.queue_parked(ring, parked);
     }
 
+    /// Whether the job's destination is known.
+    pub(crate) fn named(&self) -> bool {
+        self.destination.get().is_some()
+    }
+
     /// Fails a job whose destination will never come, with `error`, and gives back the
     /// chunks of the pieces that waited for it.
     pub(crate) fn abandon(&self, ring: &Ring<D>, error: Error) {
         self.fail(error);
         self.release_parked(ring);
-        // A job without pieces completes here: no thread counts one.
-        if self.pieces.is_empty() {
+        self.release_unnamed();
+    }
+
+    /// Lets a job made by [`to_come`](Self::to_come) complete (once named or abandoned),
+    /// completing it if every piece is counted already.
+    fn release_unnamed(&self) {
+        if self.unnamed.swap(false, Ordering::Relaxed) {
+            // The count's lock orders this with the threads' counts.
             self.count_finished(0);
         }
     }
@@ -615,7 +633,10 @@ impl<D: Dma> Job<D> {
     fn count_finished(&self, pieces: usize) {
         let mut finished = lock(&self.finished);
         finished.pieces += pieces;
-        if finished.pieces < self.pieces.len() || finished.closing {
+        if finished.pieces < self.pieces.len()
+            || finished.closing
+            || self.unnamed.load(Ordering::Relaxed)
+        {
             return;
         }
         finished.closing = true;
@@ -1202,6 +1223,17 @@ impl<D: Dma> Drop for PartFinished<'_, D> {
             self.job.fail(panicked());
         }
         self.job.finish_part(self.ring, self.piece, self.read);
+    }
+}
+
+/// Lets a named job complete when dropped (see [`Job::arrive`]).
+struct Named<'a, D: Dma> {
+    job: &'a Job<D>,
+}
+
+impl<D: Dma> Drop for Named<'_, D> {
+    fn drop(&mut self) {
+        self.job.release_unnamed();
     }
 }
 

@@ -44,8 +44,8 @@ struct Fake {
     fail_wait_stream: bool,
     /// Copies that ran after their source bytes changed (a chunk reused too early).
     clobbered: AtomicUsize,
-    /// The target of every copy queued, in the order queued (drained or not).
-    queued: Mutex<Vec<usize>>,
+    /// Every copy queued (to its address), in the order queued, drained or not.
+    queued: Mutex<Vec<ChunkCopy>>,
 }
 
 impl Fake {
@@ -108,7 +108,11 @@ impl Dma for Arc<Fake> {
         assert_ne!(self.panic_copy, Some(call), "injected copy panic");
         let mut stream = self.stream.lock().unwrap();
         for copy in copies {
-            self.queued.lock().unwrap().push(copy.target);
+            let copy = ChunkCopy {
+                dst: base + copy.dst,
+                ..*copy
+            };
+            self.queued.lock().unwrap().push(copy);
             let src = chunk as usize + copy.from;
             let mut snap = Vec::new();
             for row in 0..copy.rows {
@@ -117,14 +121,7 @@ impl Dma for Arc<Fake> {
                     std::slice::from_raw_parts((src + row * copy.pitch) as *const u8, copy.width)
                 });
             }
-            stream.push(Op::Copy {
-                src,
-                copy: ChunkCopy {
-                    dst: base + copy.dst,
-                    ..*copy
-                },
-                snap,
-            });
+            stream.push(Op::Copy { src, copy, snap });
         }
         Ok(())
     }
@@ -1091,7 +1088,11 @@ fn first_target_first(chunks: usize, lead: usize) {
     // For each sink call: its targets, and the copies queued by then.
     let seen = Arc::new(Mutex::new(Vec::new()));
     let (sink_seen, sink_fake) = (seen.clone(), fake.clone());
-    let copies_queued = |fake: &Fake| fake.queued.lock().unwrap().clone();
+    let copies_queued = |fake: &Fake| -> Vec<usize> {
+        (fake.queued.lock().unwrap().iter())
+            .map(|copy| copy.target)
+            .collect()
+    };
     let mut job = Job::new(
         pieces,
         vec![DataFile::open(file.path()).unwrap()],
@@ -1215,21 +1216,23 @@ fn a_job_reads_its_lead_before_its_destination_is_named_then_queues_in_order() {
     });
     job.arrive(crew.ring(), Destination { base, sink });
     job.wait_finished();
+    // Every copy runs before anything can fail: none may run once `dst` is gone.
+    fake.drain();
     assert!(job.take_error().is_none());
     assert_eq!(done.load(Ordering::Relaxed), 1);
-    assert_eq!(*seen.lock().unwrap(), [0, 1, 2]);
-    let mut queued: Vec<u64> = (fake.stream.lock().unwrap().iter())
-        .filter_map(|op| match op {
-            Op::Copy { copy, .. } => Some(copy.dst - base),
-            Op::Record(_) => None,
-        })
+    // The first target first; the others as their pieces were read.
+    let mut seen = seen.lock().unwrap().clone();
+    assert_eq!(seen[0], 0, "{seen:?}");
+    seen.sort_unstable();
+    assert_eq!(seen, [0, 1, 2]);
+    let mut queued: Vec<u64> = (fake.queued.lock().unwrap().iter())
+        .map(|copy| copy.dst - base)
         .collect();
-    // The waiting pieces first, in order; the others as they were read.
+    // The waiting pieces first, in order.
     let chunk = 4 * DIRECT_ALIGN as u64;
     assert_eq!(queued[..2], [0, chunk]);
     queued.sort_unstable();
     assert_eq!(queued, (0..6).map(|i| i * chunk).collect::<Vec<_>>());
-    fake.drain();
     assert!(dst == bytes);
     assert!(fake.writes.lock().unwrap().iter().all(|&w| w == 1));
     let chunks = lock(&crew.ring().chunks);
@@ -1306,4 +1309,83 @@ fn finishes(job: &Arc<Job<Arc<Fake>>>) -> bool {
     receiver
         .recv_timeout(std::time::Duration::from_secs(20))
         .is_ok()
+}
+
+#[test]
+fn a_job_named_late_completes_after_what_naming_it_does() {
+    // Two pieces, the first read in two parts, and a target without bytes whose sink fails.
+    let chunk = 4 * DIRECT_ALIGN;
+    let (file, _) = file_of(2 * chunk);
+    let fake = Arc::new(Fake::default());
+    let mut dst = vec![0u8; 2 * chunk];
+    let base = dst.as_mut_ptr() as u64;
+    fake.dst_base.store(base as usize, Ordering::Relaxed);
+    *fake.writes.lock().unwrap() = vec![0; dst.len()];
+    let crew = Crew::new(ring_in_parts(&fake, chunk, 4, 2 * DIRECT_ALIGN), 1).unwrap();
+    let width = chunk as u64;
+    let spans: Vec<Span> = [(0, width), (width, width), (2 * width, 0)]
+        .into_iter()
+        .enumerate()
+        .map(|(target, (at, width))| Span {
+            dst: at,
+            target,
+            ..rows(at, width, 1, width)
+        })
+        .collect();
+    let pieces = cut(&spans, chunk).unwrap();
+    let files = vec![DataFile::open(file.path()).unwrap()];
+    let mut job = Job::to_come(pieces, files, ReadMode::Buffered, (), 3);
+    // The first part is read once the destination is set.
+    let (reading, read) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let (hook_reading, hook_read) = (reading.clone(), read.clone());
+    job.part_hook = Some(Box::new(move |piece, part| {
+        if (piece, part) == (0, 0) {
+            hook_reading.store(true, Ordering::SeqCst);
+            while !hook_read.load(Ordering::SeqCst) {
+                std::thread::yield_now();
+            }
+        }
+    }));
+    let completed = Arc::new(Mutex::new(Vec::new()));
+    let at_done = Arc::new(Mutex::new(None));
+    let (seen, saw) = (completed.clone(), at_done.clone());
+    let job = Arc::new(job.when_done(Box::new(move |job: &Job<Arc<Fake>>| {
+        *saw.lock().unwrap() = Some((job.error_message(), seen.lock().unwrap().clone()));
+    })));
+    crew.submit(&job);
+    let wait = |what: &str, until: &dyn Fn() -> bool| {
+        let start = std::time::Instant::now();
+        while !until() {
+            assert!(start.elapsed().as_secs() < 20, "never {what}");
+            std::thread::yield_now();
+        }
+    };
+    wait("reading", &|| reading.load(Ordering::SeqCst));
+    // The naming thread stops where it wakes the crew, its destination set: the crew's
+    // thread counts every piece meanwhile.
+    let gate = lock(&job.gate);
+    std::thread::scope(|scope| {
+        let sink_seen = completed.clone();
+        let sink = Box::new(move |targets: &[usize], _: &()| {
+            sink_seen.lock().unwrap().extend_from_slice(targets);
+            match targets.contains(&2) {
+                true => Err(Error::Invalid("no room for the empty target".into())),
+                false => Ok(()),
+            }
+        });
+        let naming = scope.spawn(|| job.arrive(crew.ring(), Destination { base, sink }));
+        wait("named", &|| job.destination.get().is_some());
+        read.store(true, Ordering::SeqCst);
+        wait("counted", &|| lock(&job.finished).pieces == 2);
+        drop(gate);
+        naming.join().unwrap();
+    });
+    assert!(finishes(&job), "the job never finished");
+    fake.drain();
+    let (error, completed) = at_done.lock().unwrap().clone().expect("done ran");
+    assert!(error.is_some_and(|error| error.contains("no room")));
+    assert!(completed.contains(&2), "{completed:?}");
 }
