@@ -842,7 +842,8 @@ impl<D: Dma> Job<D> {
             // SAFETY: the copies read the piece's bytes, filled at `start` by the caller (or,
             // for a parked piece, by the thread that parked it, its chunk held untouched
             // since); the chunk is left alone until its event, recorded next, completes (or,
-            // if that fails, it is lost).
+            // if that fails, it is lost). They write at `base` plus their offsets, into the
+            // destination the job's owner lent for it (at creation, or naming it).
             let queued = unsafe { ring.dma.copy(&self.stream, start, &piece.copies, base) }
                 .and_then(|()| ring.dma.record(&mut chunk.event, &self.stream));
             if let Err(error) = queued {
