@@ -1060,13 +1060,10 @@ fn reads_through_the_page_cache_write_nothing_outside_their_piece() {
 
 #[test]
 fn the_first_target_is_queued_before_the_pieces_after_it() {
-    // Four pieces wait for the lead: half the ring.
-    first_target_first(8, 2);
-}
-
-/// Six pieces read by four threads through a ring of `chunks` chunks, the first `lead` of
-/// them the first target's, the first piece read late: the first target is queued first.
-fn first_target_first(chunks: usize, lead: usize) {
+    // Six pieces read by four threads through a ring of eight chunks, the first two of them
+    // the first target's, the first piece read late: the other four wait for the lead (half
+    // the ring), and the first target is queued first.
+    let (chunks, lead) = (8, 2);
     let chunk = 4 * DIRECT_ALIGN;
     let (file, bytes) = file_of(6 * chunk);
     let fake = Arc::new(Fake::default());
