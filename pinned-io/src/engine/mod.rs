@@ -348,6 +348,9 @@ pub(crate) struct Job<D: Dma> {
     /// Pieces `0..lead` hold the first target's bytes (the target the first piece starts).
     lead: usize,
     lead_state: Mutex<Lead<D::Event>>,
+    /// Whether every lead piece is queued (`lead_state`'s `left` reached none): nothing of the
+    /// job parks for the lead any more.
+    lead_done: AtomicBool,
     /// Set once (after the job is shared, under `lead_state`'s lock).
     destination: OnceLock<Destination<D>>,
     /// Whether the job waits to be named or abandoned: it does not complete before, so that
@@ -423,6 +426,7 @@ impl<D: Dma> Job<D> {
                 left: lead,
                 parked: Vec::new(),
             }),
+            lead_done: AtomicBool::new(false),
             destination: OnceLock::new(),
             unnamed: AtomicBool::new(true),
             gate: Mutex::new(()),
@@ -873,6 +877,13 @@ impl<D: Dma> Job<D> {
         first: usize,
         starts: &[*mut u8],
     ) -> Turn {
+        // Without the lock where nothing can park: the destination known, and a lead piece
+        // or a lead all queued (a stale flag only takes the way below).
+        if let Some(destination) = self.destination.get()
+            && (first < self.lead || self.lead_done.load(Ordering::Relaxed))
+        {
+            return Turn::Now(destination.base);
+        }
         let mut lead = lock(&self.lead_state);
         let failed = self.failed.load(Ordering::Relaxed);
         let counted = match self.destination.get() {
@@ -911,6 +922,7 @@ impl<D: Dma> Job<D> {
             if lead.left > 0 {
                 return;
             }
+            self.lead_done.store(true, Ordering::Relaxed);
             std::mem::take(&mut lead.parked)
         };
         self.queue_parked(ring, parked);
