@@ -325,6 +325,39 @@ fn replicas_on_other_devices_match() {
     }
 }
 
+/// Many small tensors back to back, in the file and in device memory (their sizes multiples
+/// of the device alignment), among some that are not, onto the reader's device and on to
+/// the others: many tensors share each piece and each landing.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn small_tensors_packed_back_to_back_land_byte_exact_on_every_device() {
+    let devices = Device::all().unwrap();
+    let tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = (0..600u32)
+        .map(|i| {
+            let len = if i % 50 == 49 { 4096 + 3 } else { 4096 };
+            (format!("t{i}"), Dtype::U8, vec![len], pattern(len, i))
+        })
+        .collect();
+    let file = checkpoint(&tensors);
+    let checkpoint = Checkpoint::open(file.path()).unwrap();
+    let reader = small_reader(ReadMode::Auto);
+    let options = LoadOptions::new().replicate_to(devices[1..].iter().copied());
+    let loaded = checkpoint.load(&reader, &options).unwrap().wait().unwrap();
+    let want: HashMap<&str, &Vec<u8>> = tensors.iter().map(|t| (t.0.as_str(), &t.3)).collect();
+    for &device in &devices {
+        let on_device = loaded.tensors_on(device).unwrap();
+        assert_eq!(on_device.len(), tensors.len());
+        for tensor in on_device {
+            let got = tensor.wait().unwrap().to_vec().unwrap();
+            assert!(
+                got == *want[tensor.name()],
+                "{} on {device:?}",
+                tensor.name()
+            );
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_sharded_checkpoint_loads_from_its_index() {
