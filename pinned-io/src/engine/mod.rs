@@ -25,7 +25,6 @@
 //! wait in their chunks until the thread that names the destination queues them. Only the
 //! lead: that thread queues them before it returns, and each copy call costs microseconds.
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 
@@ -35,8 +34,12 @@ use crate::plan::{ChunkCopy, Piece, pieces_per_target};
 
 pub(crate) mod crew;
 pub(crate) mod cuda;
+mod ring;
 #[cfg(test)]
 mod tests;
+
+use ring::Chunk;
+pub(crate) use ring::Ring;
 
 /// What the crew needs from a device: CUDA, or a fake in the tests.
 pub(crate) trait Dma: Send + Sync + 'static {
@@ -63,23 +66,6 @@ pub(crate) trait Dma: Send + Sync + 'static {
     fn wait_stream(&self, stream: &Self::Stream) -> Result<()>;
     /// Makes the device current on a crew thread.
     fn use_device(&self) -> Result<()>;
-}
-
-/// A chunk of the ring, and the event of its last copies.
-struct Chunk<E> {
-    offset: usize,
-    event: E,
-    /// Whether copies were queued since the event was last waited for.
-    pending: bool,
-}
-
-struct Chunks<E> {
-    free: VecDeque<Chunk<E>>,
-    /// Chunks not lost (a chunk whose copies could not be accounted for is never reused).
-    live: usize,
-    /// Chunks whose pieces are parked by their jobs (see [`Job::queue`]).
-    parked: usize,
-    lost: bool,
 }
 
 /// A piece read through the page cache part by part, by any thread, into its chunk.
@@ -133,159 +119,6 @@ struct Part {
 /// the most bytes such a call asks for when it takes more than one piece.
 const DIRECT_RUN: usize = 4;
 const DIRECT_RUN_BYTES: usize = 8 << 20;
-
-/// The ring: page-locked memory cut into chunks, each with room for a piece and the scratch
-/// of aligned reads around it (a page before and after).
-pub(crate) struct Ring<D: Dma> {
-    pub(crate) dma: D,
-    base: usize,
-    /// The most bytes a piece holds.
-    capacity: usize,
-    /// The most bytes one thread reads of a piece through the page cache.
-    part: usize,
-    chunks: Mutex<Chunks<D::Event>>,
-    freed: Condvar,
-    /// The allocation (dropped once every chunk's copies are known to be over).
-    memory: Option<Box<dyn Send + Sync>>,
-}
-
-impl<D: Dma> Ring<D> {
-    /// The bytes of memory a ring of `count` chunks for pieces of `capacity` bytes needs,
-    /// with room to align its start.
-    pub(crate) fn bytes_for(capacity: usize, count: usize) -> Option<usize> {
-        capacity
-            .checked_add(2 * DIRECT_ALIGN)?
-            .checked_mul(count)?
-            .checked_add(DIRECT_ALIGN)
-    }
-
-    /// A ring of `count` chunks for pieces of `capacity` bytes (a multiple of
-    /// [`DIRECT_ALIGN`]) in `memory`, which it keeps, from its first aligned byte `start` on
-    /// ([`bytes_for`](Self::bytes_for) bytes from `start`'s allocation).
-    pub(crate) fn new(
-        dma: D,
-        start: *mut u8,
-        capacity: usize,
-        count: usize,
-        memory: Box<dyn Send + Sync>,
-    ) -> Result<Self> {
-        let base = start.wrapping_add(start.align_offset(DIRECT_ALIGN));
-        debug_assert!(capacity.is_multiple_of(DIRECT_ALIGN));
-        let stride = capacity + 2 * DIRECT_ALIGN;
-        let mut free = VecDeque::with_capacity(count);
-        for i in 0..count {
-            free.push_back(Chunk {
-                offset: i * stride,
-                event: dma.event()?,
-                pending: false,
-            });
-        }
-        Ok(Self {
-            dma,
-            base: base as usize,
-            capacity,
-            part: capacity,
-            chunks: Mutex::new(Chunks {
-                free,
-                live: count,
-                parked: 0,
-                lost: false,
-            }),
-            freed: Condvar::new(),
-            memory: Some(memory),
-        })
-    }
-
-    /// The ring, with pieces read through the page cache in parts of at most `bytes` bytes
-    /// (at least one), each by a thread of its own (by default, a piece is one part).
-    pub(crate) fn read_in_parts_of(mut self, bytes: usize) -> Self {
-        self.part = bytes.max(1);
-        self
-    }
-
-    /// The most bytes one piece may hold.
-    pub(crate) fn capacity(&self) -> usize {
-        self.capacity
-    }
-
-    fn take(&self) -> Result<Chunk<D::Event>> {
-        let mut chunks = lock(&self.chunks);
-        loop {
-            if let Some(chunk) = chunks.free.pop_front() {
-                return Ok(chunk);
-            }
-            if chunks.live == 0 {
-                return Err(Error::Invalid(
-                    "every chunk of the reader's ring was lost to device errors".into(),
-                ));
-            }
-            // Parked chunks wait for pieces that need a chunk: with every chunk left parked
-            // (the others lost), none comes back.
-            if chunks.parked >= chunks.live {
-                return Err(Error::Invalid(
-                    "every chunk of the reader's ring was lost to device errors or waits for a \
-                     piece that needs one"
-                        .into(),
-                ));
-            }
-            chunks = self
-                .freed
-                .wait(chunks)
-                .unwrap_or_else(PoisonError::into_inner);
-        }
-    }
-
-    /// A free chunk, if one is free now.
-    fn try_take(&self) -> Option<Chunk<D::Event>> {
-        lock(&self.chunks).free.pop_front()
-    }
-
-    /// Counts `count` more chunks parked if at most half the live chunks are then parked, by
-    /// every job together: the pieces that parked chunks wait for must find chunks.
-    fn park(&self, count: usize) -> bool {
-        let mut chunks = lock(&self.chunks);
-        let room = chunks.parked + count <= chunks.live / 2;
-        if room {
-            chunks.parked += count;
-        }
-        room
-    }
-
-    /// Counts `count` chunks no longer parked.
-    fn unpark(&self, count: usize) {
-        lock(&self.chunks).parked -= count;
-    }
-
-    fn give_back(&self, chunk: Chunk<D::Event>) {
-        lock(&self.chunks).free.push_back(chunk);
-        self.freed.notify_one();
-    }
-
-    fn lose(&self, chunk: Chunk<D::Event>) {
-        let mut chunks = lock(&self.chunks);
-        chunks.live -= 1;
-        chunks.lost = true;
-        drop(chunks);
-        drop(chunk);
-        self.freed.notify_all();
-    }
-}
-
-impl<D: Dma> Drop for Ring<D> {
-    fn drop(&mut self) {
-        let chunks = lock(&self.chunks);
-        let settled = !chunks.lost
-            && chunks
-                .free
-                .iter()
-                .all(|chunk| !chunk.pending || self.dma.wait(&chunk.event).is_ok());
-        drop(chunks);
-        if !settled {
-            // Copies out of it may still run: the memory is never given back.
-            std::mem::forget(self.memory.take());
-        }
-    }
-}
 
 /// A chunk out of the ring for `job`: given back, or else, when dropped (an error or a
 /// panic), given back if no copy out of it can be running and lost if one may be.
