@@ -311,9 +311,20 @@ fn replicas_on_other_devices_match() {
     let reader = FileReader::on(devices[0]).unwrap();
     let options = LoadOptions::new().replicate_to(devices[1..].iter().copied());
     let loaded = checkpoint.load(&reader, &options).unwrap().wait().unwrap();
+    every_tensor_on_every_device(&loaded, &devices, &tensors);
+}
+
+/// Asserts that each of `devices` holds every one of `tensors`, byte-exact.
+fn every_tensor_on_every_device(
+    loaded: &pinned_io::Loaded,
+    devices: &[Device],
+    tensors: &[(String, Dtype, Vec<usize>, Vec<u8>)],
+) {
     let want: HashMap<&str, &Vec<u8>> = tensors.iter().map(|t| (t.0.as_str(), &t.3)).collect();
-    for &device in &devices {
-        for tensor in loaded.tensors_on(device).unwrap() {
+    for &device in devices {
+        let on_device = loaded.tensors_on(device).unwrap();
+        assert_eq!(on_device.len(), tensors.len(), "on {device:?}");
+        for tensor in on_device {
             assert_eq!(tensor.device(), device);
             let got = tensor.wait().unwrap().to_vec().unwrap();
             assert!(
@@ -347,20 +358,7 @@ fn small_tensors_packed_back_to_back_land_byte_exact_on_every_device() {
     }
     let options = LoadOptions::new().replicate_to(others);
     let loaded = checkpoint.load(&reader, &options).unwrap().wait().unwrap();
-    let want: HashMap<&str, &Vec<u8>> = tensors.iter().map(|t| (t.0.as_str(), &t.3)).collect();
-    for &device in &devices {
-        let on_device = loaded.tensors_on(device).unwrap();
-        assert_eq!(on_device.len(), tensors.len());
-        for tensor in on_device {
-            assert_eq!(tensor.device(), device);
-            let got = tensor.wait().unwrap().to_vec().unwrap();
-            assert!(
-                got == *want[tensor.name()],
-                "{} on {device:?}",
-                tensor.name()
-            );
-        }
-    }
+    every_tensor_on_every_device(&loaded, &devices, &tensors);
 }
 
 #[test]

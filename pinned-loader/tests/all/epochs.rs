@@ -785,6 +785,15 @@ fn batches_as_buffers_give_their_memory_back_when_the_last_goes() {
     assert_eq!(pool.stats().active_requests.current, 0);
 }
 
+/// The verdicts, a line each.
+fn lines(verdicts: &[pinned_loader::Verdict]) -> String {
+    verdicts
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 /// Each epoch leaves its figures, and the verdict names what held it back: slow samples
 /// make data loading the limit, a slow consumer makes itself the limit.
 #[test]
@@ -821,15 +830,7 @@ fn each_epoch_has_figures_and_a_verdict() {
         let stats = loader.epoch_stats().last().expect("the epoch's figures");
         verdicts.push(stats.verdict());
     }
-    assert!(
-        verdicts.last().is_some_and(loading),
-        "{}",
-        verdicts
-            .iter()
-            .map(ToString::to_string)
-            .collect::<Vec<_>>()
-            .join("\n")
-    );
+    assert!(verdicts.last().is_some_and(loading), "{}", lines(&verdicts));
 
     let mut loader = Loader::new(Indexed::new(64), config(8, 2)).unwrap();
     // The first epoch pins the slots, which on a GPU can wait behind other threads'
@@ -859,11 +860,7 @@ fn each_epoch_has_figures_and_a_verdict() {
         verdict.limit,
         pinned_loader::Limit::Consumer,
         "{}",
-        verdicts
-            .iter()
-            .map(ToString::to_string)
-            .collect::<Vec<_>>()
-            .join("\n")
+        lines(&verdicts)
     );
     assert!(verdict.to_string().starts_with(&format!(
         "epoch {}: the consumer limits it",
