@@ -761,38 +761,52 @@ impl<D: Dma> Job<D> {
         self.queue_parked(ring, parked);
     }
 
-    /// Queues `parked` in the pieces' order (unless the job has failed), and counts them
-    /// finished however that ends, but for those parked again (for the lead). An error fails
-    /// the job before they are counted, so that `done` sees it.
+    /// Queues `parked` in the pieces' order (see [`queue_filled`](Self::queue_filled)).
     fn queue_parked(&self, ring: &Ring<D>, mut parked: Vec<Parked<D::Event>>) {
         if parked.is_empty() {
             return;
         }
         ring.unpark(parked.iter().filter(|parked| parked.counted).count());
         parked.sort_unstable_by_key(|parked| parked.piece);
+        let filled = parked.into_iter();
+        self.queue_filled(ring, filled.map(|p| (p.chunk, p.piece, Some(p.start))));
+    }
+
+    /// Queues filled pieces in the order given, each a chunk, its piece, and where the piece
+    /// starts in the chunk (`None`: a part of it was not read, so it is not queued), until
+    /// the job fails; counts them finished however that ends, but for those parked again
+    /// (for the lead). An error fails the job before they are counted, so that `done` sees
+    /// it.
+    fn queue_filled(
+        &self,
+        ring: &Ring<D>,
+        filled: impl ExactSizeIterator<Item = (Chunk<D::Event>, usize, Option<usize>)>,
+    ) {
         let mut counted = Counted {
             job: self,
-            pieces: parked.len(),
+            pieces: filled.len(),
         };
         // Every chunk in a guard before anything can fail or panic: dropped before the
         // pieces are counted, each given back (none has copies queued yet) or, once its
         // copies are queued, given back or lost as they allow.
-        let mut held: Vec<(Taken<'_, D>, usize, usize)> = parked
-            .into_iter()
-            .map(|parked| {
+        let mut held: Vec<(Taken<'_, D>, usize, Option<usize>)> = filled
+            .map(|(chunk, piece, start)| {
                 let taken = Taken {
                     ring,
                     job: self,
-                    chunk: Some(parked.chunk),
+                    chunk: Some(chunk),
                 };
-                (taken, parked.piece, parked.start)
+                (taken, piece, start)
             })
             .collect();
         for (taken, piece, start) in &mut held {
+            let Some(start) = *start else {
+                continue;
+            };
             if self.failed.load(Ordering::Relaxed) {
                 break;
             }
-            let starts = [*start as *mut u8];
+            let starts = [start as *mut u8];
             match self.queue(ring, std::slice::from_mut(taken), *piece, &starts) {
                 // Counted by the thread that queues it.
                 Ok(true) => counted.pieces -= 1,
@@ -913,40 +927,11 @@ impl<D: Dma> Job<D> {
         if closed.is_empty() {
             return;
         }
-        let mut counted = Counted {
-            job: self,
-            pieces: closed.len(),
-        };
-        // Every chunk in a guard before anything can fail or panic: dropped before the
-        // pieces are counted, each given back (none has copies queued yet) or, once its
-        // copies are queued, given back or lost as they allow. With each, its piece and,
-        // if every part of it was read, where it starts.
-        let mut closing: Vec<(Taken<'_, D>, usize, Option<usize>)> = closed
-            .into_iter()
-            .map(|entry| {
-                let taken = Taken {
-                    ring,
-                    job: self,
-                    chunk: Some(entry.chunk),
-                };
-                (taken, entry.piece, (!entry.failed).then_some(entry.start))
-            })
-            .collect();
-        for (taken, piece, start) in &mut closing {
-            let Some(start) = *start else {
-                continue;
-            };
-            if self.failed.load(Ordering::Relaxed) {
-                break;
-            }
-            let starts = [start as *mut u8];
-            match self.queue(ring, std::slice::from_mut(taken), *piece, &starts) {
-                // Counted by the thread that queues it.
-                Ok(true) => counted.pieces -= 1,
-                Ok(false) => {}
-                Err(error) => self.fail(error),
-            }
-        }
+        let filled = closed.into_iter();
+        self.queue_filled(
+            ring,
+            filled.map(|open| (open.chunk, open.piece, (!open.failed).then_some(open.start))),
+        );
     }
 
     /// Counts the piece toward its targets and completes those it was the last of.
