@@ -154,9 +154,11 @@ pub fn run(quick: bool, cuda: bool, progress: &mut Progress) -> Vec<Section> {
                         1,
                     ),
                 ]),
-                Err(e) => latency
-                    .notes
-                    .push(format!("{kind} {}: {e}", size_label(bytes as u64))),
+                Err(e) => latency.notes.push(format!(
+                    "{kind} {}: {e}",
+                    size_label(bytes as u64),
+                    e = cuda_pinned::ErrorChain(&e)
+                )),
             }
         }
         hits.empty_cache();
@@ -220,7 +222,9 @@ fn stall(progress: &mut Progress) -> Section {
                     Value::Num(p99.as_secs_f64() * 1e3, 3),
                 ]);
             }
-            Err(e) => section.notes.push(format!("{kind}: {e}")),
+            Err(e) => section
+                .notes
+                .push(format!("{kind}: {e}", e = cuda_pinned::ErrorChain(&e))),
         }
     }
     progress.step("stall reserve cost");
@@ -247,7 +251,7 @@ fn reserve_cost_note() -> String {
             hit.max,
             covered.median / hit.median
         ),
-        Err(e) => format!("reserve cost: {e}"),
+        Err(e) => format!("reserve cost: {e}", e = cuda_pinned::ErrorChain(&e)),
     }
 }
 
@@ -573,7 +577,9 @@ fn grow_runs(
                 counts = (blocks, grown);
             }
             Err(e) => {
-                section.notes.push(format!("{kind}: {e}"));
+                section
+                    .notes
+                    .push(format!("{kind}: {e}", e = cuda_pinned::ErrorChain(&e)));
                 break;
             }
         }
@@ -646,7 +652,9 @@ fn touch_row<A: PinnedAllocator>(section: &mut Section, kind: &str, allocator: A
     let mut v = match PinnedVec::<u8, _>::with_capacity_in(BYTES, allocator) {
         Ok(v) => v,
         Err(e) => {
-            section.notes.push(format!("{kind}: {e}"));
+            section
+                .notes
+                .push(format!("{kind}: {e}", e = cuda_pinned::ErrorChain(&e)));
             return;
         }
     };

@@ -294,9 +294,11 @@ fn copiers<'a>(
         match copier {
             Ok(c) => copiers.push((kind, Some(c))),
             Err(e) => {
-                section
-                    .notes
-                    .push(format!("{kind} at {}: {e}", size_label(bytes as u64)));
+                section.notes.push(format!(
+                    "{kind} at {}: {e}",
+                    size_label(bytes as u64),
+                    e = cuda_pinned::ErrorChain(&e)
+                ));
                 copiers.push((kind, None));
             }
         }
@@ -321,9 +323,11 @@ fn time_copiers(
                     Ok(ms) if rep > 0 => times[k][d].push(ms), // rep 0 warms up
                     Ok(_) => {}
                     Err(e) => {
-                        section
-                            .notes
-                            .push(format!("{kind} at {}: {e}", size_label(bytes as u64)));
+                        section.notes.push(format!(
+                            "{kind} at {}: {e}",
+                            size_label(bytes as u64),
+                            e = cuda_pinned::ErrorChain(&e)
+                        ));
                         *copier = None;
                         break;
                     }
@@ -390,7 +394,10 @@ fn bidirectional(
         let value = match measured {
             Ok(v) => Some(v),
             Err(e) => {
-                section.notes.push(format!("bidirectional {kind}: {e}"));
+                section.notes.push(format!(
+                    "bidirectional {kind}: {e}",
+                    e = cuda_pinned::ErrorChain(&e)
+                ));
                 None
             }
         };

@@ -240,9 +240,10 @@ fn node_rows(
             match measured {
                 Ok(gbps) => row.extend(Spread::of(gbps).cells(1)),
                 Err(e) => {
-                    section
-                        .notes
-                        .push(format!("device {device:?} from node {node}: {e}"));
+                    section.notes.push(format!(
+                        "device {device:?} from node {node}: {e}",
+                        e = cuda_pinned::ErrorChain(&e)
+                    ));
                     row.extend([Value::Missing, Value::Missing, Value::Missing]);
                 }
             }

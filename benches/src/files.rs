@@ -174,7 +174,7 @@ fn other_crews(path: &Path, reader: &FileReader) -> Result<Vec<(String, FileRead
             crate::report::size_label(config.read_bytes as u64)
         );
         let crew = FileReader::with_config_in(reader.device(), config, cuda_pinned::DefaultPinned)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
         free_and_settle(ours(path, &crew)?);
         crews.push((name, crew));
     }
@@ -182,11 +182,13 @@ fn other_crews(path: &Path, reader: &FileReader) -> Result<Vec<(String, FileRead
 }
 
 fn ours(path: &Path, reader: &FileReader) -> Result<pinned_io::Loaded, String> {
-    let checkpoint = Checkpoint::open(path).map_err(|e| e.to_string())?;
+    let checkpoint = Checkpoint::open(path).map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
     let loading = checkpoint
         .load(reader, &LoadOptions::new())
-        .map_err(|e| e.to_string())?;
-    loading.wait().map_err(|e| e.to_string())
+        .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
+    loading
+        .wait()
+        .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())
 }
 
 /// The devices other than the reader's, where there are any.
@@ -202,25 +204,34 @@ fn ours_onto(
     reader: &FileReader,
     others: &[cuda_pinned::Device],
 ) -> Result<pinned_io::Loaded, String> {
-    let checkpoint = Checkpoint::open(path).map_err(|e| e.to_string())?;
+    let checkpoint = Checkpoint::open(path).map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
     let options = LoadOptions::new().replicate_to(others.iter().copied());
     let loading = checkpoint
         .load(reader, &options)
-        .map_err(|e| e.to_string())?;
-    loading.wait().map_err(|e| e.to_string())
+        .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
+    loading
+        .wait()
+        .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())
 }
 
 /// The first tensor usable on the device: seconds from the call to its event having passed,
 /// and the whole load, for the caller to free.
 fn first_tensor(path: &Path, reader: &FileReader) -> Result<(f64, pinned_io::Loaded), String> {
     let start = Instant::now();
-    let checkpoint = Checkpoint::open(path).map_err(|e| e.to_string())?;
+    let checkpoint = Checkpoint::open(path).map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
     let loading = checkpoint
         .load(reader, &LoadOptions::new())
-        .map_err(|e| e.to_string())?;
-    loading.tensors()[0].wait().map_err(|e| e.to_string())?;
+        .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
+    loading.tensors()[0]
+        .wait()
+        .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
     let first = start.elapsed().as_secs_f64();
-    Ok((first, loading.wait().map_err(|e| e.to_string())?))
+    Ok((
+        first,
+        loading
+            .wait()
+            .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?,
+    ))
 }
 
 /// candle's shape: the file mapped, one pageable copy per tensor.
@@ -229,8 +240,11 @@ fn mmap_per_tensor(
     written: &Written,
     stream: &Stream,
 ) -> Result<DeviceBuffer<u8>, String> {
-    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
-    let len = file.metadata().map_err(|e| e.to_string())?.len() as usize;
+    let file = std::fs::File::open(path).map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
+    let len = file
+        .metadata()
+        .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?
+        .len() as usize;
     // SAFETY: a private read-only mapping of a file nobody writes during the benchmark,
     // unmapped below; only read through the slice.
     let map = unsafe {
@@ -251,15 +265,18 @@ fn mmap_per_tensor(
     let each = written.bytes / written.tensors;
     let data = len - written.bytes;
     let result = (|| {
-        let mut device = DeviceBuffer::<u8>::zeroed(written.bytes).map_err(|e| e.to_string())?;
+        let mut device = DeviceBuffer::<u8>::zeroed(written.bytes)
+            .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
         for i in 0..written.tensors {
             let src = &bytes[data + i * each..data + (i + 1) * each];
             device
                 .slice_mut(i * each..(i + 1) * each)
                 .copy_from_host(src)
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
         }
-        stream.synchronize().map_err(|e| e.to_string())?;
+        stream
+            .synchronize()
+            .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
         Ok(device)
     })();
     // SAFETY: the mapping made above, no longer borrowed.
@@ -269,8 +286,8 @@ fn mmap_per_tensor(
 
 /// The whole file read into a `Vec`, then one copy.
 fn read_then_copy(path: &Path) -> Result<DeviceBuffer<u8>, String> {
-    let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
-    DeviceBuffer::from_slice(&bytes).map_err(|e| e.to_string())
+    let bytes = std::fs::read(path).map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
+    DeviceBuffer::from_slice(&bytes).map_err(|e| cuda_pinned::ErrorChain(&e).to_string())
 }
 
 /// The disk's ceiling: 16 threads of 8 MiB `O_DIRECT` reads, nothing copied.
@@ -280,14 +297,14 @@ fn direct_ceiling(path: &Path, len: usize) -> Result<(), String> {
         .read(true)
         .custom_flags(libc::O_DIRECT)
         .open(path)
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
     let next = std::sync::atomic::AtomicUsize::new(0);
     std::thread::scope(|scope| {
         let threads: Vec<_> = (0..16)
             .map(|_| {
                 scope.spawn(|| -> Result<(), String> {
-                    let mut buffer =
-                        PinnedVec::<u8>::with_capacity(PIECE).map_err(|e| e.to_string())?;
+                    let mut buffer = PinnedVec::<u8>::with_capacity(PIECE)
+                        .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
                     buffer.resize(PIECE, 0);
                     loop {
                         let at = next.fetch_add(PIECE, std::sync::atomic::Ordering::Relaxed);
@@ -295,7 +312,7 @@ fn direct_ceiling(path: &Path, len: usize) -> Result<(), String> {
                             return Ok(());
                         }
                         file.read_at(&mut buffer, at as u64)
-                            .map_err(|e| e.to_string())?;
+                            .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
                     }
                 })
             })
@@ -317,7 +334,7 @@ fn torch(path: &Path, pinned: bool) -> Result<f64, String> {
         .args(["-c", script])
         .arg(path)
         .output()
-        .map_err(|e| format!("python3: {e}"))?;
+        .map_err(|e| format!("python3: {e}", e = cuda_pinned::ErrorChain(&e)))?;
     if !output.status.success() {
         return Err("python3 with torch and safetensors not usable".into());
     }
@@ -349,10 +366,11 @@ fn row(
 
 /// Reads `path` through the page cache, so that it is there for the next reader.
 fn warm_page_cache(path: &Path) -> Result<(), String> {
-    let mut file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let mut file =
+        std::fs::File::open(path).map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
     std::io::copy(&mut file, &mut std::io::sink())
         .map(drop)
-        .map_err(|e| e.to_string())
+        .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())
 }
 
 /// A checkpoint measured onto one GPU: the times of its warm and cold loads (no cold ones
@@ -463,8 +481,8 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
         ("large", large_count, large_each),
         ("small", 2000, 64 << 10),
     ];
-    let reader = FileReader::new().map_err(|e| e.to_string())?;
-    let stream = Stream::new().map_err(|e| e.to_string())?;
+    let reader = FileReader::new().map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
+    let stream = Stream::new().map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
     let may_drop = drop_caches();
     // Copies onto the other GPUs come last: peer access, once enabled, makes every later
     // device allocation of the process dearer.
@@ -476,7 +494,12 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
             count,
             each,
         )
-        .map_err(|e| format!("writing the checkpoint: {e}"))?;
+        .map_err(|e| {
+            format!(
+                "writing the checkpoint: {e}",
+                e = cuda_pinned::ErrorChain(&e)
+            )
+        })?;
         let case = format!(
             "{label}: {count} × {}",
             crate::report::size_label(each as u64)
@@ -485,9 +508,11 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
         let bytes = written.bytes;
         // Warm: the file in the page cache (read once first).
         free_and_settle(ours(&path, &reader)?);
-        let mut pinned = PinnedVec::<u8>::with_capacity(1 << 30).map_err(|e| e.to_string())?;
+        let mut pinned = PinnedVec::<u8>::with_capacity(1 << 30)
+            .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
         pinned.resize(1 << 30, 1);
-        let mut device = DeviceBuffer::<u8>::zeroed(1 << 30).map_err(|e| e.to_string())?;
+        let mut device = DeviceBuffer::<u8>::zeroed(1 << 30)
+            .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
         let others = if label == "large" {
             other_crews(&path, &reader)?
         } else {
@@ -496,7 +521,11 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
         // The reference copy, the default crew and the others take turns; a load is short
         // enough to take many.
         let seconds = {
-            let mut h2d = as_run(|| device.copy_from_host(&pinned).map_err(|e| e.to_string()));
+            let mut h2d = as_run(|| {
+                device
+                    .copy_from_host(&pinned)
+                    .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())
+            });
             let mut default = as_run(|| ours(&path, &reader));
             let mut other_runs: Vec<_> = others
                 .iter()
@@ -535,9 +564,11 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
         }
         if label == "large" {
             // The reads alone, into page-locked memory: what the crew's reading costs.
-            let file = pinned_io::DataFile::open(&path).map_err(|e| e.to_string())?;
+            let file = pinned_io::DataFile::open(&path)
+                .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
             let len = file.len() as usize;
-            let mut host = PinnedVec::<u8>::with_capacity(len).map_err(|e| e.to_string())?;
+            let mut host = PinnedVec::<u8>::with_capacity(len)
+                .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
             host.resize(len, 0);
             let reads = timed(
                 reps,
@@ -545,7 +576,7 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
                 || {
                     reader
                         .read_to_host(&file, 0, &mut host)
-                        .map_err(|e| e.to_string())
+                        .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())
                 },
             )?;
             row(
@@ -584,11 +615,11 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
             for _ in 0..warm_reps {
                 let start = Instant::now();
                 let mut memory = DeviceBuffer::<MaybeUninit<u8>>::uninit_on(reader.device(), bytes)
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
                 allocation_ms.push(start.elapsed().as_secs_f64() * 1e3);
                 (memory.slice_mut(..).set_bytes_async(1, &stream))
                     .and_then(|()| stream.synchronize())
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?;
                 free(Box::new(memory));
                 let (seconds, loaded) = first_tensor(&path, &reader)?;
                 first_ms.push(seconds * 1e3);
@@ -638,7 +669,9 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
         let mut cold_seconds = None;
         if may_drop {
             let cold_reps = if quick { 1 } else { 5 };
-            let file_len = std::fs::metadata(&path).map_err(|e| e.to_string())?.len() as usize;
+            let file_len = std::fs::metadata(&path)
+                .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?
+                .len() as usize;
             // The disk's rate drifts within a run: the ceiling and pinned-io take turns.
             let mut ceiling_run = as_run(|| direct_ceiling(&path, file_len));
             let mut cold_run = as_run(|| ours(&path, &reader));

@@ -30,7 +30,7 @@ fn calls() -> String {
                 )
             }
         }
-        Err(e) => format!("the runtime's: {e}"),
+        Err(e) => format!("the runtime's: {e}", e = cuda_pinned::ErrorChain(&e)),
     }
 }
 
@@ -48,12 +48,14 @@ fn cuda_facts(fact: &mut impl FnMut(&str, String)) {
     match cuda_pinned::runtime_path() {
         Ok(path) => {
             let version = cuda_pinned::runtime_version().map_or_else(
-                |e| format!("version unknown: {e}"),
+                |e| format!("version unknown: {e}", e = cuda_pinned::ErrorChain(&e)),
                 |v| format!("runtime {v}"),
             );
             fact("libcudart", format!("{} ({version})", path.display()));
-            let driver = cuda_pinned::driver_version()
-                .map_or_else(|e| format!("unknown: {e}"), |v| v.to_string());
+            let driver = cuda_pinned::driver_version().map_or_else(
+                |e| format!("unknown: {e}", e = cuda_pinned::ErrorChain(&e)),
+                |v| v.to_string(),
+            );
             fact("driver", format!("supports CUDA {driver}"));
             fact("copy and event calls", calls());
             match Device::all() {
@@ -66,7 +68,10 @@ fn cuda_facts(fact: &mut impl FnMut(&str, String)) {
                         device_facts(device, fact);
                     }
                 }
-                Err(e) => fact("devices", format!("cannot be listed: {e}")),
+                Err(e) => fact(
+                    "devices",
+                    format!("cannot be listed: {e}", e = cuda_pinned::ErrorChain(&e)),
+                ),
             }
         }
         Err(Error::Unavailable(load)) => {
@@ -90,7 +95,7 @@ fn host_facts(fact: &mut impl FnMut(&str, String)) {
         Ok(Some(bytes)) => {
             format!("{bytes} bytes: locking more with mlock (the kind used without CUDA) fails")
         }
-        Err(e) => format!("unknown: {e}"),
+        Err(e) => format!("unknown: {e}", e = cuda_pinned::ErrorChain(&e)),
     };
     fact("memlock limit", memlock);
     fact(
@@ -128,7 +133,7 @@ fn device_facts(device: Device, fact: &mut impl FnMut(&str, String)) {
         &format!("device {n}"),
         device
             .name()
-            .unwrap_or_else(|e| format!("(name unknown: {e})")),
+            .unwrap_or_else(|e| format!("(name unknown: {e})", e = cuda_pinned::ErrorChain(&e))),
     );
     let Ok(bus_id) = device.pci_bus_id() else {
         return;
@@ -156,7 +161,7 @@ fn device_facts(device: Device, fact: &mut impl FnMut(&str, String)) {
     let yes_no = |r: cuda_pinned::Result<bool>| match r {
         Ok(true) => "yes".to_owned(),
         Ok(false) => "no".to_owned(),
-        Err(e) => format!("unknown ({e})"),
+        Err(e) => format!("unknown ({e})", e = cuda_pinned::ErrorChain(&e)),
     };
     fact(
         &format!("device {n} host register"),

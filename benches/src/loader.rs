@@ -141,7 +141,9 @@ pub fn run(quick: bool, trace: Option<&Path>, progress: &mut Progress) -> Vec<Se
                 "a traced run (host collate, 8 workers, {TRACED} batches) is in {}",
                 path.display()
             )),
-            Err(e) => section.notes.push(format!("traced run: {e}")),
+            Err(e) => section
+                .notes
+                .push(format!("traced run: {e}", e = cuda_pinned::ErrorChain(&*e))),
         }
     }
     vec![section]
@@ -202,7 +204,9 @@ fn push_row(name: String, runs: Vec<Result<Run, LoaderError>>, section: &mut Sec
     let runs: Vec<Run> = match runs.into_iter().collect() {
         Ok(runs) => runs,
         Err(e) => {
-            section.notes.push(format!("{name}: {e}"));
+            section
+                .notes
+                .push(format!("{name}: {e}", e = cuda_pinned::ErrorChain(&e)));
             return;
         }
     };
@@ -343,7 +347,10 @@ fn device_rows(
                 .collect();
             push_row("device gather".into(), runs, section);
         }
-        Err(e) => section.notes.push(format!("device gather: {e}")),
+        Err(e) => section.notes.push(format!(
+            "device gather: {e}",
+            e = cuda_pinned::ErrorChain(&e)
+        )),
     }
     progress.step("loader, contiguous copy");
     match contiguous_copies(batches, reps) {
@@ -365,7 +372,10 @@ fn device_rows(
             ]);
             section.row(cells);
         }
-        Err(e) => section.notes.push(format!("contiguous copy: {e}")),
+        Err(e) => section.notes.push(format!(
+            "contiguous copy: {e}",
+            e = cuda_pinned::ErrorChain(&e)
+        )),
     }
 }
 
@@ -689,7 +699,9 @@ fn file_rows(
     let (dir, dataset) = match write_npy(images) {
         Ok(written) => written,
         Err(e) => {
-            section.notes.push(format!(".npy rows: {e}"));
+            section
+                .notes
+                .push(format!(".npy rows: {e}", e = cuda_pinned::ErrorChain(&*e)));
             progress.step("loader, .npy file, cold");
             return;
         }
@@ -773,7 +785,10 @@ fn cold_rows(
                 ceiling.push(disk);
             }
             Err(e) => {
-                section.notes.push(format!("cold .npy rows skipped: {e}"));
+                section.notes.push(format!(
+                    "cold .npy rows skipped: {e}",
+                    e = cuda_pinned::ErrorChain(&*e)
+                ));
                 return;
             }
         }
@@ -824,8 +839,13 @@ fn drop_page_cache() -> Result<(), BoxError> {
     }
     // SAFETY: as above.
     unsafe { libc::sync() };
-    std::fs::write("/proc/sys/vm/drop_caches", "3")
-        .map_err(|e| format!("writing /proc/sys/vm/drop_caches: {e}").into())
+    std::fs::write("/proc/sys/vm/drop_caches", "3").map_err(|e| {
+        format!(
+            "writing /proc/sys/vm/drop_caches: {e}",
+            e = cuda_pinned::ErrorChain(&e)
+        )
+        .into()
+    })
 }
 
 /// Batches/s of one shuffled epoch of host batches.

@@ -175,7 +175,11 @@ fn print_tables(report: &Report, command: &str, quick: bool) {
 fn write_files(options: &Options, report: &Report, command: &str) -> ExitCode {
     if let Some(path) = &options.plot {
         if let Err(e) = std::fs::write(path, plot::svg(report)) {
-            eprintln!("pinned-bench: cannot write {}: {e}", path.display());
+            eprintln!(
+                "pinned-bench: cannot write {}: {e}",
+                path.display(),
+                e = cuda_pinned::ErrorChain(&e)
+            );
             return ExitCode::FAILURE;
         }
         if !options.json {
@@ -187,7 +191,11 @@ fn write_files(options: &Options, report: &Report, command: &str) -> ExitCode {
         if let Err(e) =
             std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&path, report.to_json()))
         {
-            eprintln!("pinned-bench: cannot write {}: {e}", path.display());
+            eprintln!(
+                "pinned-bench: cannot write {}: {e}",
+                path.display(),
+                e = cuda_pinned::ErrorChain(&e)
+            );
             return ExitCode::FAILURE;
         }
         if !options.json {
@@ -216,19 +224,28 @@ fn run(command: &str, quick: bool, files_dir: &Path, trace: Option<&Path>) -> Re
     if (all || command == "bandwidth") && cuda {
         match bandwidth::run(quick, &mut progress) {
             Ok(section) => report.sections.push(section),
-            Err(e) => report.skipped.push(format!("bandwidth failed: {e}")),
+            Err(e) => report.skipped.push(format!(
+                "bandwidth failed: {e}",
+                e = cuda_pinned::ErrorChain(&e)
+            )),
         }
     }
     if (all || command == "devices") && cuda {
         match devices::run(quick, &mut progress) {
             Ok(section) => report.sections.push(section),
-            Err(e) => report.skipped.push(format!("devices failed: {e}")),
+            Err(e) => report.skipped.push(format!(
+                "devices failed: {e}",
+                e = cuda_pinned::ErrorChain(&e)
+            )),
         }
     }
     if staged && cuda {
         match staged::run(quick, &mut progress) {
             Ok(section) => report.sections.push(section),
-            Err(e) => report.skipped.push(format!("staged copies failed: {e}")),
+            Err(e) => report.skipped.push(format!(
+                "staged copies failed: {e}",
+                e = cuda_pinned::ErrorChain(&e)
+            )),
         }
     }
     if all || command == "alloc" {

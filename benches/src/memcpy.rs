@@ -29,9 +29,11 @@ pub fn run(quick: bool, progress: &mut Progress) -> Section {
         let mut target = match PinnedVec::<u8, _>::zeroed_in(bytes, HostLocked) {
             Ok(target) => target,
             Err(e) => {
-                section
-                    .notes
-                    .push(format!("{}: {e}", size_label(bytes as u64)));
+                section.notes.push(format!(
+                    "{}: {e}",
+                    size_label(bytes as u64),
+                    e = cuda_pinned::ErrorChain(&e)
+                ));
                 continue;
             }
         };

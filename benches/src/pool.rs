@@ -112,9 +112,11 @@ fn measure_latency(pool: &Pool, rounds: u64, section: &mut Section, progress: &m
             // SAFETY: from this pool, unused.
             unsafe { pool.free_raw(block) }
         }) {
-            section
-                .notes
-                .push(format!("{}: {e}", size_label(bytes as u64)));
+            section.notes.push(format!(
+                "{}: {e}",
+                size_label(bytes as u64),
+                e = cuda_pinned::ErrorChain(&e)
+            ));
             continue;
         }
         let raw = repeat_ns(rounds, |n| raw_pairs(pool, bytes, n));
@@ -342,9 +344,10 @@ fn mixed_set(progress: &mut Progress) -> Section {
                 unsafe { pool.free_raw(block) };
             }
         }
-        Err(e) => waste
-            .notes
-            .push(format!("cannot pin the mixed set here: {e}")),
+        Err(e) => waste.notes.push(format!(
+            "cannot pin the mixed set here: {e}",
+            e = cuda_pinned::ErrorChain(&e)
+        )),
     }
     waste
         .notes

@@ -287,10 +287,20 @@ pub fn replace_readme_figures(readme: &str, block: &str) -> Option<String> {
 
 /// Reads the record at `path`.
 pub fn read_run(path: &Path) -> Result<Run, String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let report =
-        Report::from_json(&text).map_err(|e| format!("{} is not a record: {e}", path.display()))?;
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        format!(
+            "cannot read {}: {e}",
+            path.display(),
+            e = cuda_pinned::ErrorChain(&e)
+        )
+    })?;
+    let report = Report::from_json(&text).map_err(|e| {
+        format!(
+            "{} is not a record: {e}",
+            path.display(),
+            e = cuda_pinned::ErrorChain(&e)
+        )
+    })?;
     let name = path
         .file_name()
         .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
@@ -316,14 +326,25 @@ pub fn write(records: &[std::path::PathBuf], root: &Path) -> Result<(), String> 
         .collect::<Result<Vec<_>, _>>()?;
     let report = merged(&runs);
     let write = |path: &Path, text: &str| {
-        std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))
+        std::fs::write(path, text).map_err(|e| {
+            format!(
+                "cannot write {}: {e}",
+                path.display(),
+                e = cuda_pinned::ErrorChain(&e)
+            )
+        })
     };
     let benches = root.join("benches");
     write(&benches.join("RESULTS.md"), &results_md(&runs))?;
     write(&benches.join("RESULTS.svg"), &crate::plot::svg(&report))?;
     let readme_path = root.join("README.md");
-    let readme = std::fs::read_to_string(&readme_path)
-        .map_err(|e| format!("cannot read {}: {e}", readme_path.display()))?;
+    let readme = std::fs::read_to_string(&readme_path).map_err(|e| {
+        format!(
+            "cannot read {}: {e}",
+            readme_path.display(),
+            e = cuda_pinned::ErrorChain(&e)
+        )
+    })?;
     let readme = replace_readme_figures(&readme, &readme_block(&report)).ok_or_else(|| {
         format!(
             "{} lacks the lines {BEGIN} and {END}",

@@ -287,7 +287,7 @@ pub enum Error {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::Unavailable(e) => write!(f, "CUDA is not available: {e}"),
+            Self::Unavailable(_) => f.write_str("CUDA is not available"),
             Self::Cuda(e) => e.fmt(f),
             Self::Driver(e) => e.fmt(f),
             Self::MemlockLimit { requested, limit } => {
@@ -306,7 +306,7 @@ impl fmt::Display for Error {
                 write!(f, "out of host memory allocating {requested} bytes")
             }
             Self::CapacityOverflow => write!(f, "requested size overflows the address space"),
-            Self::Os { call, source } => write!(f, "{call} failed: {source}"),
+            Self::Os { call, .. } => write!(f, "{call} failed"),
             Self::Unsupported(what) => write!(f, "not supported: {what}"),
             Self::LimitExceeded {
                 requested,
@@ -336,7 +336,7 @@ impl fmt::Display for Error {
                 Bytes(*pinned as u64),
             ),
             #[cfg(feature = "cudarc")]
-            Self::Cudarc(e) => write!(f, "cudarc: {e}"),
+            Self::Cudarc(e) => e.fmt(f),
             Self::LengthMismatch { host, device } => write!(
                 f,
                 "copy between {host} host elements and {device} device elements: lengths differ"
@@ -362,15 +362,19 @@ impl fmt::Display for Error {
     }
 }
 
+/// Each error says what failed at its own level, and gives the error that caused it as its
+/// [`source`](std::error::Error::source), never in its own text too: a report of the chain
+/// (anyhow's, eyre's) names each cause once. The CUDA and cudarc variants only wrap another
+/// error, and are that error: its text and its source.
 impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Self::Unavailable(e) => Some(e),
-            Self::Cuda(e) => Some(e),
-            Self::Driver(e) => Some(e),
+            Self::Cuda(e) => e.source(),
+            Self::Driver(e) => e.source(),
             Self::Os { source, .. } => Some(source),
             #[cfg(feature = "cudarc")]
-            Self::Cudarc(e) => Some(e),
+            Self::Cudarc(e) => e.source(),
             _ => None,
         }
     }
@@ -392,6 +396,42 @@ impl From<LoadError> for Error {
 impl From<CudaError> for Error {
     fn from(e: CudaError) -> Self {
         Self::Cuda(e)
+    }
+}
+
+/// An error and each of its sources on one line, `error: cause: its cause`: for text that
+/// shows no chain of its own (a panic's message, a log line, a note in a report).
+///
+/// This workspace's errors keep their causes as sources, out of their own text (see
+/// [`Error`]'s `source`); a report that prints only `{error}` would lose them.
+///
+/// ```
+/// use std::io;
+/// let error = cuda_pinned::Error::Os {
+///     call: "mmap",
+///     source: io::Error::from_raw_os_error(12),
+/// };
+/// let line = cuda_pinned::ErrorChain(&error).to_string();
+/// assert!(line.starts_with("mmap failed: "), "{line}");
+/// ```
+#[derive(Clone, Copy)]
+pub struct ErrorChain<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut cause = self.0.source();
+        while let Some(error) = cause {
+            write!(f, ": {error}")?;
+            cause = error.source();
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for ErrorChain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
     }
 }
 
@@ -418,6 +458,24 @@ impl fmt::Display for Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each cause appears once in a report of the chain: as a source, not in the text of
+    /// the error it caused too.
+    #[test]
+    fn a_chain_names_each_cause_once() {
+        let os = Error::Os {
+            call: "mmap",
+            source: std::io::Error::from_raw_os_error(libc::ENOMEM),
+        };
+        let cause = std::io::Error::from_raw_os_error(libc::ENOMEM).to_string();
+        assert_eq!(os.to_string(), "mmap failed");
+        assert_eq!(ErrorChain(&os).to_string(), format!("mmap failed: {cause}"));
+        // A wrapper is the error it wraps: its text once, and that error's own source.
+        let cuda = Error::Cuda(CudaError::new("cudaMalloc", cudaError::cudaErrorMemoryAllocation));
+        let text = cuda.to_string();
+        assert!(std::error::Error::source(&cuda).is_none());
+        assert_eq!(ErrorChain(&cuda).to_string(), text);
+    }
 
     #[test]
     fn memlock_message_names_the_limit_and_a_fix() {

@@ -16,6 +16,7 @@
 //! | `containers` | [`PinnedVec`], [`PinnedBox`] and [`PinMemory`] |
 //! | `gpu` | [`Device`], [`Stream`], [`Event`], [`DeviceBuffer`] and its views |
 //! | `copy` | tracked copies ([`Transfer`]), batches of raw copies, non-temporal stores ([`copy_streaming`], [`read_at_streaming`]) |
+//! | `files` | [`open_regular_file`]: a user-named file opened for reading, never blocking on a pipe or opening a device |
 //! | `staging` | the [`Stager`]: copies from ordinary memory through a pinned ring |
 //! | `raw`, `context` | one CUDA call per function, and the context and capture-mode policy around them |
 //! | `interop` | cudarc (the `cudarc` feature) and allocator-api2 |
@@ -87,6 +88,7 @@ pub mod guide {
     #![doc = include_str!("../docs/guide.md")]
 }
 mod error;
+mod files;
 mod gpu;
 mod interop;
 mod memory;
@@ -126,6 +128,7 @@ pub use copy::batch::{RawCopy, RawCopy2d};
 pub use copy::nontemporal::{copy_streaming, read_at_streaming};
 pub use copy::tracked::{HostBuffer, Transfer};
 pub use copy::window::Window;
+pub use files::open_regular_file;
 #[cfg(feature = "cudarc")]
 pub use interop::cudarc::CudarcCopies;
 pub use staging::{StagedCopy, Stager, StagingConfig};
@@ -135,6 +138,6 @@ pub use staging::{StagedCopy, Stager, StagingConfig};
 /// [`Event::as_raw`], and the rest of the runtime API).
 pub use cuda_pinned_sys as sys;
 pub use cuda_pinned_sys::LoadError;
-pub use error::{CudaError, DriverError, Error, Result};
+pub use error::{CudaError, DriverError, Error, ErrorChain, Result};
 #[doc(hidden)]
 pub use raw::RUNTIME_CALLS_VAR;

@@ -24,7 +24,7 @@ fn time<A: PinnedAllocator>(name: &str, allocator: &A, bytes: usize) {
                 freed.as_secs_f64() * 1e3
             );
         }
-        Err(e) => println!("{name:<34} failed: {e}"),
+        Err(e) => println!("{name:<34} failed: {e}", e = cuda_pinned::ErrorChain(&e)),
     }
 }
 

@@ -70,11 +70,7 @@ impl Error {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::Io {
-                path,
-                doing,
-                source,
-            } => write!(f, "{}: {doing}: {source}", path.display()),
+            Self::Io { path, doing, .. } => write!(f, "{}: {doing}", path.display()),
             Self::Format {
                 path,
                 tensor: Some(tensor),
@@ -102,11 +98,14 @@ impl fmt::Display for Error {
     }
 }
 
+/// The cause of an error is its [`source`](std::error::Error::source), never in its text
+/// too, so that a report of the chain names each cause once; [`Error::Cuda`] only wraps
+/// cuda-pinned's error, and is that error: its text and its source.
 impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Self::Io { source, .. } => Some(source),
-            Self::Cuda(error) => Some(error),
+            Self::Cuda(error) => error.source(),
             _ => None,
         }
     }
@@ -115,5 +114,29 @@ impl std::error::Error for Error {
 impl From<cuda_pinned::Error> for Error {
     fn from(error: cuda_pinned::Error) -> Self {
         Self::Cuda(error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each cause appears once in a report of the chain: as a source, not in the text of
+    /// the error it caused too.
+    #[test]
+    fn a_chain_names_each_cause_once() {
+        let cause = io::Error::from_raw_os_error(libc::EISDIR);
+        let error = Error::io(Path::new("w.safetensors"), "reading", cause);
+        assert_eq!(error.to_string(), "w.safetensors: reading");
+        let chain = cuda_pinned::ErrorChain(&error).to_string();
+        let cause = io::Error::from_raw_os_error(libc::EISDIR).to_string();
+        assert_eq!(chain, format!("w.safetensors: reading: {cause}"));
+        let wrapped = Error::Cuda(cuda_pinned::Error::Os {
+            call: "mmap",
+            source: io::Error::from_raw_os_error(libc::ENOMEM),
+        });
+        let chain = cuda_pinned::ErrorChain(&wrapped).to_string();
+        assert_eq!(chain.matches("mmap failed").count(), 1, "{chain}");
+        assert!(chain.ends_with(&io::Error::from_raw_os_error(libc::ENOMEM).to_string()));
     }
 }

@@ -61,36 +61,36 @@ struct Opened {
     direct_reads: AtomicU64,
 }
 
+/// The file opened again past the page cache (`O_DIRECT`), where its file system allows it.
+///
+/// Through the descriptor's own name under `/proc/self/fd`, not the path: that is the file
+/// already opened and checked, even if the path now names another.
+fn reopen_direct(file: &File) -> Option<File> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+        .open(format!("/proc/self/fd/{}", file.as_raw_fd()))
+        .ok()
+}
+
 impl DataFile {
     /// Opens `path` for reading.
     ///
     /// # Errors
     ///
-    /// [`Error::Io`] where the file cannot be opened or inspected, or is not a regular file.
+    /// [`Error::Io`] where the file cannot be opened or inspected, or is not a regular file (a
+    /// directory, named pipe, socket or device is refused before it is opened, and a named
+    /// pipe never blocks the call).
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let buffered = File::open(path).map_err(|e| Error::io(path, "opening", e))?;
+        let buffered =
+            cuda_pinned::open_regular_file(path).map_err(|e| Error::io(path, "opening", e))?;
         let metadata = buffered
             .metadata()
             .map_err(|e| Error::io(path, "inspecting", e))?;
-        if !metadata.is_file() {
-            return Err(Error::io(
-                path,
-                "opening",
-                io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"),
-            ));
-        }
         // Miri runs neither reads past the page cache nor file mappings: under it, files are
         // read through the cache and taken as cached, so that the tests can check the rest.
-        let direct = (!cfg!(miri))
-            .then(|| {
-                std::fs::OpenOptions::new()
-                    .read(true)
-                    .custom_flags(libc::O_DIRECT)
-                    .open(path)
-                    .ok()
-            })
-            .flatten();
+        let direct = (!cfg!(miri)).then(|| reopen_direct(&buffered)).flatten();
         let residency = (!cfg!(miri))
             .then(|| Residency::map(&buffered, metadata.len()))
             .flatten();

@@ -55,11 +55,9 @@ pub enum LoaderError {
 impl fmt::Display for LoaderError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::Sample {
-                batch,
-                sample,
-                source,
-            } => write!(f, "batch {batch}, sample {sample}: {source}"),
+            Self::Sample { batch, sample, .. } => {
+                write!(f, "batch {batch}, sample {sample}: the dataset failed")
+            }
             Self::Panicked {
                 batch,
                 sample,
@@ -91,11 +89,14 @@ impl fmt::Display for LoaderError {
     }
 }
 
+/// The cause of an error is its [`source`](std::error::Error::source), never in its text
+/// too, so that a report of the chain names each cause once; [`LoaderError::Cuda`] only
+/// wraps cuda-pinned's error, and is that error: its text and its source.
 impl std::error::Error for LoaderError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Self::Sample { source, .. } => Some(&**source),
-            Self::Cuda(e) => Some(e),
+            Self::Cuda(e) => e.source(),
             _ => None,
         }
     }
@@ -104,5 +105,32 @@ impl std::error::Error for LoaderError {
 impl From<cuda_pinned::Error> for LoaderError {
     fn from(e: cuda_pinned::Error) -> Self {
         Self::Cuda(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each cause appears once in a report of the chain: as a source, not in the text of
+    /// the error it caused too.
+    #[test]
+    fn a_chain_names_each_cause_once() {
+        let error = LoaderError::Sample {
+            batch: 3,
+            sample: 17,
+            source: "the image is corrupt".into(),
+        };
+        assert_eq!(error.to_string(), "batch 3, sample 17: the dataset failed");
+        assert_eq!(
+            cuda_pinned::ErrorChain(&error).to_string(),
+            "batch 3, sample 17: the dataset failed: the image is corrupt"
+        );
+        let wrapped = LoaderError::Cuda(cuda_pinned::Error::Os {
+            call: "mlock",
+            source: std::io::Error::from_raw_os_error(libc::EPERM),
+        });
+        let chain = cuda_pinned::ErrorChain(&wrapped).to_string();
+        assert_eq!(chain.matches("mlock failed").count(), 1, "{chain}");
     }
 }

@@ -306,7 +306,7 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
     /// When the allocation fails.
     pub fn reserve(&mut self, additional: usize) {
         if let Err(e) = self.try_reserve(additional) {
-            panic!("PinnedVec::reserve: {e}");
+            panic!("PinnedVec::reserve: {}", crate::ErrorChain(&e));
         }
     }
 
@@ -359,7 +359,7 @@ impl<T, A: PinnedAllocator> PinnedVec<T, A> {
     #[inline]
     pub fn push(&mut self, value: T) {
         if let Err(e) = self.try_push(value) {
-            panic!("PinnedVec::push: {e}");
+            panic!("PinnedVec::push: {}", crate::ErrorChain(&e));
         }
     }
 
@@ -507,7 +507,7 @@ impl<T: Clone, A: PinnedAllocator> PinnedVec<T, A> {
     #[inline]
     pub fn extend_from_slice(&mut self, slice: &[T]) {
         if let Err(e) = self.try_extend_from_slice(slice) {
-            panic!("PinnedVec::extend_from_slice: {e}");
+            panic!("PinnedVec::extend_from_slice: {}", crate::ErrorChain(&e));
         }
     }
 
@@ -534,7 +534,7 @@ impl<T: Clone, A: PinnedAllocator> PinnedVec<T, A> {
     /// When growing fails.
     pub fn resize(&mut self, len: usize, value: T) {
         if let Err(e) = self.try_resize(len, value) {
-            panic!("PinnedVec::resize: {e}");
+            panic!("PinnedVec::resize: {}", crate::ErrorChain(&e));
         }
     }
 }
@@ -627,7 +627,7 @@ impl<T: Clone, A: PinnedAllocator + Clone> Clone for PinnedVec<T, A> {
     /// When the allocation fails; [`try_clone`](PinnedVec::try_clone) returns the error.
     fn clone(&self) -> Self {
         self.try_clone()
-            .unwrap_or_else(|e| panic!("PinnedVec::clone: {e}"))
+            .unwrap_or_else(|e| panic!("PinnedVec::clone: {}", crate::ErrorChain(&e)))
     }
 }
 

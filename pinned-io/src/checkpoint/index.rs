@@ -5,7 +5,6 @@
 //! index's directory.
 
 use std::collections::{HashMap, HashSet};
-use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
@@ -44,7 +43,8 @@ impl ShardIndex {
     /// [`Error::Io`] when the file cannot be opened or read; [`Error::Format`] when it is larger
     /// than [`MAX_INDEX_LEN`] or breaks the format (see [`ShardIndex::parse`]).
     pub(crate) fn read(path: &Path) -> Result<ShardIndex> {
-        let file = File::open(path).map_err(|e| Error::io(path, "opening the index", e))?;
+        let file = cuda_pinned::open_regular_file(path)
+            .map_err(|e| Error::io(path, "opening the index", e))?;
         let len = file
             .metadata()
             .map_err(|e| Error::io(path, "inspecting the index", e))?

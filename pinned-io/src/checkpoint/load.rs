@@ -50,6 +50,8 @@ pub struct Checkpoint {
     headers: Vec<Header>,
     /// (file, tensor) of every tensor, in the files' order and each file's offset order.
     order: Vec<(usize, usize)>,
+    /// The bytes of all tensors (summed with a check: the sizes come from the files).
+    bytes: u64,
 }
 
 impl Checkpoint {
@@ -131,10 +133,12 @@ impl Checkpoint {
             .enumerate()
             .flat_map(|(f, h)| (0..h.tensors().len()).map(move |t| (f, t)))
             .collect();
+        let bytes = total_bytes(&headers)?;
         Ok(Self {
             files,
             headers,
             order,
+            bytes,
         })
     }
 
@@ -157,7 +161,7 @@ impl Checkpoint {
 
     /// The bytes of all tensors.
     pub fn bytes(&self) -> u64 {
-        self.tensors().map(TensorSpec::bytes).sum()
+        self.bytes
     }
 
     /// Starts loading the tensors `options` selects onto `reader`'s device (and copies on
@@ -281,6 +285,24 @@ impl Checkpoint {
         }
         Ok(plan)
     }
+}
+
+/// The bytes of every tensor of `headers` together; each file's were checked to fit it, but
+/// several files (sparse ones, say) can claim more together than 64 bits count.
+fn total_bytes(headers: &[Header]) -> Result<u64> {
+    let mut total = 0u64;
+    for header in headers {
+        for tensor in header.tensors() {
+            total = total.checked_add(tensor.bytes()).ok_or_else(|| {
+                Error::format(
+                    header.path(),
+                    Some(tensor.name()),
+                    "the checkpoint's tensors together hold more bytes than 64 bits count",
+                )
+            })?;
+        }
+    }
+    Ok(total)
 }
 
 /// One selected tensor: where its bytes lie in its file and at which offset of the device
@@ -725,5 +747,34 @@ impl LoadedTensor {
         // host did), and the buffer tracks it (the sink), so that copies through the view on
         // any other stream wait for it too.
         unsafe { range.assume_init() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A header of one `U8` tensor of `bytes` bytes, in a file just long enough for it.
+    fn header_of(name: &str, bytes: u64) -> Header {
+        let json = format!(
+            r#"{{"{name}":{{"dtype":"U8","shape":[{bytes}],"data_offsets":[0,{bytes}]}}}}"#
+        );
+        let path = PathBuf::from(format!("{name}.safetensors"));
+        let start = 8 + json.len() as u64;
+        Header::parse(&path, json.as_bytes(), start, start + bytes).unwrap()
+    }
+
+    #[test]
+    fn sizes_that_overflow_together_are_refused_naming_the_tensor() {
+        // The largest tensors a header takes count their bits in 64 bits: 2^60 bytes each,
+        // sixteen of them overflow a 64-bit byte count together.
+        let huge = 1u64 << 60;
+        let headers: Vec<Header> = (0..16).map(|i| header_of(&format!("s{i}"), huge)).collect();
+        assert_eq!(total_bytes(&headers[..15]).unwrap(), 15 * huge);
+        let error = total_bytes(&headers).unwrap_err();
+        let text = error.to_string();
+        assert!(matches!(error, Error::Format { .. }), "{text}");
+        assert!(text.contains("s15.safetensors: tensor `s15`"), "{text}");
+        assert!(text.contains("more bytes than 64 bits count"), "{text}");
     }
 }

@@ -510,7 +510,9 @@ impl<D: Dma> Job<D> {
 
     /// The job's error as text, if a piece failed (the error stays the job's).
     pub(crate) fn error_message(&self) -> Option<String> {
-        lock(&self.error).as_ref().map(ToString::to_string)
+        lock(&self.error)
+            .as_ref()
+            .map(|error| cuda_pinned::ErrorChain(error).to_string())
     }
 
     /// Moves piece `index` through a chunk of `ring`, with the pieces after it that can be

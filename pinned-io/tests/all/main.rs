@@ -2,3 +2,4 @@
 
 mod gpu;
 mod headers;
+mod special_files;

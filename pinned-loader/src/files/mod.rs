@@ -24,6 +24,8 @@ pub enum FileError {
     Io {
         /// The file.
         path: PathBuf,
+        /// What was being done.
+        doing: &'static str,
         /// What the system said.
         source: io::Error,
     },
@@ -61,9 +63,10 @@ impl FileError {
         }
     }
 
-    pub(crate) fn io(path: &Path, source: io::Error) -> Self {
+    pub(crate) fn io(path: &Path, doing: &'static str, source: io::Error) -> Self {
         Self::Io {
             path: path.to_owned(),
+            doing,
             source,
         }
     }
@@ -72,7 +75,7 @@ impl FileError {
 impl fmt::Display for FileError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::Io { path, source } => write!(f, "{}: {source}", path.display()),
+            Self::Io { path, doing, .. } => write!(f, "{}: {doing}", path.display()),
             Self::Invalid { path, reason } => write!(f, "{}: {reason}", path.display()),
             Self::Shrunk {
                 path,
@@ -88,6 +91,8 @@ impl fmt::Display for FileError {
     }
 }
 
+/// The system's error is the [`source`](std::error::Error::source) of [`FileError::Io`], not
+/// in its text too, so that a report of the chain names it once.
 impl std::error::Error for FileError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
@@ -105,10 +110,15 @@ pub(crate) struct Source {
 }
 
 impl Source {
-    /// Opens `path` for reading; returns it with its length.
+    /// Opens `path` for reading; returns it with its length. Anything but a regular file (a
+    /// directory, named pipe, socket or device) is refused before it is opened.
     pub(crate) fn open(path: &Path) -> Result<(Self, u64), FileError> {
-        let file = File::open(path).map_err(|e| FileError::io(path, e))?;
-        let len = file.metadata().map_err(|e| FileError::io(path, e))?.len();
+        let file =
+            cuda_pinned::open_regular_file(path).map_err(|e| FileError::io(path, "opening", e))?;
+        let len = file
+            .metadata()
+            .map_err(|e| FileError::io(path, "inspecting", e))?
+            .len();
         let source = Self {
             path: path.to_owned(),
             file,
@@ -138,7 +148,7 @@ impl Source {
                 }
                 Ok(read) => done += read,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(FileError::io(&self.path, e)),
+                Err(e) => return Err(FileError::io(&self.path, "reading", e)),
             }
         }
         Ok(())
@@ -157,6 +167,7 @@ impl Source {
             0 => Ok(()),
             code => Err(FileError::io(
                 &self.path,
+                "advising random reads",
                 io::Error::from_raw_os_error(code),
             )),
         }

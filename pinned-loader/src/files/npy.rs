@@ -38,13 +38,22 @@ impl NpyArray {
     /// and Fortran-ordered arrays among them), a shape whose size overflows, or a file
     /// shorter than its header and data.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, FileError> {
-        let path = path.as_ref();
-        let (source, file_len) = Source::open(path)?;
+        let (source, file_len) = Source::open(path.as_ref())?;
+        Self::read_header(source, file_len)
+    }
+
+    /// Reads and checks the header of `source`, `file_len` bytes long.
+    fn read_header(source: Source, file_len: u64) -> Result<Self, FileError> {
+        let path = source.path.as_path();
         let invalid = |reason| FileError::invalid(path, reason);
+        // A read that found the file's end found it shrunk since it was sized; any other
+        // error is the system's, kept as it is.
+        let shrunk = |error| match error {
+            FileError::Shrunk { .. } => invalid("the file shrank while its header was read".into()),
+            error => error,
+        };
         let mut preamble = vec![0; file_len.min(12) as usize];
-        source
-            .read_at(&mut preamble, 0, 0)
-            .map_err(|_| invalid("the file shrank while its header was read".to_owned()))?;
+        source.read_at(&mut preamble, 0, 0).map_err(shrunk)?;
         let end = header::header_end(&preamble).map_err(invalid)?;
         if end > file_len {
             return Err(invalid(format!(
@@ -53,9 +62,7 @@ impl NpyArray {
         }
         // At most `MAX_HEADER` and a preamble, both checked above.
         let mut head = vec![0; end as usize];
-        source
-            .read_at(&mut head, 0, 0)
-            .map_err(|_| invalid("the file shrank while its header was read".to_owned()))?;
+        source.read_at(&mut head, 0, 0).map_err(shrunk)?;
         let layout = header::parse(&head, file_len).map_err(invalid)?;
         Ok(Self { source, layout })
     }
@@ -364,5 +371,34 @@ impl<F: NpyFields> Dataset for NpyDataset<F> {
             array.read_sample(index, place)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri's isolation refuses to open files")]
+    fn an_error_reading_the_header_is_the_systems_own() {
+        // A descriptor that cannot read: every read fails with the system's error (EBADF),
+        // which must reach the caller as it is, not as a file that shrank.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("write-only.npy");
+        std::fs::write(&path, [0u8; 128]).unwrap();
+        let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        let source = Source {
+            path: path.clone(),
+            file,
+        };
+        let error = NpyArray::read_header(source, 128).unwrap_err();
+        let FileError::Io {
+            path: at, source, ..
+        } = &error
+        else {
+            panic!("not the system's error: {error}");
+        };
+        assert_eq!(at, &path);
+        assert_eq!(source.raw_os_error(), Some(libc::EBADF), "{error}");
     }
 }

@@ -469,7 +469,8 @@ fn sample_datasets_are_collated_and_pinned_samples_copied() {
     }
     let mut loader = Loader::new(Wrong, config(1, 0)).unwrap();
     let error = loader.epoch(0).next().unwrap().unwrap_err();
-    assert!(error.to_string().contains("3 elements"), "{error}");
+    let chain = cuda_pinned::ErrorChain(&error).to_string();
+    assert!(chain.contains("3 elements"), "{chain}");
 }
 
 proptest! {

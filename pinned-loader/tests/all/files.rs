@@ -186,6 +186,64 @@ fn files_the_arrays_do_not_fit_are_refused_with_their_name() {
     assert!(matches!(missing, FileError::Io { .. }));
 }
 
+/// Runs `open` on a thread and fails the test, rather than hang the suite, if it blocks.
+fn in_time<T: Send + 'static>(open: impl FnOnce() -> T + Send + 'static) -> T {
+    let (sender, receiver) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = sender.send(open());
+    });
+    receiver
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("the open blocked")
+}
+
+/// That `error` is the system's refusal of `path`, saying what it is.
+fn refused_as<T>(result: Result<T, FileError>, path: &Path, what: &str) {
+    let Err(error) = result else {
+        panic!("{} was opened", path.display());
+    };
+    let FileError::Io {
+        path: at, source, ..
+    } = &error
+    else {
+        panic!("not an I/O error: {error}");
+    };
+    assert_eq!(at, path);
+    assert_eq!(source.to_string(), format!("not a regular file: {what}"));
+}
+
+#[test]
+fn named_pipes_directories_and_devices_are_refused_at_open() {
+    let dir = TempDir::new().unwrap();
+    let fifo = dir.path().join("samples.npy");
+    let name = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+    let layout = (Field::<u8>::new(IMAGE), Field::<i64>::new(1));
+    for path in [
+        fifo.clone(),
+        dir.path().to_owned(),
+        PathBuf::from("/dev/null"),
+    ] {
+        let what = match path.to_str().unwrap() {
+            "/dev/null" => "a character device",
+            _ if path == fifo => "a named pipe",
+            _ => "a directory",
+        };
+        let opened = path.clone();
+        refused_as(in_time(move || NpyArray::open(opened)), &path, what);
+        let opened = path.clone();
+        refused_as(
+            in_time(move || NpyDataset::<(Field<u8>,)>::open(&[opened])),
+            &path,
+            what,
+        );
+        let opened = path.clone();
+        let records = in_time(move || RecordDataset::open(&[opened], 0, layout));
+        refused_as(records, &path, what);
+    }
+}
+
 #[test]
 fn a_file_cut_between_epochs_fails_its_samples_by_name() {
     let dir = TempDir::new().unwrap();

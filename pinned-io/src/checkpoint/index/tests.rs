@@ -124,7 +124,7 @@ fn an_index_over_the_cap_is_refused_unread() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("model.safetensors.index.json");
     // A sparse file: its length is all that is inspected.
-    File::create(&path)
+    std::fs::File::create(&path)
         .unwrap()
         .set_len(MAX_INDEX_LEN + 1)
         .unwrap();
