@@ -465,6 +465,12 @@ fn onto_others(
 
 /// Runs the section in `dir` (a directory on the disk to measure).
 pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Section>, String> {
+    std::fs::create_dir_all(dir).map_err(|e| {
+        format!(
+            "cannot create the directory {} for the checkpoints: {e}",
+            dir.display()
+        )
+    })?;
     let mut section = Section::new(
         "files",
         "safetensors checkpoints from a file to the GPU (GB/s; % of the reference row above it)",

@@ -228,9 +228,11 @@ pub enum Error {
     MemoryPressure {
         /// Bytes the request needed.
         requested: usize,
-        /// Bytes the kernel reported available (`MemAvailable`).
+        /// Bytes available to the process: the kernel's `MemAvailable`, capped by its memory
+        /// cgroups' limits less their use.
         available: u64,
-        /// The machine's memory in bytes.
+        /// The memory the process may use in bytes: the machine's, or its memory cgroups'
+        /// lowest limit.
         total: u64,
         /// Bytes the allocator keeps available.
         keep: u64,
@@ -326,9 +328,10 @@ impl fmt::Display for Error {
                 pinned,
             } => write!(
                 f,
-                "pinning {} more would leave {} of this machine's {} available, under the {} \
-                 kept available; {pinner} holds {} pinned (other processes' memory and this \
-                 one's ordinary memory count against the machine too)",
+                "pinning {} more would leave {} of the {} this process may use (the machine's, \
+                 or its container's limit) available, under the {} kept available; {pinner} \
+                 holds {} pinned (other processes' memory and this one's ordinary memory count \
+                 against it too)",
                 Bytes(*requested as u64),
                 Bytes(available.saturating_sub(*requested as u64)),
                 Bytes(*total),
@@ -471,7 +474,10 @@ mod tests {
         assert_eq!(os.to_string(), "mmap failed");
         assert_eq!(ErrorChain(&os).to_string(), format!("mmap failed: {cause}"));
         // A wrapper is the error it wraps: its text once, and that error's own source.
-        let cuda = Error::Cuda(CudaError::new("cudaMalloc", cudaError::cudaErrorMemoryAllocation));
+        let cuda = Error::Cuda(CudaError::new(
+            "cudaMalloc",
+            cudaError::cudaErrorMemoryAllocation,
+        ));
         let text = cuda.to_string();
         assert!(std::error::Error::source(&cuda).is_none());
         assert_eq!(ErrorChain(&cuda).to_string(), text);

@@ -251,11 +251,11 @@ impl fmt::Display for Verdict {
         };
         write!(
             f,
-            "epoch {}: {limit} limits it ({:.0} batches/s over {:.2} s; the consumer waited \
+            "epoch {}: {limit} limits it ({:.0} batches/s over {}; the consumer waited \
              {:.0}% of it; {} busy {:.0}%",
             s.epoch,
             s.batches_per_second(),
-            s.wall.as_secs_f64(),
+            Span(s.wall),
             100.0 * s.consumer_wait_share(),
             match s.workers {
                 0 => "the consumer's filling".to_owned(),
@@ -273,6 +273,21 @@ impl fmt::Display for Verdict {
             )?;
         }
         write!(f, "): {}", self.advice)
+    }
+}
+
+/// A duration for people: milliseconds under a second (a short epoch is not "0.00 s"),
+/// seconds from there on.
+struct Span(Duration);
+
+impl fmt::Display for Span {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let seconds = self.0.as_secs_f64();
+        match seconds {
+            s if s >= 1.0 => write!(f, "{s:.2} s"),
+            s if s >= 0.01 => write!(f, "{:.0} ms", s * 1e3),
+            s => write!(f, "{:.2} ms", s * 1e3),
+        }
     }
 }
 
@@ -352,6 +367,17 @@ mod tests {
     }
 
     #[test]
+    fn a_short_epoch_says_its_milliseconds() {
+        let texts: Vec<String> = [Duration::from_micros(3_400), Duration::from_millis(640)]
+            .into_iter()
+            .map(|d| Span(d).to_string())
+            .collect();
+        assert_eq!(texts, ["3.40 ms", "640 ms"]);
+        let line = epoch(4, 1, 3, 2, None).verdict().to_string();
+        assert!(line.contains("over 4.00 ms"), "{line}");
+    }
+
+    #[test]
     fn shares_of_an_empty_epoch_are_zero_and_the_line_says_it_all() {
         let empty = epoch(0, 0, 0, 4, None);
         assert_eq!(empty.batches_per_second(), 0.0);
@@ -362,6 +388,7 @@ mod tests {
             .to_string();
         for part in [
             "epoch 3",
+            "over 2.00 s",
             "data loading",
             "50 batches/s",
             "waited 60%",

@@ -180,7 +180,19 @@ impl PoolConfig {
     /// Pinned pages can never be swapped out or reclaimed: workers × prefetch × batch bytes
     /// pinned on a machine already short of memory make the rest of it swap, or the kernel
     /// kill a process.
+    ///
+    /// In a container, the memory counted is what its cgroup's limit allows (see
+    /// [`memory_files`](Self::memory_files)).
+    ///
+    /// # Panics
+    ///
+    /// When `share` is NaN (which would turn the guard off unnoticed).
+    #[track_caller]
     pub fn keep_available(mut self, share: f64) -> Self {
+        assert!(
+            !share.is_nan(),
+            "PoolConfig::keep_available: the share is NaN"
+        );
         self.keep_available_ppm = (share.clamp(0.0, 1.0) * 1e6).round() as u32;
         self
     }
@@ -190,13 +202,26 @@ impl PoolConfig {
     /// kernel has pressure stall information), looked at no more than once a second as the pool
     /// pins new memory and by [`Pool::relieve_pressure`](crate::Pool::relieve_pressure). 0
     /// turns it off; the default is 10.
+    ///
+    /// # Panics
+    ///
+    /// When `percent` is NaN.
+    #[track_caller]
     pub fn release_under_pressure(mut self, percent: f64) -> Self {
+        assert!(
+            !percent.is_nan(),
+            "PoolConfig::release_under_pressure: the percentage is NaN"
+        );
         self.release_stall = (percent.clamp(0.0, 100.0) * 100.0).round() as u32;
         self
     }
 
     /// Reads the machine's memory from `dir/meminfo` and `dir/pressure/memory` instead of
-    /// `/proc`'s (a container's view, or a test's).
+    /// `/proc`'s, and the process's memory cgroups as `dir/self/cgroup` names them, under
+    /// `dir/cgroup` instead of `/sys/fs/cgroup` (another view of the machine, or a test's).
+    ///
+    /// By default the cgroups' limits (a container's: Kubernetes, Docker, a Slurm job) cap
+    /// the machine's figures: the pool counts only the memory the process may use.
     pub fn memory_files(mut self, dir: impl AsRef<Path>) -> Self {
         self.memory_files = Some(dir.as_ref().to_owned());
         self
@@ -338,6 +363,23 @@ mod tests {
             PoolConfig::parse("keep_available_percent:101"),
             Err(ConfigError::BadValue { .. })
         ));
+    }
+
+    #[test]
+    #[should_panic(expected = "the share is NaN")]
+    fn a_nan_share_is_refused_not_taken_as_no_guard() {
+        let _ = PoolConfig::new().keep_available(f64::NAN);
+    }
+
+    #[test]
+    fn a_nan_percentage_is_refused_in_text_and_in_code() {
+        for key in ["keep_available_percent", "release_stall_percent"] {
+            let error = PoolConfig::parse(&format!("{key}:NaN")).unwrap_err();
+            assert!(matches!(error, ConfigError::BadValue { .. }), "{error}");
+        }
+        let refused =
+            std::panic::catch_unwind(|| PoolConfig::new().release_under_pressure(f64::NAN));
+        assert!(refused.is_err());
     }
 
     #[test]

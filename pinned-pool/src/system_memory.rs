@@ -1,30 +1,41 @@
-//! The machine's memory, as the kernel reports it: how much is available (`MemAvailable` in
-//! `/proc/meminfo`), and how long tasks stalled waiting for memory (pressure stall information,
+//! The memory this process may use, as the kernel reports it: how much is available
+//! (`MemAvailable` in `/proc/meminfo`, and within the limit of the process's memory cgroup, the
+//! container's), and how long tasks stalled waiting for memory (pressure stall information,
 //! `/proc/pressure/memory`, where the kernel has it).
 //!
 //! Pinned memory is memory the machine can never swap or reclaim: a pool that keeps growing
 //! under a loader's workers starves everything else on the host, which then swaps or is
 //! killed. The pool asks here before it pins more, and gives its idle cache back when the
 //! machine has been stalling for memory.
+//!
+//! In a container (Kubernetes, Docker, a Slurm job's cgroup) the machine's `MemAvailable` can
+//! be far above what the container may use, and a process past its cgroup's limit is killed:
+//! the cgroup's limit and use (its own and its ancestors', version 2's `memory.max` and
+//! `memory.current`, or version 1's `memory.limit_in_bytes` and `memory.usage_in_bytes`) cap
+//! both figures. Cache the kernel can drop (`inactive_file` of `memory.stat`) counts as
+//! available, as the kernel reclaims it before it kills.
 
 use std::path::{Path, PathBuf};
 
-/// Where the memory files are read: `/proc` by default, another directory holding `meminfo`
-/// and `pressure/memory` in tests.
+/// Where the memory files are read: `/proc` and the cgroup file system at `/sys/fs/cgroup`
+/// by default; in tests, a directory holding `meminfo`, `pressure/memory`, `self/cgroup`, and
+/// the cgroup file system under `cgroup/`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct SystemMemory {
     root: PathBuf,
+    cgroup_fs: PathBuf,
 }
 
 impl Default for SystemMemory {
     fn default() -> Self {
         Self {
             root: PathBuf::from("/proc"),
+            cgroup_fs: PathBuf::from("/sys/fs/cgroup"),
         }
     }
 }
 
-/// The machine's memory in bytes.
+/// The memory this process may use, in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Memory {
     pub(crate) total: u64,
@@ -39,21 +50,61 @@ pub(crate) struct Stall {
     pub(crate) avg60: f64,
 }
 
+/// One memory cgroup's limit and what it holds that the kernel cannot drop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Limit {
+    max: u64,
+    used: u64,
+}
+
 impl SystemMemory {
     pub(crate) fn at(root: &Path) -> Self {
         Self {
             root: root.to_owned(),
+            cgroup_fs: root.join("cgroup"),
         }
     }
 
-    /// The machine's total and available memory; `None` where the file cannot be read or
-    /// lacks them.
+    /// The total and available memory of the machine, each capped by the limits of the
+    /// process's memory cgroups; `None` where `meminfo` cannot be read or lacks them.
     pub(crate) fn memory(&self) -> Option<Memory> {
         // Miri isolates the program from the file system (and would stop at the attempt).
         if cfg!(miri) {
             return None;
         }
-        parse_meminfo(&std::fs::read_to_string(self.root.join("meminfo")).ok()?)
+        let mut memory = parse_meminfo(&std::fs::read_to_string(self.root.join("meminfo")).ok()?)?;
+        for dir in self.cgroup_dirs() {
+            if let Some(limit) = read_limit(&dir) {
+                memory.total = memory.total.min(limit.max);
+                memory.available = memory.available.min(limit.max.saturating_sub(limit.used));
+            }
+        }
+        Some(memory)
+    }
+
+    /// The folders of the process's memory cgroups, its own first, then each ancestor's up
+    /// to the file system's root: a parent's limit binds its children too.
+    fn cgroup_dirs(&self) -> Vec<PathBuf> {
+        let Ok(text) = std::fs::read_to_string(self.root.join("self/cgroup")) else {
+            return Vec::new();
+        };
+        let mut dirs = Vec::new();
+        for (mount, path) in memory_cgroups(&text) {
+            let mount = self.cgroup_fs.join(mount);
+            let mut dir = mount.join(path.trim_start_matches('/'));
+            // In a container whose cgroup is not its own namespace's root, the path is the
+            // host's, and the container sees its own cgroup at the mount's root.
+            if !dir.is_dir() {
+                dir = mount.clone();
+            }
+            loop {
+                dirs.push(dir.clone());
+                if dir == mount || !dir.pop() || !dir.starts_with(&mount) {
+                    break;
+                }
+            }
+        }
+        dirs
     }
 
     /// The machine's memory and the bytes to keep available, where pinning `size` more would
@@ -78,6 +129,62 @@ impl SystemMemory {
         }
         parse_pressure(&std::fs::read_to_string(self.root.join("pressure/memory")).ok()?)
     }
+}
+
+/// The memory cgroups of `/proc/self/cgroup`: the folder under the cgroup file system where
+/// each hierarchy is mounted as systems lay it out (`""` for version 2's unified one,
+/// `memory` for version 1's), and the process's path in it.
+fn memory_cgroups(text: &str) -> Vec<(&'static str, &str)> {
+    text.lines()
+        .filter_map(|line| {
+            let mut fields = line.splitn(3, ':');
+            let (id, controllers, path) = (fields.next()?, fields.next()?, fields.next()?);
+            if id == "0" && controllers.is_empty() {
+                Some(("", path))
+            } else if controllers.split(',').any(|c| c == "memory") {
+                Some(("memory", path))
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+/// The limit of the cgroup at `dir` and its use less what the kernel can drop; `None` where
+/// it sets no limit (or its files cannot be read).
+fn read_limit(dir: &Path) -> Option<Limit> {
+    let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();
+    let number = |text: Option<String>| text?.trim().parse::<u64>().ok();
+    // Version 2 writes "max" for no limit, version 1 a number near 2^63.
+    let (max, used) = match read("memory.max") {
+        Some(max) => (number(Some(max))?, number(read("memory.current"))?),
+        None => (
+            number(read("memory.limit_in_bytes"))?,
+            number(read("memory.usage_in_bytes"))?,
+        ),
+    };
+    if max >= 1 << 62 {
+        return None;
+    }
+    let droppable = read("memory.stat").map_or(0, |stat| inactive_file(&stat));
+    Some(Limit {
+        max,
+        used: used.saturating_sub(droppable),
+    })
+}
+
+/// The page cache a cgroup holds that the kernel reclaims first: `inactive_file` of its
+/// `memory.stat` (`total_inactive_file` in version 1, counting its children).
+fn inactive_file(stat: &str) -> u64 {
+    let field = |name: &str| {
+        stat.lines().find_map(|line| {
+            let (key, value) = line.split_once(' ')?;
+            (key == name).then(|| value.trim().parse::<u64>().ok())?
+        })
+    };
+    field("total_inactive_file")
+        .or_else(|| field("inactive_file"))
+        .unwrap_or(0)
 }
 
 /// `MemTotal` and `MemAvailable` of `/proc/meminfo`, in bytes.
@@ -175,6 +282,159 @@ mod tests {
         );
         assert_eq!(parse_pressure("full avg10=1.00 avg60=0.50\n"), None);
         assert_eq!(parse_pressure("some avg10=NaN avg60=1\n"), None);
+    }
+
+    /// A `/proc` of `MemTotal` 64 GiB and `MemAvailable` 48 GiB, and a cgroup file system
+    /// under it where the process is in `/kubepods/pod/box`.
+    fn fake_proc(cgroup_line: &str) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |path: &str, text: &str| {
+            let path = dir.path().join(path);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, text).unwrap();
+        };
+        write(
+            "meminfo",
+            "MemTotal: 67108864 kB\nMemAvailable: 50331648 kB\n",
+        );
+        write("self/cgroup", cgroup_line);
+        dir
+    }
+
+    const GIB: u64 = 1 << 30;
+
+    fn write_in(root: &Path, cgroup: &str, files: &[(&str, String)]) {
+        let dir = root.join("cgroup").join(cgroup);
+        std::fs::create_dir_all(&dir).unwrap();
+        for (name, text) in files {
+            std::fs::write(dir.join(name), text).unwrap();
+        }
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri isolates the program from the file system")]
+    fn a_version_2_cgroup_caps_the_machines_figures_and_its_parents_too() {
+        let proc = fake_proc("0::/kubepods/pod/box\n");
+        let root = proc.path();
+        // The container: 16 GiB, of which 10 used, 3 of them droppable cache.
+        write_in(
+            root,
+            "kubepods/pod/box",
+            &[
+                ("memory.max", format!("{}\n", 16 * GIB)),
+                ("memory.current", format!("{}\n", 10 * GIB)),
+                (
+                    "memory.stat",
+                    format!("anon 1\ninactive_file {}\n", 3 * GIB),
+                ),
+            ],
+        );
+        write_in(root, "kubepods/pod", &[("memory.max", "max\n".into())]);
+        let memory = SystemMemory::at(root).memory().unwrap();
+        assert_eq!(
+            memory,
+            Memory {
+                total: 16 * GIB,
+                available: 9 * GIB
+            }
+        );
+        // The pod's limit binds the container too.
+        write_in(
+            root,
+            "kubepods/pod",
+            &[
+                ("memory.max", format!("{}\n", 12 * GIB)),
+                ("memory.current", format!("{}\n", 11 * GIB)),
+            ],
+        );
+        let memory = SystemMemory::at(root).memory().unwrap();
+        assert_eq!(
+            memory,
+            Memory {
+                total: 12 * GIB,
+                available: GIB
+            }
+        );
+        // So the guard refuses what the machine alone would allow.
+        assert!(SystemMemory::at(root).short_for(2 << 30, 50_000).is_some());
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri isolates the program from the file system")]
+    fn a_version_1_cgroup_and_a_container_that_sees_its_own_at_the_root() {
+        // A host path that the container's mount does not show: its cgroup is the root.
+        let proc = fake_proc("5:cpu,cpuacct:/x\n4:memory:/docker/abc\n");
+        let root = proc.path();
+        write_in(
+            root,
+            "memory",
+            &[
+                ("memory.limit_in_bytes", format!("{}\n", 8 * GIB)),
+                ("memory.usage_in_bytes", format!("{}\n", 6 * GIB)),
+                (
+                    "memory.stat",
+                    format!("cache 1\ntotal_inactive_file {}\n", GIB),
+                ),
+            ],
+        );
+        let memory = SystemMemory::at(root).memory().unwrap();
+        assert_eq!(
+            memory,
+            Memory {
+                total: 8 * GIB,
+                available: 3 * GIB
+            }
+        );
+        // No limit (version 1's near 2^63): the machine's figures.
+        write_in(
+            root,
+            "memory",
+            &[("memory.limit_in_bytes", "9223372036854771712\n".into())],
+        );
+        let memory = SystemMemory::at(root).memory().unwrap();
+        assert_eq!(
+            memory,
+            Memory {
+                total: 64 * GIB,
+                available: 48 * GIB
+            }
+        );
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "Miri isolates the program from the file system")]
+    fn unreadable_or_absurd_cgroup_files_leave_the_machines_figures() {
+        let proc = fake_proc("0::/box\n");
+        let root = proc.path();
+        for (max, current) in [("max", "1"), ("-5", "1"), ("16", "lots"), ("", "")] {
+            write_in(
+                root,
+                "box",
+                &[
+                    ("memory.max", max.into()),
+                    ("memory.current", current.into()),
+                ],
+            );
+            let memory = SystemMemory::at(root).memory().unwrap();
+            assert_eq!(
+                memory,
+                Memory {
+                    total: 64 * GIB,
+                    available: 48 * GIB
+                },
+                "{max:?}"
+            );
+        }
+        // A use above the limit leaves nothing available, without underflow.
+        write_in(
+            root,
+            "box",
+            &[
+                ("memory.max", "100".into()),
+                ("memory.current", "200".into()),
+            ],
+        );
+        assert_eq!(SystemMemory::at(root).memory().unwrap().available, 0);
     }
 
     #[test]

@@ -57,7 +57,10 @@ fn a_named_pipe_is_refused_wherever_a_checkpoint_names_it() {
     let path = fifo.clone();
     let error = in_time(move || DataFile::open(&path)).expect_err("refused");
     let chain = cuda_pinned::ErrorChain(&error).to_string();
-    assert!(chain.ends_with("not a regular file: a named pipe"), "{chain}");
+    assert!(
+        chain.ends_with("not a regular file: a named pipe"),
+        "{chain}"
+    );
     let path = fifo.clone();
     refused(
         in_time(move || Checkpoint::open(path)),

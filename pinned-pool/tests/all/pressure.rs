@@ -73,7 +73,7 @@ fn pinning_that_would_leave_too_little_available_is_refused_after_the_cache_goes
     let message = refused.to_string();
     for part in [
         "30.0 MiB more",
-        "40.0 MiB of this machine's 1000.0 MiB",
+        "40.0 MiB of the 1000.0 MiB this process may use",
         "50.0 MiB kept available",
         "this pool holds 0 B",
     ] {
