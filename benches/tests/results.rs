@@ -15,7 +15,12 @@ fn manifest() -> &'static Path {
 
 #[test]
 fn committed_results_match_the_records_they_list() {
-    let committed = std::fs::read_to_string(manifest().join("RESULTS.md")).unwrap();
+    // A test binary run away from its sources (a bundle on a GPU machine) has nothing to
+    // compare; the sources' own runs (CI) do compare.
+    let Ok(committed) = std::fs::read_to_string(manifest().join("RESULTS.md")) else {
+        println!("skipped: no source tree at {}", manifest().display());
+        return;
+    };
     let names = listed_records(&committed);
     if names.is_empty() {
         println!("RESULTS.md lists no record yet: nothing to compare");
@@ -46,8 +51,8 @@ fn committed_results_match_the_records_they_list() {
 }
 
 fn fixture() -> Report {
-    let path = manifest().join("tests/fixtures/record.json");
-    Report::from_json(&std::fs::read_to_string(path).unwrap()).unwrap()
+    // Built in, so that the binary runs away from its sources too.
+    Report::from_json(include_str!("fixtures/record.json")).unwrap()
 }
 
 /// The row of the goals table for `figure`.

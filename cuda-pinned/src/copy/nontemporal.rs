@@ -251,8 +251,14 @@ mod tests {
     fn a_descriptor_past_the_page_cache_reads_as_with_read_at() {
         use std::os::unix::fs::OpenOptionsExt;
         const LEN: usize = 3 * BOUNCE_BYTES + 4 * STREAMING_MIN;
-        // Beside the sources: a temporary folder may be in memory, which has no `O_DIRECT`.
-        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).expect("a directory");
+        // Beside the sources, or where the test runs when they are not here (a bundle of
+        // test binaries): a temporary folder may be in memory, which has no `O_DIRECT`.
+        let sources = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let dir = match sources.is_dir() {
+            true => tempfile::tempdir_in(sources),
+            false => tempfile::tempdir_in("."),
+        }
+        .expect("a directory");
         let path = dir.path().join("direct");
         let bytes: Vec<u8> = (0..LEN).map(|i| (i * 7 + i / 251) as u8).collect();
         std::fs::write(&path, &bytes).expect("written");
