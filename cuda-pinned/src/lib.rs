@@ -115,7 +115,7 @@ pub use containers::pin_memory::PinMemory;
 pub use containers::vec::{IntoIter, PinnedVec};
 
 // The GPU side.
-pub use gpu::buffer::DeviceBuffer;
+pub use gpu::buffer::{DeviceBuffer, LentDeviceMemory};
 pub use gpu::device::{
     Device, Version, device_count, driver_version, is_available, runtime_path, runtime_version,
 };

@@ -56,7 +56,10 @@ mod file;
 mod plan;
 mod reader;
 
-pub use checkpoint::{Checkpoint, LoadOptions, Loaded, LoadedTensor, Loading, Split, TensorSpec};
+pub use checkpoint::{
+    Block, Checkpoint, Landed, LoadLimit, LoadOptions, LoadReport, Loaded, LoadedTensor, Loading,
+    Split, TensorSpec,
+};
 pub use error::{Error, Result};
 pub use file::{DataFile, ReadMode};
 pub use reader::{FileReader, ReaderConfig};

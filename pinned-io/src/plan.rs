@@ -58,9 +58,23 @@ impl Piece {
 ///
 /// [`Error::Invalid`] for a span whose bytes overflow the address space.
 pub(crate) fn cut(spans: &[Span], capacity: usize) -> Result<Vec<Piece>> {
+    cut_by(spans, capacity, |_| 0)
+}
+
+/// Cuts `spans` as [`cut`] does, the spans of a lower `rank` first (in the files' order
+/// among those of one rank).
+///
+/// # Errors
+///
+/// As [`cut`].
+pub(crate) fn cut_by(
+    spans: &[Span],
+    capacity: usize,
+    rank: impl Fn(&Span) -> u64,
+) -> Result<Vec<Piece>> {
     let cap = capacity as u64;
     let mut order: Vec<&Span> = spans.iter().filter(|s| s.width > 0 && s.rows > 0).collect();
-    order.sort_by_key(|s| (s.file, s.offset));
+    order.sort_by_key(|s| (rank(s), s.file, s.offset));
     let mut pieces = Vec::new();
     let mut open: Option<Piece> = None;
     for span in order {

@@ -53,7 +53,33 @@ pub struct DeviceBuffer<T> {
     len: usize,
     device: i32,
     pending: PendingCopies,
+    /// The owner of memory other code allocated and frees ([`from_lent`](DeviceBuffer::from_lent)):
+    /// dropped, not freed, once the buffer's copies are done. `None`: `cudaMalloc`'s, ours.
+    lent: Option<Box<dyn LentDeviceMemory>>,
     _owns: PhantomData<T>,
+}
+
+/// Device memory that other code allocated and frees, lent to a [`DeviceBuffer`]: another
+/// library's allocation (a cudarc `CudaSlice`, a candle tensor's storage), kept alive by the
+/// buffer, which drops it once its copies are done.
+///
+/// # Safety
+///
+/// Implementors promise, for as long as the value lives:
+/// - `address()..address() + bytes()` is device memory of device `device()` (in its primary
+///   context), readable and writable by any stream of that device: an allocation made in
+///   stream order on another stream has been waited for;
+/// - the three methods return the same values every time;
+/// - nothing else writes that memory, or reads it while the buffer's copies may write it,
+///   unless ordered after them (through the buffer's views, which wait for them, or after
+///   waiting for the events the buffer's users are given).
+pub unsafe trait LentDeviceMemory: Send + Sync + 'static {
+    /// The device the memory is on.
+    fn device(&self) -> Device;
+    /// The device address of its first byte.
+    fn address(&self) -> u64;
+    /// Its length in bytes.
+    fn bytes(&self) -> usize;
 }
 
 impl<T> fmt::Debug for DeviceBuffer<T> {
@@ -113,6 +139,7 @@ impl<T: Copy> DeviceBuffer<T> {
             len,
             device,
             pending: PendingCopies::default(),
+            lent: None,
             _owns: PhantomData,
         };
         if bytes > 0 {
@@ -200,6 +227,36 @@ impl<T: Copy> DeviceBuffer<T> {
 }
 
 impl<T: Copy> DeviceBuffer<MaybeUninit<T>> {
+    /// Memory that other code allocated and frees, as a buffer of `memory.bytes() /
+    /// size_of::<T>()` elements, not initialised; the buffer keeps `memory` and drops it
+    /// (rather than freeing the address) once the copies it queued are done.
+    ///
+    /// For copies into another library's memory through this crate's tracked paths: a
+    /// checkpoint loaded into memory its user's framework owns, say.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Unsupported`] for an address not aligned for `T` or a length that is not a
+    /// whole number of elements.
+    pub fn from_lent(memory: impl LentDeviceMemory) -> Result<Self> {
+        let (address, bytes) = (memory.address(), memory.bytes());
+        let size = size_of::<T>().max(1);
+        if !address.is_multiple_of(align_of::<T>() as u64) || !bytes.is_multiple_of(size) {
+            return Err(Error::Unsupported(
+                "lent device memory must be aligned for its elements and hold a whole number \
+                 of them",
+            ));
+        }
+        Ok(Self {
+            ptr: address,
+            len: bytes / size,
+            device: memory.device().raw(),
+            pending: PendingCopies::default(),
+            lent: Some(Box::new(memory)),
+            _owns: PhantomData,
+        })
+    }
+
     /// `len` elements on `device`, not initialised: memory that copies fill next, without
     /// a memset first.
     ///
@@ -223,6 +280,7 @@ impl<T: Copy> DeviceBuffer<MaybeUninit<T>> {
             len,
             device: device.raw(),
             pending: PendingCopies::default(),
+            lent: None,
             _owns: PhantomData,
         })
     }
@@ -351,16 +409,26 @@ impl<T> DeviceBuffer<T> {
 
 impl<T> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
-        if self.ptr == 0 {
+        let lent = self.lent.take();
+        if self.ptr == 0 && lent.is_none() {
             return;
         }
-        if self.pending.wait_all() {
-            // SAFETY: our allocation; the copies that used it have finished.
-            let _ = crate::context::on_device(self.device, || unsafe {
-                crate::raw::memory::device_free(self.ptr)
-            });
+        if !self.pending.wait_all() {
+            // The device is in an error state and copies may still use the memory: leaking it
+            // (not freeing, not giving it back to its owner) is the safe choice.
+            std::mem::forget(lent);
+            return;
         }
-        // If waiting failed the device is in an error state; leaking is the safe choice.
+        match lent {
+            // Its owner frees it, now that the copies that used it have finished.
+            Some(lent) => drop(lent),
+            None => {
+                // SAFETY: our allocation; the copies that used it have finished.
+                let _ = crate::context::on_device(self.device, || unsafe {
+                    crate::raw::memory::device_free(self.ptr)
+                });
+            }
+        }
     }
 }
 
@@ -390,5 +458,62 @@ impl<'a, T> From<&'a mut DeviceBuffer<T>> for DeviceSlice<'a, T> {
 impl<'a, T> From<&'a mut DeviceBuffer<T>> for DeviceSliceMut<'a, T> {
     fn from(buffer: &'a mut DeviceBuffer<T>) -> Self {
         buffer.slice_mut(..)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Memory lent by "other code": an address that is never touched (nothing copies here),
+    /// counting its drops.
+    struct Lent {
+        address: u64,
+        bytes: usize,
+        dropped: Arc<AtomicUsize>,
+    }
+
+    // SAFETY: no copy is ever queued into this memory in these tests: the buffer only holds
+    // and drops it.
+    unsafe impl LentDeviceMemory for Lent {
+        fn device(&self) -> Device {
+            Device::from_raw(0)
+        }
+        fn address(&self) -> u64 {
+            self.address
+        }
+        fn bytes(&self) -> usize {
+            self.bytes
+        }
+    }
+
+    impl Drop for Lent {
+        fn drop(&mut self) {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    #[test]
+    fn lent_memory_goes_back_to_its_owner_once_and_is_never_freed_here() {
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let lent = |address, bytes| Lent {
+            address,
+            bytes,
+            dropped: dropped.clone(),
+        };
+        let buffer = DeviceBuffer::<MaybeUninit<f32>>::from_lent(lent(1 << 20, 4096)).unwrap();
+        assert_eq!((buffer.len(), buffer.as_raw()), (1024, 1 << 20));
+        assert_eq!(dropped.load(Ordering::Relaxed), 0);
+        // Freeing it here (`cudaFree` of an address CUDA never gave) would fail or worse;
+        // the drop hands it back instead, without CUDA.
+        drop(buffer);
+        assert_eq!(dropped.load(Ordering::Relaxed), 1);
+        // Misaligned, or not a whole number of elements: refused, and handed back.
+        for (address, bytes) in [((1 << 20) + 2, 4096), (1 << 20, 4094)] {
+            let error = DeviceBuffer::<MaybeUninit<f32>>::from_lent(lent(address, bytes));
+            assert!(matches!(error, Err(Error::Unsupported(_))));
+        }
+        assert_eq!(dropped.load(Ordering::Relaxed), 3);
     }
 }

@@ -2,7 +2,7 @@
 
 use cuda_pinned::{Device, Event, RawCopy, RawCopy2d, Stream};
 
-use super::Dma;
+use super::{Bases, Dma};
 use crate::error::Result;
 use crate::plan::ChunkCopy;
 
@@ -24,14 +24,14 @@ impl Dma for Cuda {
         stream: &Stream,
         chunk: *const u8,
         copies: &[ChunkCopy],
-        base: u64,
+        bases: &Bases,
     ) -> Result<()> {
         let address = |copy: &ChunkCopy| chunk.wrapping_add(copy.from) as u64;
         let dense: Vec<RawCopy> = copies
             .iter()
             .filter(|copy| copy.rows == 1)
             .map(|copy| RawCopy {
-                dst: base + copy.dst,
+                dst: bases.of(copy.target) + copy.dst,
                 src: address(copy),
                 bytes: copy.width,
             })
@@ -42,7 +42,7 @@ impl Dma for Cuda {
         unsafe { stream.copy_batch_raw(&dense) }?;
         for copy in copies.iter().filter(|copy| copy.rows > 1) {
             let strided = RawCopy2d {
-                dst: base + copy.dst,
+                dst: bases.of(copy.target) + copy.dst,
                 dst_pitch: copy.width,
                 src: address(copy),
                 src_pitch: copy.pitch,

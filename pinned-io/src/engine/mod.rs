@@ -25,8 +25,9 @@
 //! wait in their chunks until the thread that names the destination queues them. Only the
 //! lead: that thread queues them before it returns, and each copy call costs microseconds.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::file::{DIRECT_ALIGN, DataFile, ReadMode};
@@ -47,7 +48,7 @@ pub(crate) trait Dma: Send + Sync + 'static {
     type Event: Send + Sync;
 
     fn event(&self) -> Result<Self::Event>;
-    /// Queues `copies` out of `chunk` on `stream`, each to `base` plus its `dst`.
+    /// Queues `copies` out of `chunk` on `stream`, each to its target's base plus its `dst`.
     ///
     /// # Safety
     ///
@@ -59,7 +60,7 @@ pub(crate) trait Dma: Send + Sync + 'static {
         stream: &Self::Stream,
         chunk: *const u8,
         copies: &[ChunkCopy],
-        base: u64,
+        bases: &Bases,
     ) -> Result<()>;
     fn record(&self, event: &mut Self::Event, stream: &Self::Stream) -> Result<()>;
     fn wait(&self, event: &Self::Event) -> Result<()>;
@@ -94,10 +95,10 @@ struct Parked<E> {
     counted: bool,
 }
 
-/// What becomes of filled pieces: queued now (to the destination at this base), parked, or
-/// given back unqueued (the job failed before its destination was known).
-enum Turn {
-    Now(u64),
+/// What becomes of filled pieces: queued now (to the destination at these bases), parked,
+/// or given back unqueued (the job failed before its destination was known).
+enum Turn<'a> {
+    Now(&'a Bases),
     Parked,
     Skipped,
 }
@@ -157,11 +158,56 @@ impl<D: Dma> Drop for Taken<'_, D> {
 pub(crate) type Sink<D> =
     dyn Fn(&[usize], &<D as Dma>::Stream) -> Result<()> + Send + Sync + 'static;
 
-/// Where a job's bytes go: each copy's `dst` is an offset from `base`, and `sink` completes
-/// the targets.
+/// Where a job's bytes go: each copy's `dst` is an offset from its target's base, and `sink`
+/// completes the targets.
 pub(crate) struct Destination<D: Dma> {
-    pub(crate) base: u64,
+    pub(crate) bases: Bases,
     pub(crate) sink: Box<Sink<D>>,
+}
+
+/// The address each target's offsets start from: one for all, or one per target (targets
+/// in allocations of their own: a checkpoint's tensors of each element type).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Bases {
+    One(u64),
+    PerTarget(Vec<u64>),
+}
+
+impl Bases {
+    /// Where `target`'s offsets start.
+    pub(crate) fn of(&self, target: usize) -> u64 {
+        match self {
+            Self::One(base) => *base,
+            Self::PerTarget(bases) => bases[target],
+        }
+    }
+}
+
+/// Where a job's threads spent their time, all threads together: reading files, and waiting
+/// for a chunk's copies to the device to finish before filling it again.
+#[derive(Debug, Default)]
+pub(crate) struct Timing {
+    reading: AtomicU64,
+    waiting_for_copies: AtomicU64,
+}
+
+impl Timing {
+    pub(crate) fn reading(&self) -> Duration {
+        Duration::from_nanos(self.reading.load(Ordering::Relaxed))
+    }
+
+    pub(crate) fn waiting_for_copies(&self) -> Duration {
+        Duration::from_nanos(self.waiting_for_copies.load(Ordering::Relaxed))
+    }
+
+    /// Runs `work`, adding its time to `counter`.
+    fn time<R>(counter: &AtomicU64, work: impl FnOnce() -> R) -> R {
+        let start = Instant::now();
+        let result = work();
+        let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        counter.fetch_add(nanos, Ordering::Relaxed);
+        result
+    }
 }
 
 /// Called once when every piece of a job has been moved or skipped (after a failure).
@@ -201,6 +247,7 @@ pub(crate) struct Job<D: Dma> {
     finished: Mutex<Progress>,
     all_finished: Condvar,
     done: Option<Box<Done<D>>>,
+    timing: Timing,
     /// Called with the piece and the part before a part is read (a test's fault).
     #[cfg(test)]
     part_hook: Option<Box<dyn Fn(usize, usize) + Send + Sync>>,
@@ -219,7 +266,10 @@ impl<D: Dma> Job<D> {
     ) -> Self {
         let mut job = Self::to_come(pieces, files, mode, stream, targets);
         // No other thread has the job yet.
-        let _ = job.destination.set(Destination { base: 0, sink });
+        let _ = job.destination.set(Destination {
+            bases: Bases::One(0),
+            sink,
+        });
         job.unnamed = AtomicBool::new(false);
         job
     }
@@ -270,6 +320,7 @@ impl<D: Dma> Job<D> {
             finished: Mutex::new(Progress::default()),
             all_finished: Condvar::new(),
             done: None,
+            timing: Timing::default(),
             #[cfg(test)]
             part_hook: None,
         }
@@ -485,6 +536,11 @@ impl<D: Dma> Job<D> {
         }
     }
 
+    /// Where the job's threads spent their time so far.
+    pub(crate) fn timing(&self) -> &Timing {
+        &self.timing
+    }
+
     /// Waits until every piece is moved or skipped and `done` has run.
     pub(crate) fn wait_finished(&self) {
         let mut finished = lock(&self.finished);
@@ -602,7 +658,10 @@ impl<D: Dma> Job<D> {
         for i in 0..taken.len() {
             let chunk = taken[i].chunk.as_mut().expect("taken");
             if chunk.pending {
-                if let Err(error) = ring.dma.wait(&chunk.event) {
+                let waited = Timing::time(&self.timing.waiting_for_copies, || {
+                    ring.dma.wait(&chunk.event)
+                });
+                if let Err(error) = waited {
                     // Recorded first: a thread that the loss wakes finds the job failed.
                     self.fail(error);
                     // This chunk's copies are unknown: lost; the others are given back once
@@ -634,13 +693,23 @@ impl<D: Dma> Job<D> {
     ) -> Result<bool> {
         let pieces = &self.pieces[first..first + taken.len()];
         let file = &self.files[pieces[0].file];
+        let _span = tracing::debug_span!(
+            "read",
+            mode = if direct { "direct" } else { "cached" },
+            pieces = pieces.len(),
+            bytes = pieces.iter().map(|piece| piece.len).sum::<usize>(),
+            offset = pieces[0].offset,
+        )
+        .entered();
         // SAFETY: each chunk is this thread's alone (taken from the free list) and its last
         // copies are over (settled); it spans `capacity + 2 * DIRECT_ALIGN` bytes, so the
         // `skew < DIRECT_ALIGN` bytes before its start and the `capacity - len +
         // DIRECT_ALIGN ≥ DIRECT_ALIGN` after its piece's `len ≤ capacity` bytes lie in it;
         // each start is congruent to its piece's offset (the chunk's start is aligned); the
         // pieces follow one another in the file on block boundaries (`follows`).
-        let read = unsafe { read_pieces(file, starts, pieces, direct) };
+        let read = Timing::time(&self.timing.reading, || unsafe {
+            read_pieces(file, starts, pieces, direct)
+        });
         if let Err(error) = read {
             give_back_settled(ring, taken);
             return Err(error);
@@ -664,8 +733,8 @@ impl<D: Dma> Job<D> {
         first: usize,
         starts: &[*mut u8],
     ) -> Result<bool> {
-        let base = match self.turn(ring, taken, first, starts) {
-            Turn::Now(base) => base,
+        let bases = match self.turn(ring, taken, first, starts) {
+            Turn::Now(bases) => bases,
             Turn::Parked => return Ok(true),
             Turn::Skipped => {
                 // No copies were queued out of them.
@@ -674,6 +743,12 @@ impl<D: Dma> Job<D> {
             }
         };
         let pieces = &self.pieces[first..first + taken.len()];
+        let _span = tracing::debug_span!(
+            "queue copies",
+            pieces = pieces.len(),
+            copies = pieces.iter().map(|piece| piece.copies.len()).sum::<usize>(),
+        )
+        .entered();
         for ((taken, piece), &start) in taken.iter_mut().zip(pieces).zip(starts) {
             let chunk = taken.chunk.as_mut().expect("taken");
             // From here on copies out of the chunk may be queued: lost if dropped.
@@ -681,9 +756,10 @@ impl<D: Dma> Job<D> {
             // SAFETY: the copies read the piece's bytes, filled at `start` by the caller (or,
             // for a parked piece, by the thread that parked it, its chunk held untouched
             // since); the chunk is left alone until its event, recorded next, completes (or,
-            // if that fails, it is lost). They write at `base` plus their offsets, into the
-            // destination the job's owner lent for it (at creation, or naming it).
-            let queued = unsafe { ring.dma.copy(&self.stream, start, &piece.copies, base) }
+            // if that fails, it is lost). They write at their targets' bases plus their
+            // offsets, into the destination the job's owner lent for it (at creation, or
+            // naming it).
+            let queued = unsafe { ring.dma.copy(&self.stream, start, &piece.copies, bases) }
                 .and_then(|()| ring.dma.record(&mut chunk.event, &self.stream));
             if let Err(error) = queued {
                 // Copies may be queued that no event covers: reused only once the stream is
@@ -711,13 +787,13 @@ impl<D: Dma> Job<D> {
         taken: &mut [Taken<'_, D>],
         first: usize,
         starts: &[*mut u8],
-    ) -> Turn {
+    ) -> Turn<'_> {
         // Without the lock where nothing can park: the destination known, and a lead piece
         // or a lead all queued (a stale flag only takes the way below).
         if let Some(destination) = self.destination.get()
             && (first < self.lead || self.lead_done.load(Ordering::Relaxed))
         {
-            return Turn::Now(destination.base);
+            return Turn::Now(&destination.bases);
         }
         let mut lead = lock(&self.lead_state);
         let failed = self.failed.load(Ordering::Relaxed);
@@ -728,7 +804,7 @@ impl<D: Dma> Job<D> {
             // Not once the job has failed: the lead may never be queued then.
             Some(destination) => {
                 if first < self.lead || lead.left == 0 || failed || !ring.park(taken.len()) {
-                    return Turn::Now(destination.base);
+                    return Turn::Now(&destination.bases);
                 }
                 true
             }
@@ -867,11 +943,19 @@ impl<D: Dma> Job<D> {
         let piece = &self.pieces[part.piece];
         let from = part.index * ring.part;
         let len = ring.part.min(piece.len - from);
+        let _span = tracing::debug_span!(
+            "read",
+            mode = "cached",
+            pieces = 1,
+            bytes = len,
+            offset = piece.offset + from as u64,
+        )
+        .entered();
         // SAFETY: the piece's chunk stays with its open entry until every part is finished,
         // and its last copies are over (settled before it was opened); the piece's bytes lie
         // in the chunk from `start`, and this part's `from..from + len` of them is this
         // thread's alone (each part is claimed once). No scratch is claimed around it.
-        let read = unsafe {
+        let read = Timing::time(&self.timing.reading, || unsafe {
             self.files[piece.file].read_at(
                 (part.start + from) as *mut u8,
                 len,
@@ -879,7 +963,7 @@ impl<D: Dma> Job<D> {
                 ReadMode::Buffered,
                 false,
             )
-        };
+        });
         match read {
             Ok(()) => finished.read = true,
             Err(error) => self.fail(error),

@@ -33,6 +33,8 @@ pub(crate) struct Ring<D: Dma> {
     pub(super) base: usize,
     /// The most bytes a piece holds.
     capacity: usize,
+    /// The chunks it was made with.
+    count: usize,
     /// The most bytes one thread reads of a piece through the page cache.
     pub(super) part: usize,
     pub(super) chunks: Mutex<Chunks<D::Event>>,
@@ -76,6 +78,7 @@ impl<D: Dma> Ring<D> {
             dma,
             base: base as usize,
             capacity,
+            count,
             part: capacity,
             chunks: Mutex::new(Chunks {
                 free,
@@ -98,6 +101,11 @@ impl<D: Dma> Ring<D> {
     /// The most bytes one piece may hold.
     pub(crate) fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    /// The pinned memory the ring holds.
+    pub(crate) fn pinned_bytes(&self) -> usize {
+        Self::bytes_for(self.capacity, self.count).unwrap_or(usize::MAX)
     }
 
     pub(super) fn take(&self) -> Result<Chunk<D::Event>> {

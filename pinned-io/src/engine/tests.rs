@@ -100,7 +100,13 @@ impl Dma for Arc<Fake> {
         Ok(Arc::default())
     }
 
-    unsafe fn copy(&self, _: &(), chunk: *const u8, copies: &[ChunkCopy], base: u64) -> Result<()> {
+    unsafe fn copy(
+        &self,
+        _: &(),
+        chunk: *const u8,
+        copies: &[ChunkCopy],
+        bases: &Bases,
+    ) -> Result<()> {
         let call = self.copy_calls.fetch_add(1, Ordering::Relaxed) + 1;
         if self.fail_copy == Some(call) {
             return Err(Error::Invalid("injected copy failure".into()));
@@ -109,7 +115,7 @@ impl Dma for Arc<Fake> {
         let mut stream = self.stream.lock().unwrap();
         for copy in copies {
             let copy = ChunkCopy {
-                dst: base + copy.dst,
+                dst: bases.of(copy.target) + copy.dst,
                 ..*copy
             };
             self.queued.lock().unwrap().push(copy);
@@ -1211,7 +1217,13 @@ fn a_job_reads_its_lead_before_its_destination_is_named_then_queues_in_order() {
         sink_seen.lock().unwrap().extend_from_slice(targets);
         Ok(())
     });
-    job.arrive(crew.ring(), Destination { base, sink });
+    job.arrive(
+        crew.ring(),
+        Destination {
+            bases: Bases::One(base),
+            sink,
+        },
+    );
     job.wait_finished();
     // Every copy runs before anything can fail: none may run once `dst` is gone.
     fake.drain();
@@ -1283,7 +1295,13 @@ fn a_job_without_pieces_completes_once_named_or_abandoned() {
                 sink_seen.lock().unwrap().extend_from_slice(targets);
                 Ok(())
             });
-            job.arrive(crew.ring(), Destination { base: 0, sink });
+            job.arrive(
+                crew.ring(),
+                Destination {
+                    bases: Bases::One(0),
+                    sink,
+                },
+            );
         } else {
             let error = Error::Invalid("the destination never came".into());
             job.abandon(crew.ring(), error);
@@ -1373,7 +1391,15 @@ fn a_job_named_late_completes_after_what_naming_it_does() {
                 false => Ok(()),
             }
         });
-        let naming = scope.spawn(|| job.arrive(crew.ring(), Destination { base, sink }));
+        let naming = scope.spawn(|| {
+            job.arrive(
+                crew.ring(),
+                Destination {
+                    bases: Bases::One(base),
+                    sink,
+                },
+            )
+        });
         wait("named", &|| job.destination.get().is_some());
         read.store(true, Ordering::SeqCst);
         wait("counted", &|| lock(&job.finished).pieces == 2);

@@ -10,13 +10,13 @@ use pinned_io::{
 };
 use safetensors::tensor::TensorView;
 
-fn pattern(len: usize, seed: u32) -> Vec<u8> {
+pub(crate) fn pattern(len: usize, seed: u32) -> Vec<u8> {
     (0..len as u32)
         .map(|i| (i.wrapping_add(seed).wrapping_mul(2_654_435_761) >> 13) as u8)
         .collect()
 }
 
-fn temp_file(bytes: &[u8]) -> tempfile::NamedTempFile {
+pub(crate) fn temp_file(bytes: &[u8]) -> tempfile::NamedTempFile {
     let mut file = tempfile::NamedTempFile::new().unwrap();
     file.write_all(bytes).unwrap();
     file.flush().unwrap();
@@ -24,7 +24,7 @@ fn temp_file(bytes: &[u8]) -> tempfile::NamedTempFile {
 }
 
 /// A small ring so that reads cross many chunks.
-fn small_reader(mode: ReadMode) -> FileReader {
+pub(crate) fn small_reader(mode: ReadMode) -> FileReader {
     let config = ReaderConfig::new()
         .chunk_bytes(16 << 10)
         .chunks(4)
@@ -81,7 +81,9 @@ fn ranges_land_byte_exact_at_alignment_and_chunk_edges() {
 }
 
 /// Writes a checkpoint of `tensors` (name, dtype, shape, bytes) and returns its file.
-fn checkpoint(tensors: &[(String, Dtype, Vec<usize>, Vec<u8>)]) -> tempfile::NamedTempFile {
+pub(crate) fn checkpoint(
+    tensors: &[(String, Dtype, Vec<usize>, Vec<u8>)],
+) -> tempfile::NamedTempFile {
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
         .map(|(name, dtype, shape, data)| {
@@ -99,7 +101,7 @@ fn checkpoint(tensors: &[(String, Dtype, Vec<usize>, Vec<u8>)]) -> tempfile::Nam
     file
 }
 
-fn mixed_tensors() -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
+pub(crate) fn mixed_tensors() -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
     let mut tensors = Vec::new();
     let shapes: [(Dtype, Vec<usize>); 7] = [
         (Dtype::BF16, vec![1024, 513]),

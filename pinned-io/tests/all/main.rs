@@ -2,4 +2,5 @@
 
 mod gpu;
 mod headers;
+mod landing;
 mod special_files;

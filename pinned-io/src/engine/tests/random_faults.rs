@@ -254,7 +254,13 @@ fn run_case(case: &Case) -> std::result::Result<(), String> {
                             std::thread::sleep(Duration::from_micros(micros));
                             let sink = sink.take().expect("named once");
                             let base = dst_base as u64;
-                            job.arrive(crew.ring(), Destination { base, sink });
+                            job.arrive(
+                                crew.ring(),
+                                Destination {
+                                    bases: Bases::One(base),
+                                    sink,
+                                },
+                            );
                         }
                         Named::Never(micros) => {
                             std::thread::sleep(Duration::from_micros(micros));
