@@ -7,7 +7,7 @@
 //! or touched by the host while the device still uses it, and copies ordinary memory near
 //! page-locked speed through a [`Stager`]. It loads CUDA at run time: it builds and runs
 //! without CUDA, where buffers are `mlock`ed memory. Pinning, copies, staged copies and waits
-//! are `tracing` spans (free when nothing subscribes). The [`guide`] explains the ideas; the
+//! are `tracing` spans (free when nothing subscribes; [`traces`] lists every crate's). The [`guide`] explains the ideas; the
 //! rooms of the code are:
 //!
 //! | module | what |
@@ -98,6 +98,9 @@ mod os;
 mod raw;
 mod staging;
 mod test_hooks;
+pub mod traces {
+    #![doc = include_str!("../docs/tracing.md")]
+}
 
 // Memory: the allocator contract and the kinds.
 pub use memory::allocator::{Allocation, MemoryKind, PendingUses, PinnedAllocator};

@@ -17,7 +17,9 @@
 //! | [`DataFile`] | a file opened for it (its length, what was read how) |
 //! | [`Checkpoint`] | a safetensors checkpoint, one file or sharded, its headers checked |
 //! | [`LoadOptions`], [`Split`] | which tensors, which tensor-parallel part, which other devices |
-//! | [`Loading`], [`LoadedTensor`], [`Loaded`] | tensors on the device, each ready on its own event |
+//! | [`Loading`], [`LoadedTensor`], [`Loaded`], [`Landed`] | tensors on the device, each ready on its own event, in the order they land |
+//! | [`Block`], [`Checkpoint::load_into`] | the device memory of a load's tensors of one element type, which the caller may lend |
+//! | [`LoadReport`], [`LoadLimit`] | a load's figures, and what limited it |
 //!
 //! # Example
 //!
@@ -42,6 +44,12 @@
 //! # let _ = (loaded, Device::current());
 //! # Ok::<(), pinned_io::Error>(())
 //! ```
+//!
+//! Which tensor lands first, and in which order the others follow, is
+//! [`Loading`]'s to say ([`LoadOptions::order_by`] chooses; [`Loading::landed`] yields them as
+//! they land); a load's figures and what limited it are [`Loaded::report`]'s. Opening, the
+//! load, each read and each batch of copies are `tracing` spans (listed with every crate's in
+//! [`cuda_pinned::traces`]); the `nvtx` feature shows them on Nsight Systems' timeline.
 //!
 //! Checkpoints are untrusted input: a header or index that breaks the format is an
 //! [`Error`] naming the file and the tensor, before any number from it sizes a read or an

@@ -6,7 +6,7 @@ use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use cuda_pinned::{Device, DeviceBuffer, Event, RawCopy, Stream};
+use cuda_pinned::{Device, DeviceBuffer, DeviceSlice, Event, PinnedVec, RawCopy, Stream, Transfer};
 
 use crate::batch::HostBatch;
 use crate::dataset::Dataset;
@@ -31,9 +31,26 @@ pub enum Assembly {
 /// it may be written again.
 struct DeviceSlot {
     buffers: Vec<DeviceBuffer<u8>>,
+    /// The batch's sample indices, where the loader uploads them
+    /// ([`DeviceLoader::with_indices`]); made at the slot's first use.
+    indices: Option<IndexSlot>,
     released: Vec<Event>,
     /// Events around the last upload into it and its bytes, for the upload time.
     timing: Option<(Event, Event, usize)>,
+}
+
+/// A slot's sample indices: filled on the host in page-locked memory, uploaded with the
+/// fields. The host buffer travels with its upload and comes back when the upload is done,
+/// so that it is never refilled while the DMA reads it.
+struct IndexSlot {
+    host: IndexHost,
+    device: DeviceBuffer<i64>,
+}
+
+enum IndexHost {
+    Uploading(Transfer<PinnedVec<i64>>),
+    /// An upload that failed to be queued or waited for: a new buffer comes next time.
+    Lost,
 }
 
 impl Drop for DeviceSlot {
@@ -70,6 +87,8 @@ pub struct DeviceLoader<D: Dataset> {
     /// Batches uploaded ahead of the consumer.
     ahead: usize,
     slots: DeviceSlots,
+    /// Whether each batch's sample indices go to the device too.
+    indices: bool,
 }
 
 impl<D: Dataset> DeviceLoader<D> {
@@ -107,7 +126,16 @@ impl<D: Dataset> DeviceLoader<D> {
             assembly,
             ahead,
             slots,
+            indices: false,
         })
+    }
+
+    /// Uploads each batch's dataset indices too, as `i64` (the index type of PyTorch and
+    /// candle), for kernels that need them ([`DeviceBatch::indices_on`]); ordered like the
+    /// fields, and ready with them.
+    pub fn with_indices(mut self) -> Self {
+        self.indices = true;
+        self
     }
 
     /// The stream the uploads run on.
@@ -144,6 +172,7 @@ impl<D: Dataset> DeviceLoader<D> {
             assembly,
             ahead,
             slots,
+            indices: upload_indices,
         } = self;
         let source = match assembly {
             Assembly::HostCollate => Source::Host(loader.epoch(epoch)),
@@ -164,6 +193,7 @@ impl<D: Dataset> DeviceLoader<D> {
             source,
             ready: VecDeque::new(),
             depth: *ahead,
+            upload_indices: *upload_indices,
         }
     }
 }
@@ -211,6 +241,7 @@ fn new_slot<D: Dataset>(
         .collect::<Result<_, _>>()?;
     Ok(DeviceSlot {
         buffers,
+        indices: None,
         released: Vec::new(),
         timing: None,
     })
@@ -243,6 +274,7 @@ pub struct DeviceEpoch<'a, D: Dataset> {
     source: Source<'a, D>,
     ready: VecDeque<Result<DeviceBatch<D::Fields>, LoaderError>>,
     depth: usize,
+    upload_indices: bool,
 }
 
 impl<D: Dataset> DeviceEpoch<'_, D> {
@@ -324,6 +356,7 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
             bytes_moved += bytes;
         }
         self.shared.slots.give(host);
+        let result = result.and_then(|()| self.upload_indices(&mut device, &order[range.clone()]));
         if let Err(error) = result {
             self.abandon(device);
             return Err(error.into());
@@ -341,7 +374,7 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
         let indices = &batch.order[batch.range.clone()];
         let shared = self.shared.clone();
         let storage = gathered_storage(&shared)?;
-        let device = self.take_slot()?;
+        let mut device = self.take_slot()?;
         let start = match self.stream.record_event() {
             Ok(start) => start,
             Err(error) => {
@@ -376,7 +409,9 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
         // checked above), which nothing else uses until the batch is delivered, and the
         // consumer's earlier uses were waited for: those on the streams it named in
         // `take_slot`, its tracked copies just above.
-        let queued = ordered.and_then(|()| unsafe { self.stream.copy_batch_raw(&copies) });
+        let queued = ordered
+            .and_then(|()| unsafe { self.stream.copy_batch_raw(&copies) })
+            .and_then(|()| self.upload_indices(&mut device, indices));
         match queued {
             Ok(()) => self.finish(device, start, batch, bytes_moved),
             Err(error) => {
@@ -384,6 +419,56 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
                 Err(error.into())
             }
         }
+    }
+
+    /// Queues the upload of a batch's sample `indices` into the slot, where the loader
+    /// uploads them.
+    fn upload_indices(
+        &self,
+        slot: &mut DeviceSlot,
+        indices: &[usize],
+    ) -> Result<(), cuda_pinned::Error> {
+        if !self.upload_indices {
+            return Ok(());
+        }
+        // A full batch, as the fields' regions hold one (at least these indices).
+        let capacity = (self
+            .shared
+            .region_bytes
+            .iter()
+            .zip(self.shared.sample_bytes.iter()))
+        .find(|&(_, &sample)| sample > 0)
+        .map_or(0, |(&region, &sample)| region / sample)
+        .max(indices.len());
+        let index = match slot.indices.take() {
+            Some(index) if index.device.len() >= indices.len() => index,
+            _ => IndexSlot {
+                host: IndexHost::Lost,
+                device: DeviceBuffer::zeroed_on(self.stream.device(), capacity)?,
+            },
+        };
+        let IndexSlot { host, mut device } = index;
+        let mut host = match host {
+            // Done long ago, as a rule: it was queued before the batch this slot last held.
+            IndexHost::Uploading(upload) => upload.wait()?,
+            IndexHost::Lost => PinnedVec::with_capacity(capacity)?,
+        };
+        host.clear();
+        host.extend(indices.iter().map(|&i| i as i64));
+        let len = host.len();
+        let upload = self.stream.copy_to_device(host, device.slice_mut(..len));
+        let host = match upload {
+            Ok(upload) => IndexHost::Uploading(upload),
+            Err(error) => {
+                slot.indices = Some(IndexSlot {
+                    host: IndexHost::Lost,
+                    device,
+                });
+                return Err(error);
+            }
+        };
+        slot.indices = Some(IndexSlot { host, device });
+        Ok(())
     }
 
     /// Gives up on a slot whose copies may be queued: freed once the stream has finished,
@@ -413,6 +498,14 @@ impl<D: Dataset> DeviceEpoch<'_, D> {
             }
         };
         device.timing = Some((start, end, bytes));
+        // Copies through the fields' views on other streams (`to_vec` among them) wait for
+        // the batch too, gathered by raw copies or not.
+        for buffer in &device.buffers {
+            buffer.track_event(self.stream, ready.clone());
+        }
+        if let Some(indices) = &device.indices {
+            indices.device.track_event(self.stream, ready.clone());
+        }
         let counters = &self.shared.counters;
         counters.uploads.fetch_add(1, Ordering::Relaxed);
         counters
@@ -545,7 +638,9 @@ impl<F: Fields> DeviceBatch<F> {
     /// Makes `stream` wait (on the device, the host does not block) until the batch is there, and
     /// returns its fields for work queued on `stream`.
     ///
-    /// Use them on no other stream unless it too was passed here.
+    /// Use them on no other stream unless it too was passed here. Copies through them on the
+    /// host's behalf ([`DeviceSlice::to_vec`](cuda_pinned::DeviceSlice::to_vec),
+    /// `copy_to_host`) wait for the batch by themselves.
     ///
     /// # Errors
     ///
@@ -573,6 +668,34 @@ impl<F: Fields> DeviceBatch<F> {
             .zip(self.sample_bytes.iter())
             .map(|(buffer, &bytes)| buffer.slice(..self.len * bytes));
         Ok(self.fields.device(&mut regions))
+    }
+}
+
+impl<F: Fields> DeviceBatch<F> {
+    /// Makes `stream` wait as [`ready_on`](Self::ready_on) does, and returns the batch's
+    /// dataset indices on the device: element `j` is the index of sample `j` of every field
+    /// ([`indices`](Self::indices) on the host), as `i64`.
+    ///
+    /// # Errors
+    ///
+    /// [`LoaderError::Config`] unless the loader uploads indices
+    /// ([`DeviceLoader::with_indices`]); then as [`ready_on`](Self::ready_on).
+    pub fn indices_on(&mut self, stream: &Stream) -> Result<DeviceSlice<'_, i64>, LoaderError> {
+        let uploaded = self
+            .slot
+            .as_ref()
+            .is_some_and(|slot| slot.indices.is_some());
+        if !uploaded {
+            return Err(LoaderError::Config(
+                "the batch's indices are not on the device: ask the loader for them with \
+                 `DeviceLoader::with_indices`"
+                    .into(),
+            ));
+        }
+        self.ready_on(stream)?;
+        let slot = self.slot.as_ref().expect("a delivered batch has its slot");
+        let indices = slot.indices.as_ref().expect("checked above");
+        Ok(indices.device.slice(..self.len))
     }
 }
 

@@ -10,7 +10,8 @@
 //! ([`cuda_pinned::Error::MemoryPressure`], naming what is pinned), and between epochs the
 //! pool gives its idle cache back while the machine stalls for memory. Each epoch leaves its
 //! figures and a verdict on what limited it ([`Loader::epoch_stats`], [`EpochStats::verdict`]);
-//! fills, uploads and waits are `tracing` spans, for a timeline.
+//! fills, uploads and waits are `tracing` spans, for a timeline ([`cuda_pinned::traces`] lists
+//! them with every crate's).
 //!
 //! # With cudarc
 //!

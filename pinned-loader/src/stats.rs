@@ -69,7 +69,8 @@ pub struct LoaderStats {
     pub late_slots: u64,
     /// Time `new` took, the reservation included.
     pub construction_time: Duration,
-    /// Batches uploaded to the device (device loaders).
+    /// Batches uploaded to the device (device loaders): one per batch, however many fields it
+    /// has (its indices included, where they are uploaded).
     pub uploads: u64,
     /// Bytes uploaded.
     pub uploaded_bytes: u64,

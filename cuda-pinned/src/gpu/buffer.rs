@@ -226,6 +226,27 @@ impl<T: Copy> DeviceBuffer<T> {
     }
 }
 
+impl<T> DeviceBuffer<MaybeUninit<T>> {
+    /// The buffer as `T`s, its memory, tracked copies and owner kept.
+    ///
+    /// # Safety
+    ///
+    /// Every element has been written (or work that writes it is queued, and every use of
+    /// the memory is ordered after that work).
+    pub(crate) unsafe fn assume_init(self) -> DeviceBuffer<T> {
+        let mut this = std::mem::ManuallyDrop::new(self);
+        DeviceBuffer {
+            ptr: this.ptr,
+            len: this.len,
+            device: this.device,
+            // SAFETY: moved out of a value that is never dropped or used again.
+            pending: unsafe { std::ptr::read(&this.pending) },
+            lent: this.lent.take(),
+            _owns: PhantomData,
+        }
+    }
+}
+
 impl<T: Copy> DeviceBuffer<MaybeUninit<T>> {
     /// Memory that other code allocated and frees, as a buffer of `memory.bytes() /
     /// size_of::<T>()` elements, not initialised; the buffer keeps `memory` and drops it

@@ -250,6 +250,12 @@ impl<'a, T> DeviceSlice<'a, T> {
 
     /// The view's contents in a new `Vec`.
     ///
+    /// Like every copy through a view, it waits (on the device) for the copies its buffer
+    /// tracks: this crate's async copies into it, and the events other code told it of
+    /// ([`DeviceBuffer::track_event`](crate::DeviceBuffer::track_event): a loader batch's
+    /// upload, a loaded tensor's copies). Kernels writing it are not seen: see
+    /// [`DeviceBuffer::record_stream`](crate::DeviceBuffer::record_stream).
+    ///
     /// # Errors
     ///
     /// The CUDA error.

@@ -268,6 +268,48 @@ impl<A: PinnedAllocator> Stager<A> {
         })
     }
 
+    /// Copies `src` into new device memory on `stream`, and returns it once `src` has been
+    /// read: the memory is allocated uninitialised and filled by the copy, with no memset
+    /// first (what [`DeviceBuffer::zeroed`](crate::DeviceBuffer::zeroed) and then
+    /// [`copy_to_device`](Self::copy_to_device) would pay for a large upload).
+    ///
+    /// As with `copy_to_device`, work queued on `stream` afterwards sees the data, and the
+    /// buffer orders its own later copies on other streams after this one; a kernel on
+    /// another stream waits for it through [`DeviceBuffer::record_stream`](crate::DeviceBuffer::record_stream).
+    ///
+    /// ```no_run
+    /// use cuda_pinned::{Stager, Stream};
+    /// let (stager, stream) = (Stager::new()?, Stream::new()?);
+    /// let weights = vec![0.5f32; 1 << 28]; // 1 GiB of ordinary memory
+    /// let on_device = stager.to_device_buffer(&stream, &weights)?;
+    /// assert_eq!(on_device.len(), weights.len());
+    /// # Ok::<(), cuda_pinned::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// The error of allocating the memory (out of device memory among them); then as
+    /// [`copy_to_device`](Self::copy_to_device), after which the memory is freed.
+    pub fn to_device_buffer<T: NoUninit>(
+        &self,
+        stream: &Stream,
+        src: &[T],
+    ) -> Result<crate::DeviceBuffer<T>> {
+        let mut buffer =
+            crate::DeviceBuffer::<std::mem::MaybeUninit<T>>::uninit_on(self.device(), src.len())?;
+        let range = buffer.slice_mut(..).range;
+        let dst = DeviceSliceMut::<'_, T> {
+            range,
+            _unique: std::marker::PhantomData,
+        };
+        // The copy's event is tracked by the buffer: nothing else needs it.
+        let _copy = self.copy_to_device(stream, src, dst)?;
+        // SAFETY: the copy just queued writes every element (the lengths are equal), and
+        // every use of the memory is ordered after it: on `stream` by the stream, elsewhere
+        // by the copy's event, which the buffer tracks.
+        Ok(unsafe { buffer.assume_init() })
+    }
+
     /// The driver's own path for an upload from ordinary memory: one copy call, which stages
     /// `src` before it returns. Runs with the stager's device current.
     fn upload_through_driver<T: NoUninit>(
@@ -484,8 +526,14 @@ impl<A: PinnedAllocator> std::fmt::Debug for Stager<A> {
 }
 
 /// A staged host → device copy whose DMA may still run: the source was read already.
+///
+/// Dropping it changes nothing about the copy: it runs on, work queued on its stream
+/// afterwards still sees the data, and the device memory still orders its later copies after
+/// it (the buffer tracks it). What is given up is only a way to wait for it on the host
+/// ([`wait`](Self::wait)) or to order another stream's work after it ([`event`](Self::event)).
 #[derive(Debug)]
-#[must_use = "the DMA may still be running; `wait` for it or order work after `event`"]
+#[must_use = "the DMA may still be running: `wait` for it, order other streams after `event`, \
+              or let it run (work on its stream sees the data)"]
 pub struct StagedCopy {
     event: Arc<Event>,
 }

@@ -50,13 +50,23 @@ impl Checkpoint {
     /// checkpoint in it.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        if path.is_dir() {
-            return Self::open_dir(path);
-        }
-        if path.extension().is_some_and(|e| e == "json") {
-            return Self::open_index(path);
-        }
-        Self::open_files(&[path.to_owned()], None)
+        let span = tracing::debug_span!(
+            "open",
+            path = %path.display(),
+            files = tracing::field::Empty,
+            tensors = tracing::field::Empty,
+        )
+        .entered();
+        let opened = if path.is_dir() {
+            Self::open_dir(path)
+        } else if path.extension().is_some_and(|e| e == "json") {
+            Self::open_index(path)
+        } else {
+            Self::open_files(&[path.to_owned()], None)
+        }?;
+        span.record("files", opened.files.len());
+        span.record("tensors", opened.order.len());
+        Ok(opened)
     }
 
     fn open_dir(dir: &Path) -> Result<Self> {

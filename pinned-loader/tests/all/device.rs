@@ -311,3 +311,56 @@ fn a_dropped_batch_is_not_overwritten_under_a_copy_still_reading_it() {
         drop(rest);
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn indices_on_the_device_match_the_host_ones_and_the_labels_both_ways() {
+    let consumer = Stream::new().unwrap();
+    for assembly in [Assembly::HostCollate, Assembly::DeviceGather] {
+        let dataset = PinnedSamples::from_dataset(&Images { len: 203 }).unwrap();
+        let config = LoaderConfig::new(16).workers(3).shuffle(11);
+        let loader = Loader::new(dataset, config).unwrap();
+        let mut device = DeviceLoader::new(loader, assembly).unwrap().with_indices();
+        let mut seen = 0;
+        for batch in device.epoch(1) {
+            let mut batch = batch.unwrap();
+            let host: Vec<i64> = batch.indices().iter().map(|&i| i as i64).collect();
+            let on_device = batch.indices_on(&consumer).unwrap().to_vec().unwrap();
+            assert_eq!(on_device, host, "{assembly:?} batch {}", batch.index());
+            // The label of sample j is its dataset index: the same order as the fields.
+            let (_, labels) = batch.ready_on(&consumer).unwrap();
+            assert_eq!(labels.to_vec().unwrap(), host, "{assembly:?}");
+            seen += host.len();
+        }
+        assert_eq!(seen, 203);
+    }
+    // Not asked for: a clear error, not a hang or a panic.
+    let dataset = PinnedSamples::from_dataset(&Images { len: 8 }).unwrap();
+    let loader = Loader::new(dataset, LoaderConfig::new(4)).unwrap();
+    let mut device = DeviceLoader::new(loader, Assembly::DeviceGather).unwrap();
+    let mut batch = device.epoch(0).next().unwrap().unwrap();
+    let error = batch.indices_on(&consumer).unwrap_err();
+    assert!(error.to_string().contains("with_indices"), "{error}");
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_fields_to_vec_waits_for_a_gathered_batch_without_a_stream_of_its_own() {
+    // Gathers are raw batched copies: `to_vec` on another stream must still wait for them.
+    let consumer = Stream::new().unwrap();
+    let dataset = PinnedSamples::from_dataset(&Images { len: 4096 }).unwrap();
+    let loader = Loader::new(dataset, LoaderConfig::new(1024)).unwrap();
+    let mut device = DeviceLoader::new(loader, Assembly::DeviceGather).unwrap();
+    for batch in device.epoch(0) {
+        let mut batch = batch.unwrap();
+        let (pixels, labels) = batch.ready_on(&consumer).unwrap();
+        let labels = labels.to_vec().unwrap();
+        let pixels = pixels.to_vec().unwrap();
+        for (label, sample) in labels.iter().zip(pixels.chunks(IMAGE)) {
+            assert!(
+                sample == image(*label as usize),
+                "sample {label} read early"
+            );
+        }
+    }
+}
