@@ -525,3 +525,31 @@ fn small_uploads_arrive_as_they_were_whatever_slot_or_path_they_take() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn to_device_buffer_fills_new_memory_at_every_size_path() {
+    let stager = Stager::new().unwrap();
+    let other = Stream::new().unwrap();
+    let stream = Stream::new().unwrap();
+    // The upload slots', the driver's and the ring's sizes, and an empty one.
+    for (i, len) in [0usize, 3, 20_000, 300_000, 9 << 20]
+        .into_iter()
+        .enumerate()
+    {
+        let data: Vec<u32> = (0..len as u32)
+            .map(|x| x.wrapping_mul(2_654_435_761) ^ i as u32)
+            .collect();
+        let buffer = stager.to_device_buffer(&stream, &data).unwrap();
+        assert_eq!((buffer.len(), buffer.device()), (len, stager.device()));
+        // Read back through a view on another stream: ordered after the upload by the
+        // buffer's tracking, with no wait on `stream`.
+        let mut back = PinnedVec::<u32>::zeroed(len).unwrap();
+        back = other
+            .copy_from_device(buffer.slice(..), back)
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert!(back.as_slice() == data.as_slice(), "{len} elements");
+    }
+}
