@@ -21,9 +21,12 @@ use crate::copy::tracked::HostBuffer;
 use crate::copy::tracked::Transfer;
 use crate::error::Error;
 use crate::error::Result;
+use crate::gpu::pending::PendingCopies;
 use crate::gpu::stream::Owner;
 use crate::gpu::stream::Stream;
-use crate::gpu::views::{DeviceSlice, DeviceSliceMut};
+use crate::gpu::views::{DeviceRange, DeviceSlice, DeviceSliceMut};
+use crate::memory::allocator::PinnedAllocator;
+use crate::staging::{StagedCopy, Stager};
 
 impl Stream {
     /// Adopts a cudarc stream for copies and for buffers' recorded uses.
@@ -278,6 +281,102 @@ unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b mut DeviceSliceMut<'_, T>> for Laun
 /// queued now, from this thread, with the stream's device current, where a default stream
 /// names the right one. The caller's current device is put back afterwards, where cudarc
 /// itself would leave its context bound.
+/// Copies between ordinary memory and cudarc's device memory through a [`Stager`]'s ring, on
+/// cudarc's streams (its per-thread and default streams included: the call's own thread
+/// queues everything): several times the driver's path from pageable memory, which is what
+/// cudarc's `memcpy_htod` of a `Vec` takes.
+impl<A: PinnedAllocator> Stager<A> {
+    /// Copies `src` into cudarc's `dst` on cudarc's `stream`, and returns once `src` has been
+    /// read, as [`copy_to_device`](Self::copy_to_device) does.
+    ///
+    /// cudarc's own tracking sees the write: `stream` first waits for `dst`'s earlier uses,
+    /// and `dst`'s write event is recorded after the copy.
+    ///
+    /// ```no_run
+    /// use cuda_pinned::Stager;
+    /// let stream = cudarc::driver::CudaContext::new(0)?.new_stream()?;
+    /// let stager = Stager::new()?;
+    /// let weights = vec![0.5f32; 1 << 26]; // ordinary memory
+    /// let mut on_device = unsafe { stream.alloc::<f32>(weights.len()) }?;
+    /// stager.copy_to_cudarc(&stream, &weights, &mut on_device)?; // work on `stream` sees it
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::LengthMismatch`], [`Error::DeviceMismatch`] for memory or a stream of another
+    /// device than the stager's, then as [`copy_to_device`](Self::copy_to_device).
+    pub fn copy_to_cudarc<T, D>(
+        &self,
+        stream: &Arc<CudaStream>,
+        src: &[T],
+        dst: &mut D,
+    ) -> Result<StagedCopy>
+    where
+        T: NoUninit,
+        D: DevicePtrMut<T>,
+    {
+        let ours = prepare(stream, src.len(), dst.len(), dst.stream())?;
+        // The copy's event goes to cudarc's write event; nothing of this crate keeps it.
+        let pending = PendingCopies::default();
+        crate::context::on_device(ordinal(stream), || {
+            ours.refuse_capture()?;
+            let len = dst.len();
+            // cudarc makes the stream wait for earlier uses of `dst`, and records this write
+            // on drop of `_written`, after the copy is queued.
+            let (address, _written) = dst.device_ptr_mut(stream);
+            let dst = DeviceSliceMut::<'_, T> {
+                range: DeviceRange {
+                    address,
+                    len,
+                    device: ordinal(stream),
+                    pending: &pending,
+                },
+                _unique: std::marker::PhantomData,
+            };
+            // A live cudarc allocation of exactly `src`'s length, borrowed uniquely, freed by
+            // cudarc only after the write event above.
+            self.copy_to_device(&ours, src, dst)
+        })
+    }
+
+    /// Copies cudarc's `src` into `dst` (ordinary memory) on cudarc's `stream`, and returns
+    /// once `dst` is filled, as [`copy_from_device`](Self::copy_from_device) does; `stream`
+    /// first waits for `src`'s last write (cudarc's tracking).
+    ///
+    /// # Errors
+    ///
+    /// As [`copy_to_cudarc`](Self::copy_to_cudarc).
+    pub fn copy_from_cudarc<T, S>(
+        &self,
+        stream: &Arc<CudaStream>,
+        src: &S,
+        dst: &mut [T],
+    ) -> Result<()>
+    where
+        T: AnyBitPattern,
+        S: DevicePtr<T>,
+    {
+        let ours = prepare(stream, dst.len(), src.len(), src.stream())?;
+        let pending = PendingCopies::default();
+        crate::context::on_device(ordinal(stream), || {
+            ours.refuse_capture()?;
+            let len = src.len();
+            let (address, _read) = src.device_ptr(stream);
+            let src = DeviceSlice::<'_, T> {
+                range: DeviceRange {
+                    address,
+                    len,
+                    device: ordinal(stream),
+                    pending: &pending,
+                },
+                _elements: std::marker::PhantomData,
+            };
+            self.copy_from_device(&ours, src, dst)
+        })
+    }
+}
+
 fn prepare(
     stream: &Arc<CudaStream>,
     host: usize,

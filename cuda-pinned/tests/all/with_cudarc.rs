@@ -525,3 +525,32 @@ fn block_ours(stream: &Stream, ms: u64) {
         .launch_host_fn(move || std::thread::sleep(Duration::from_millis(ms)))
         .unwrap();
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_stager_copies_to_and_from_cudarc_memory_on_its_streams_per_thread_ones_too() {
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    let stager = cuda_pinned::Stager::new().unwrap();
+    for stream in [ctx.new_stream().unwrap(), ctx.per_thread_stream()] {
+        for len in [5usize, 40_000, 3 << 20] {
+            let data: Vec<u16> = (0..len).map(|i| (i * 31 + len) as u16).collect();
+            // SAFETY: filled by the copy below before anything reads it.
+            let mut slice = unsafe { stream.alloc::<u16>(len) }.unwrap();
+            stager.copy_to_cudarc(&stream, &data, &mut slice).unwrap();
+            // cudarc's own copy on the same stream sees it.
+            assert_eq!(stream.clone_dtoh(&slice).unwrap(), data, "{len}");
+            let mut back = vec![0u16; len];
+            stager.copy_from_cudarc(&stream, &slice, &mut back).unwrap();
+            assert_eq!(back, data, "{len}");
+        }
+        let mut short = stream.alloc_zeros::<u16>(3).unwrap();
+        let error = stager
+            .copy_to_cudarc(&stream, &[1u16; 4], &mut short)
+            .unwrap_err();
+        assert!(
+            matches!(error, cuda_pinned::Error::LengthMismatch { .. }),
+            "{error}"
+        );
+    }
+    ctx.check_err().unwrap();
+}

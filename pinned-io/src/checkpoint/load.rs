@@ -32,15 +32,22 @@ type Memory = Arc<DeviceBuffer<MaybeUninit<u8>>>;
 type Blocks = Vec<(Dtype, u64)>;
 
 /// One allocation of a load on one device: the memory of its tensors of one element type,
-/// laid out in the order they are read, each at [`LoadedTensor::offset`].
+/// laid out in the order they are read, each at [`LoadedTensor::offset`]; or of one large
+/// tensor alone ([`LoadOptions::own_block_from`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Block {
+    index: usize,
     device: Device,
     dtype: Dtype,
     bytes: usize,
 }
 
 impl Block {
+    /// Its number among its device's blocks: the [`LoadedTensor::block`] of the tensors in it.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
     /// The device the memory must be on.
     pub fn device(&self) -> Device {
         self.device
@@ -246,11 +253,19 @@ impl Checkpoint {
         // Stable: the checkpoint's own order among tensors of one rank.
         plan.sort_by_key(|p| p.rank);
         let mut blocks: Blocks = Vec::new();
+        // The shared block of each element type, once it has one.
+        let mut shared: Vec<(Dtype, usize)> = Vec::new();
+        let own_from = options.own_block_from.unwrap_or(u64::MAX);
         for planned in &mut plan {
-            let block = match blocks.iter().position(|&(dtype, _)| dtype == planned.dtype) {
-                Some(block) => block,
-                None => {
+            let own = planned.extent.bytes() >= own_from;
+            let found = shared.iter().find(|&&(dtype, _)| dtype == planned.dtype);
+            let block = match found {
+                Some(&(_, block)) if !own => block,
+                _ => {
                     blocks.push((planned.dtype, 0));
+                    if !own {
+                        shared.push((planned.dtype, blocks.len() - 1));
+                    }
                     blocks.len() - 1
                 }
             };
@@ -289,6 +304,7 @@ pub struct LoadOptions {
     split: Option<Arc<dyn Fn(&TensorSpec) -> Option<Split> + Send + Sync>>,
     #[allow(clippy::type_complexity)]
     order: Option<Arc<dyn Fn(&TensorSpec) -> u64 + Send + Sync>>,
+    own_block_from: Option<u64>,
     replicas: Vec<Device>,
 }
 
@@ -298,6 +314,7 @@ impl std::fmt::Debug for LoadOptions {
             .field("only", &self.only.is_some())
             .field("split", &self.split.is_some())
             .field("order", &self.order.is_some())
+            .field("own_block_from", &self.own_block_from)
             .field("replicas", &self.replicas)
             .finish()
     }
@@ -350,6 +367,18 @@ impl LoadOptions {
     /// that costs nothing, from storage past it some speed.
     pub fn order_by(mut self, key: impl Fn(&TensorSpec) -> u64 + Send + Sync + 'static) -> Self {
         self.order = Some(Arc::new(key));
+        self
+    }
+
+    /// Gives each tensor of at least `bytes` bytes a [`Block`] (an allocation) of its own;
+    /// smaller ones share their element type's. By default every tensor of one element type
+    /// shares one block: the fewest allocations.
+    ///
+    /// For memory that the caller's framework frees tensor by tensor, or reads back whole: a
+    /// framework whose tensors own their memory (candle's copy a whole allocation back to the
+    /// host) keeps each large weight in one of its own.
+    pub fn own_block_from(mut self, bytes: u64) -> Self {
+        self.own_block_from = Some(bytes);
         self
     }
 
@@ -452,13 +481,15 @@ fn on_device(
 ) -> Result<OnDevice> {
     let memories = blocks
         .iter()
-        .map(|&(dtype, bytes)| {
+        .enumerate()
+        .map(|(index, &(dtype, bytes))| {
             let bytes = usize::try_from(bytes)
                 .map_err(|_| Error::Invalid("a checkpoint larger than the address space".into()))?;
             match bytes {
                 // Nothing to allocate, nor to ask a caller for.
                 0 => Ok(Arc::new(DeviceBuffer::uninit_on(device, 0)?)),
                 _ => allocate(&Block {
+                    index,
                     device,
                     dtype,
                     bytes,
@@ -473,6 +504,7 @@ fn on_device(
             name: p.name.clone(),
             dtype: p.dtype,
             shape: p.shape.clone(),
+            block: p.block,
             memory: memories[p.block].clone(),
             start: p.at as usize,
             bytes: p.extent.bytes() as usize,

@@ -317,6 +317,7 @@ pub struct LoadedTensor {
     pub(super) name: String,
     pub(super) dtype: Dtype,
     pub(super) shape: Vec<usize>,
+    pub(super) block: usize,
     /// The memory of its block (the load's tensors of its element type, on its device).
     pub(super) memory: Arc<DeviceBuffer<MaybeUninit<u8>>>,
     pub(super) start: usize,
@@ -356,8 +357,15 @@ impl LoadedTensor {
         self.bytes
     }
 
-    /// Where its bytes start in its block: the load's memory for the tensors of its element
-    /// type on its device (the memory a [`Block`](super::Block) describes).
+    /// Its block: the number, among its device's blocks, of the memory that holds it (the
+    /// [`Block::index`](super::Block::index) that
+    /// [`Checkpoint::load_into`](super::Checkpoint::load_into)'s caller was asked for; a
+    /// tensor of no bytes may be in a block of none, which nobody is asked for).
+    pub fn block(&self) -> usize {
+        self.block
+    }
+
+    /// Where its bytes start in its block.
     pub fn offset(&self) -> usize {
         self.start
     }

@@ -69,6 +69,26 @@ impl Checkpoint {
         Ok(opened)
     }
 
+    /// Opens the shards `paths`, in this order, as one checkpoint (what a caller that lists a
+    /// model's `.safetensors` files itself has: candle's `from_mmaped_safetensors` takes such
+    /// a list). Each path is opened as [`open`](Self::open) opens a `.safetensors` file.
+    ///
+    /// # Errors
+    ///
+    /// As [`open`](Self::open); [`Error::Format`] for a tensor in two shards; [`Error::Invalid`]
+    /// for no path.
+    pub fn open_shards(paths: &[impl AsRef<Path>]) -> Result<Self> {
+        if paths.is_empty() {
+            return Err(Error::Invalid(
+                "a checkpoint needs at least one file".into(),
+            ));
+        }
+        let paths: Vec<PathBuf> = paths.iter().map(|p| p.as_ref().to_owned()).collect();
+        let _span =
+            tracing::debug_span!("open", path = %paths[0].display(), files = paths.len()).entered();
+        Self::open_files(&paths, None)
+    }
+
     fn open_dir(dir: &Path) -> Result<Self> {
         let index = dir.join("model.safetensors.index.json");
         if index.is_file() {

@@ -193,3 +193,48 @@ fn lent_memory_too_small_is_refused_and_the_reader_goes_on() {
         .unwrap();
     assert_eq!(loaded.tensors().len(), 3);
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn large_tensors_get_blocks_of_their_own_when_asked() {
+    let tensors = mixed_tensors();
+    let file = checkpoint(&tensors);
+    let checkpoint = Checkpoint::open(file.path()).unwrap();
+    let reader = small_reader(ReadMode::Auto);
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let mut asked: Vec<Block> = Vec::new();
+    let options = LoadOptions::new().own_block_from(1 << 20);
+    let loaded = checkpoint
+        .load_into(&reader, &options, |block| {
+            asked.push(*block);
+            Ok(Lent {
+                memory: DeviceBuffer::zeroed_on(block.device(), block.bytes())?,
+                dropped: dropped.clone(),
+            })
+        })
+        .unwrap()
+        .wait()
+        .unwrap();
+    // t0, t3 and t6 (over 1 MiB) alone; the small F32, I64 and F16 ones by type; the empty
+    // U8 tensor asks for nothing.
+    assert_eq!(asked.len(), 6, "{asked:?}");
+    for (name, _, _, data) in &tensors {
+        let tensor = loaded.tensor(name).unwrap();
+        let Some(block) = asked.iter().find(|b| b.index() == tensor.block()) else {
+            assert!(data.is_empty(), "{name} has no block");
+            continue;
+        };
+        if data.len() >= 1 << 20 {
+            assert_eq!(
+                (tensor.offset(), block.bytes()),
+                (0, data.len().next_multiple_of(256))
+            );
+        }
+        if !data.is_empty() {
+            assert_eq!(block.dtype(), tensor.dtype(), "{name}");
+        }
+        assert!(tensor.wait().unwrap().to_vec().unwrap() == *data, "{name}");
+    }
+    drop(loaded);
+    assert_eq!(dropped.load(Ordering::Relaxed), 6);
+}
