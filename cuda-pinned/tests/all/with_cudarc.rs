@@ -536,7 +536,7 @@ fn the_stager_copies_to_and_from_cudarc_memory_on_its_streams_per_thread_ones_to
             let data: Vec<u16> = (0..len).map(|i| (i * 31 + len) as u16).collect();
             // SAFETY: filled by the copy below before anything reads it.
             let mut slice = unsafe { stream.alloc::<u16>(len) }.unwrap();
-            stager.copy_to_cudarc(&stream, &data, &mut slice).unwrap();
+            let _copy = stager.copy_to_cudarc(&stream, &data, &mut slice).unwrap();
             // cudarc's own copy on the same stream sees it.
             assert_eq!(stream.clone_dtoh(&slice).unwrap(), data, "{len}");
             let mut back = vec![0u16; len];
