@@ -81,18 +81,23 @@ impl Checkpoint {
     /// device memory or making the streams. Errors while loading reach the tensors and
     /// [`Loading::wait`].
     pub fn load(&self, reader: &FileReader, options: &LoadOptions) -> Result<Loading> {
-        self.start_load(reader, options, &mut |block| {
-            Ok(Arc::new(DeviceBuffer::uninit_on(
-                block.device,
-                block.bytes,
-            )?))
+        self.start_load(reader, options, &mut |blocks| {
+            (blocks.iter())
+                .map(|block| {
+                    Ok(Arc::new(DeviceBuffer::uninit_on(
+                        block.device,
+                        block.bytes,
+                    )?))
+                })
+                .collect()
         })
     }
 
     /// Starts loading as [`load`](Self::load) does, into device memory the caller allocates
-    /// and will free: `memory` is called for each [`Block`] with bytes (on the reader's device,
-    /// then on each replica's), while the threads already read, and returns memory of that
-    /// device holding at least the block's bytes.
+    /// and will free: `memory` is called once for each device (the reader's, then each
+    /// replica's), while the threads already read, with the device's [`Block`]s that hold
+    /// bytes, and returns memory for each of them in their order: of that device, holding at
+    /// least the block's bytes. All at once, so that the caller can allocate them together.
     ///
     /// The load keeps that memory until its copies are done (the [`Loading`] and
     /// [`Loaded`](super::Loaded) keep it, and drop it when they drop), so that a framework
@@ -107,22 +112,33 @@ impl Checkpoint {
         &self,
         reader: &FileReader,
         options: &LoadOptions,
-        mut memory: impl FnMut(&Block) -> Result<M>,
+        mut memory: impl FnMut(&[Block]) -> Result<Vec<M>>,
     ) -> Result<Loading> {
-        self.start_load(reader, options, &mut |block| {
-            let lent = memory(block)?;
-            if lent.device() != block.device || lent.bytes() < block.bytes {
+        self.start_load(reader, options, &mut |blocks| {
+            let lent = memory(blocks)?;
+            if lent.len() != blocks.len() {
                 return Err(Error::Invalid(format!(
-                    "the memory lent for the {:?} tensors is {} bytes on device {}; they need {} \
-                     on device {}",
-                    block.dtype,
-                    lent.bytes(),
-                    lent.device().ordinal(),
-                    block.bytes,
-                    block.device.ordinal()
+                    "{} allocations were lent for {} blocks",
+                    lent.len(),
+                    blocks.len()
                 )));
             }
-            Ok(Arc::new(DeviceBuffer::from_lent(lent)?))
+            (lent.into_iter().zip(blocks))
+                .map(|(lent, block)| {
+                    if lent.device() != block.device || lent.bytes() < block.bytes {
+                        return Err(Error::Invalid(format!(
+                            "the memory lent for the {:?} tensors is {} bytes on device {}; \
+                             they need {} on device {}",
+                            block.dtype,
+                            lent.bytes(),
+                            lent.device().ordinal(),
+                            block.bytes,
+                            block.device.ordinal()
+                        )));
+                    }
+                    Ok(Arc::new(DeviceBuffer::from_lent(lent)?))
+                })
+                .collect()
         })
     }
 
@@ -130,7 +146,7 @@ impl Checkpoint {
         &self,
         reader: &FileReader,
         options: &LoadOptions,
-        allocate: &mut dyn FnMut(&Block) -> Result<Memory>,
+        allocate: &mut dyn FnMut(&[Block]) -> Result<Vec<Memory>>,
     ) -> Result<Loading> {
         let device = reader.device();
         let stream = Stream::on(device)?;
@@ -326,9 +342,12 @@ impl LoadOptions {
         Self::default()
     }
 
-    /// Only the tensors `keep` says yes to.
+    /// Only the tensors `keep` says yes to (and every earlier `only` of these options).
     pub fn only(mut self, keep: impl Fn(&TensorSpec) -> bool + Send + Sync + 'static) -> Self {
-        self.only = Some(Arc::new(keep));
+        self.only = Some(match self.only.take() {
+            Some(earlier) => Arc::new(move |tensor: &TensorSpec| earlier(tensor) && keep(tensor)),
+            None => Arc::new(keep),
+        });
         self
     }
 
@@ -456,7 +475,7 @@ fn allocate_all(
     others: &[Device],
     (plan, blocks): (&[Planned], &[(Dtype, u64)]),
     ready: &[Vec<Arc<Ready>>],
-    allocate: &mut dyn FnMut(&Block) -> Result<Memory>,
+    allocate: &mut dyn FnMut(&[Block]) -> Result<Vec<Memory>>,
 ) -> Result<(OnDevice, Vec<(OnDevice, Stream)>)> {
     let primary = on_device(device, plan, blocks, &ready[0], allocate)?;
     let mut replicas = Vec::with_capacity(others.len());
@@ -477,24 +496,28 @@ fn on_device(
     plan: &[Planned],
     blocks: &[(Dtype, u64)],
     ready: &[Arc<Ready>],
-    allocate: &mut dyn FnMut(&Block) -> Result<Memory>,
+    allocate: &mut dyn FnMut(&[Block]) -> Result<Vec<Memory>>,
 ) -> Result<OnDevice> {
-    let memories = blocks
-        .iter()
-        .enumerate()
-        .map(|(index, &(dtype, bytes))| {
-            let bytes = usize::try_from(bytes)
-                .map_err(|_| Error::Invalid("a checkpoint larger than the address space".into()))?;
-            match bytes {
-                // Nothing to allocate, nor to ask a caller for.
-                0 => Ok(Arc::new(DeviceBuffer::uninit_on(device, 0)?)),
-                _ => allocate(&Block {
-                    index,
-                    device,
-                    dtype,
-                    bytes,
-                }),
-            }
+    let mut sized = Vec::with_capacity(blocks.len());
+    for (index, &(dtype, bytes)) in blocks.iter().enumerate() {
+        let bytes = usize::try_from(bytes)
+            .map_err(|_| Error::Invalid("a checkpoint larger than the address space".into()))?;
+        sized.push(Block {
+            index,
+            device,
+            dtype,
+            bytes,
+        });
+    }
+    // Blocks of no bytes (of empty tensors) need nothing allocated, nor asked of a caller.
+    let asked: Vec<Block> = sized.iter().filter(|b| b.bytes > 0).copied().collect();
+    let mut given = allocate(&asked)?.into_iter();
+    let memories = (sized.iter())
+        .map(|block| match block.bytes {
+            0 => Ok(Arc::new(DeviceBuffer::uninit_on(device, 0)?)),
+            _ => given
+                .next()
+                .ok_or_else(|| Error::Invalid("fewer allocations than blocks".into())),
         })
         .collect::<Result<Vec<Memory>>>()?;
     let tensors = plan

@@ -121,9 +121,10 @@ pub(super) struct OnDevice {
 /// Tensors are read in the order [`tensors`](Self::tensors) lists them: the checkpoint's own
 /// (shard after shard, each file's tensors by offset) unless
 /// [`LoadOptions::order_by`](super::LoadOptions::order_by) chose another. The first listed is
-/// the first to land: its copies go to the device before those of any tensor after it. The
-/// others land roughly in order (several threads read at once); [`landed`](Self::landed)
-/// yields them as they do.
+/// the first to land: pieces read before it wait in the reader's ring and go to the device
+/// after it, up to half the ring's chunks (past that a piece goes at once, so that the ring
+/// keeps room for the first tensor's own). The others land roughly in order (several threads
+/// read at once); [`landed`](Self::landed) yields them as they do.
 ///
 /// Dropping it stops the load and waits for the device to finish the copies already queued.
 pub struct Loading {

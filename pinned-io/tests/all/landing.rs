@@ -7,7 +7,25 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use cuda_pinned::{Device, DeviceBuffer, LentDeviceMemory};
 use pinned_io::{Block, Checkpoint, Dtype, Error, LoadOptions, ReadMode};
 
+use pinned_io::{FileReader, ReaderConfig};
+
 use super::gpu::{checkpoint, mixed_tensors, pattern, small_reader};
+
+/// A reader of small chunks whose ring can hold every piece of these tests back behind the
+/// first tensor's (half its chunks wait at most): the first tensor then lands first whatever
+/// the threads' timing.
+fn holding_reader() -> FileReader {
+    let config = ReaderConfig::new()
+        .chunk_bytes(16 << 10)
+        .chunks(512)
+        .threads(3);
+    FileReader::with_config_in(
+        Device::current().unwrap(),
+        config,
+        cuda_pinned::DefaultPinned,
+    )
+    .unwrap()
+}
 
 /// `count` tensors of `bytes` each, named `t0`, `t1`…
 fn many(count: usize, bytes: usize) -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
@@ -26,7 +44,7 @@ fn landed_yields_each_tensor_once_the_first_listed_first() {
     let file = checkpoint(&tensors);
     let checkpoint = Checkpoint::open(file.path()).unwrap();
     let loading = checkpoint
-        .load(&small_reader(ReadMode::Auto), &LoadOptions::new())
+        .load(&holding_reader(), &LoadOptions::new())
         .unwrap();
     let first = loading.tensors()[0].name().to_owned();
     let mut names: Vec<String> = loading
@@ -57,9 +75,7 @@ fn order_by_loads_the_chosen_tensors_first_and_byte_exact() {
         "t5" => 1,
         _ => 2,
     });
-    let loading = checkpoint
-        .load(&small_reader(ReadMode::Auto), &options)
-        .unwrap();
+    let loading = checkpoint.load(&holding_reader(), &options).unwrap();
     let listed: Vec<&str> = loading.tensors().iter().map(|t| t.name()).collect();
     assert_eq!(&listed[..3], ["t37", "t5", "t0"]);
     assert_eq!(loading.landed().next().unwrap().unwrap().name(), "t37");
@@ -136,12 +152,16 @@ fn a_load_into_lent_memory_asks_one_block_per_element_type_and_gives_it_back() {
     let dropped = Arc::new(AtomicUsize::new(0));
     let mut asked: Vec<Block> = Vec::new();
     let loading = checkpoint
-        .load_into(&reader, &LoadOptions::new(), |block| {
-            asked.push(*block);
-            Ok(Lent {
-                memory: DeviceBuffer::zeroed_on(block.device(), block.bytes() + 100)?,
-                dropped: dropped.clone(),
-            })
+        .load_into(&reader, &LoadOptions::new(), |blocks| {
+            asked.extend_from_slice(blocks);
+            (blocks.iter())
+                .map(|block| {
+                    Ok(Lent {
+                        memory: DeviceBuffer::zeroed_on(block.device(), block.bytes() + 100)?,
+                        dropped: dropped.clone(),
+                    })
+                })
+                .collect()
         })
         .unwrap();
     // BF16, F32, F16 and I64 hold bytes; the empty U8 tensor asks for nothing.
@@ -176,11 +196,15 @@ fn lent_memory_too_small_is_refused_and_the_reader_goes_on() {
     let reader = small_reader(ReadMode::Auto);
     let dropped = Arc::new(AtomicUsize::new(0));
     let error = checkpoint
-        .load_into(&reader, &LoadOptions::new(), |block| {
-            Ok(Lent {
-                memory: DeviceBuffer::zeroed_on(block.device(), block.bytes() - 1)?,
-                dropped: dropped.clone(),
-            })
+        .load_into(&reader, &LoadOptions::new(), |blocks| {
+            (blocks.iter())
+                .map(|block| {
+                    Ok(Lent {
+                        memory: DeviceBuffer::zeroed_on(block.device(), block.bytes() - 1)?,
+                        dropped: dropped.clone(),
+                    })
+                })
+                .collect()
         })
         .unwrap_err();
     assert!(matches!(error, Error::Invalid(_)), "{error}");
@@ -205,12 +229,16 @@ fn large_tensors_get_blocks_of_their_own_when_asked() {
     let mut asked: Vec<Block> = Vec::new();
     let options = LoadOptions::new().own_block_from(1 << 20);
     let loaded = checkpoint
-        .load_into(&reader, &options, |block| {
-            asked.push(*block);
-            Ok(Lent {
-                memory: DeviceBuffer::zeroed_on(block.device(), block.bytes())?,
-                dropped: dropped.clone(),
-            })
+        .load_into(&reader, &options, |blocks| {
+            asked.extend_from_slice(blocks);
+            (blocks.iter())
+                .map(|block| {
+                    Ok(Lent {
+                        memory: DeviceBuffer::zeroed_on(block.device(), block.bytes())?,
+                        dropped: dropped.clone(),
+                    })
+                })
+                .collect()
         })
         .unwrap()
         .wait()
