@@ -710,6 +710,132 @@ pub const GOALS: &[Goal] = &[
         goal: "≥ 87% (≤ 1.15× the time)",
         readme: false,
     },
+    Goal {
+        name: "candle `VarBuilder` from an 8 GiB checkpoint, every tensor taken, share of pinned-io's load",
+        figure: Figure::PercentOf(
+            read("candle", CANDLE_OURS_LARGE, CANDLE_SPREAD),
+            read("candle", CANDLE_RAW_LARGE, CANDLE_SPREAD),
+        ),
+        unit: "%",
+        decimals: 1,
+        reference: &[Reference::Same(
+            "pinned-io's load",
+            read("candle", CANDLE_RAW_LARGE, CANDLE_SPREAD),
+            "GB/s",
+            1,
+        )],
+        target: Target::AtLeast(90.0),
+        goal: "≥ 90%",
+        readme: true,
+    },
+    Goal {
+        name: "candle `VarBuilder` from an 8 GiB checkpoint, against candle's own `from_mmaped_safetensors`",
+        figure: Figure::PercentOf(
+            read("candle", CANDLE_OURS_LARGE, CANDLE_SPREAD),
+            read("candle", CANDLE_THEIRS_LARGE, CANDLE_SPREAD),
+        ),
+        unit: "% of candle's",
+        decimals: 0,
+        reference: &[Reference::Same(
+            "candle's own",
+            read("candle", CANDLE_THEIRS_LARGE, CANDLE_SPREAD),
+            "GB/s",
+            2,
+        )],
+        target: Target::AtLeast(700.0),
+        goal: "≥ 7×",
+        readme: false,
+    },
+    Goal {
+        name: "candle `VarBuilder` from a model-shaped checkpoint, share of pinned-io's load",
+        figure: Figure::PercentOf(
+            read("candle", CANDLE_OURS_MODEL, CANDLE_SPREAD),
+            read("candle", CANDLE_RAW_MODEL, CANDLE_SPREAD),
+        ),
+        unit: "%",
+        decimals: 1,
+        reference: &[Reference::Same(
+            "pinned-io's load",
+            read("candle", CANDLE_RAW_MODEL, CANDLE_SPREAD),
+            "GB/s",
+            1,
+        )],
+        target: Target::AtLeast(90.0),
+        goal: "≥ 90%",
+        readme: false,
+    },
+    Goal {
+        name: "candle `VarBuilder` from a model-shaped checkpoint, against candle's own",
+        figure: Figure::PercentOf(
+            read("candle", CANDLE_OURS_MODEL, CANDLE_SPREAD),
+            read("candle", CANDLE_THEIRS_MODEL, CANDLE_SPREAD),
+        ),
+        unit: "% of candle's",
+        decimals: 0,
+        reference: &[Reference::Same(
+            "candle's own",
+            read("candle", CANDLE_THEIRS_MODEL, CANDLE_SPREAD),
+            "GB/s",
+            2,
+        )],
+        target: Target::AtLeast(700.0),
+        goal: "≥ 7×",
+        readme: false,
+    },
+    Goal {
+        name: "candle tensor, CPU → GPU, 1 GiB, `to_device_staged` against candle's `to_device`",
+        figure: Figure::PercentOf(
+            read("candle_to_device", CANDLE_UP_OURS, CANDLE_SPREAD),
+            read("candle_to_device", CANDLE_UP_THEIRS, CANDLE_SPREAD),
+        ),
+        unit: "% of candle's",
+        decimals: 0,
+        reference: &[Reference::Same(
+            "candle's `to_device`",
+            read("candle_to_device", CANDLE_UP_THEIRS, CANDLE_SPREAD),
+            "GB/s",
+            2,
+        )],
+        target: Target::AtLeast(200.0),
+        goal: "≥ 2×",
+        readme: false,
+    },
+    Goal {
+        name: "candle tensor, GPU → CPU, 1 GiB, `to_device_staged` against candle's `to_device`",
+        figure: Figure::PercentOf(
+            read("candle_to_device", CANDLE_DOWN_OURS, CANDLE_SPREAD),
+            read("candle_to_device", CANDLE_DOWN_THEIRS, CANDLE_SPREAD),
+        ),
+        unit: "% of candle's",
+        decimals: 0,
+        reference: &[Reference::Same(
+            "candle's `to_device`",
+            read("candle_to_device", CANDLE_DOWN_THEIRS, CANDLE_SPREAD),
+            "GB/s",
+            2,
+        )],
+        target: Target::AtLeast(200.0),
+        goal: "≥ 2×",
+        readme: false,
+    },
+    Goal {
+        name: "candle training batches as tensors (`TensorLoader`), share of the loader's own device batches",
+        figure: Figure::PercentOf(
+            read("candle_loader", CANDLE_LOADER_OURS, CANDLE_SPREAD),
+            read("candle_loader", CANDLE_LOADER_DEVICE, CANDLE_SPREAD),
+        ),
+        unit: "%",
+        decimals: 1,
+        reference: &[Reference::Same(
+            "`DeviceLoader`, host collate",
+            read("candle_loader", CANDLE_LOADER_DEVICE, CANDLE_SPREAD),
+            "batches/s",
+            0,
+        )],
+        target: Target::AtLeast(95.0),
+        goal: "≥ 95% (the same within noise)",
+        readme: false,
+    },
 ];
 
 const FILES_SPREAD: Columns = Columns::Spread("min", "median", "max");
@@ -824,4 +950,74 @@ const LOADER_SPREAD: Columns = Columns::Spread("steady b/s min", "median", "max"
 const LOADER_CONTIGUOUS: &[(&str, Pick)] = &[(
     "mode",
     Pick::Is("one contiguous copy per batch (reference)"),
+)];
+
+const CANDLE_SPREAD: Columns = Columns::Spread("min", "median", "max");
+const CANDLE_LARGE: Pick = Pick::OneOf(&["large: 205 × 40 MiB", "large: 100 × 10 MiB"]);
+const CANDLE_MODEL: Pick = Pick::Is("model-shaped: a 22-layer decoder, 1.1 B parameters");
+const CANDLE_RAW_LARGE: &[(&str, Pick)] = &[
+    ("path", Pick::Is("pinned-io load (reference)")),
+    ("checkpoint", CANDLE_LARGE),
+];
+const CANDLE_OURS_LARGE: &[(&str, Pick)] = &[
+    (
+        "path",
+        Pick::Is("pinned-candle var_builder, every tensor taken"),
+    ),
+    ("checkpoint", CANDLE_LARGE),
+];
+const CANDLE_THEIRS_LARGE: &[(&str, Pick)] = &[
+    (
+        "path",
+        Pick::Is("candle from_mmaped_safetensors, every tensor taken"),
+    ),
+    ("checkpoint", CANDLE_LARGE),
+];
+const CANDLE_RAW_MODEL: &[(&str, Pick)] = &[
+    ("path", Pick::Is("pinned-io load (reference)")),
+    ("checkpoint", CANDLE_MODEL),
+];
+const CANDLE_OURS_MODEL: &[(&str, Pick)] = &[
+    (
+        "path",
+        Pick::Is("pinned-candle var_builder, every tensor taken"),
+    ),
+    ("checkpoint", CANDLE_MODEL),
+];
+const CANDLE_THEIRS_MODEL: &[(&str, Pick)] = &[
+    (
+        "path",
+        Pick::Is("candle from_mmaped_safetensors, every tensor taken"),
+    ),
+    ("checkpoint", CANDLE_MODEL),
+];
+const CANDLE_UP_OURS: &[(&str, Pick)] = &[
+    ("direction", Pick::Is("H2D")),
+    ("size", Pick::Is("1 GiB")),
+    ("path", Pick::Is("pinned-candle to_device_staged")),
+];
+const CANDLE_UP_THEIRS: &[(&str, Pick)] = &[
+    ("direction", Pick::Is("H2D")),
+    ("size", Pick::Is("1 GiB")),
+    ("path", Pick::Is("candle to_device")),
+];
+const CANDLE_DOWN_OURS: &[(&str, Pick)] = &[
+    ("direction", Pick::Is("D2H")),
+    ("size", Pick::Is("1 GiB")),
+    ("path", Pick::Is("pinned-candle to_device_staged")),
+];
+const CANDLE_DOWN_THEIRS: &[(&str, Pick)] = &[
+    ("direction", Pick::Is("D2H")),
+    ("size", Pick::Is("1 GiB")),
+    ("path", Pick::Is("candle to_device")),
+];
+const CANDLE_LOADER_OURS: &[(&str, Pick)] = &[(
+    "path",
+    Pick::Is("pinned-candle TensorLoader: uploads into candle's tensors"),
+)];
+const CANDLE_LOADER_DEVICE: &[(&str, Pick)] = &[(
+    "path",
+    Pick::Is(
+        "pinned-loader DeviceLoader, host collate (reference: the loader's own device memory)",
+    ),
 )];
