@@ -537,4 +537,23 @@ mod tests {
         }
         assert_eq!(dropped.load(Ordering::Relaxed), 3);
     }
+
+    #[test]
+    fn a_buffer_taken_as_initialised_keeps_its_memory_tracking_and_owner_once() {
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let lent = Lent {
+            address: 1 << 20,
+            bytes: 64,
+            dropped: dropped.clone(),
+        };
+        let buffer = DeviceBuffer::<MaybeUninit<u16>>::from_lent(lent).unwrap();
+        // SAFETY: nothing reads the elements here; the test checks what moves across.
+        let buffer: DeviceBuffer<u16> = unsafe { buffer.assume_init() };
+        assert_eq!((buffer.len(), buffer.as_raw()), (32, 1 << 20));
+        assert_eq!(dropped.load(Ordering::Relaxed), 0);
+        drop(buffer);
+        // Handed back once: the moved-out tracking and owner are dropped by the new buffer
+        // alone (Miri reports a double drop of either).
+        assert_eq!(dropped.load(Ordering::Relaxed), 1);
+    }
 }
