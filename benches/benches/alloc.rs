@@ -24,7 +24,7 @@ fn direct<A: PinnedAllocator>(c: &mut Criterion, name: &str, allocator: &A) {
             // SAFETY: just allocated, unused.
             unsafe { allocator.deallocate(a) }
         }) {
-            eprintln!("alloc/{name}: skipped: {e}");
+            eprintln!("alloc/{name}: skipped: {}", cuda_pinned::ErrorChain(&e));
             return;
         }
         group.bench_with_input(BenchmarkId::from_parameter(bytes), &layout, |b, &layout| {

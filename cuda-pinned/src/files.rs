@@ -4,8 +4,10 @@
 //! `open(2)` of a named pipe blocks until a writer comes, and opening a device can have
 //! effects of its own (a tape rewinds, a terminal becomes the controlling one): a dataset or
 //! a model archive can carry either. So the path is first looked at without being opened
-//! (`O_PATH`), anything but a regular file is refused, and the file is then opened without
-//! blocking and checked to be the one looked at (a path swapped in between is refused too).
+//! (`O_PATH`), anything but a regular file is refused, and the very file looked at is then
+//! opened through its descriptor's name under `/proc/self/fd`, without blocking: a path
+//! swapped for something else in between is not followed. Where `/proc` is not mounted, the
+//! path is opened again and checked to name the same file.
 
 use std::fs::{File, Metadata, OpenOptions};
 use std::io;
@@ -46,13 +48,22 @@ pub fn open_regular_file(path: impl AsRef<Path>) -> io::Result<File> {
     let looked = OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_PATH | libc::O_CLOEXEC)
-        .open(path)?
-        .metadata()?;
-    refuse_unless_regular(&looked)?;
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC)
         .open(path)?;
+    refuse_unless_regular(&looked.metadata()?)?;
+    let reading = || {
+        let mut options = OpenOptions::new();
+        options
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC);
+        options
+    };
+    use std::os::fd::AsRawFd;
+    let file = match reading().open(format!("/proc/self/fd/{}", looked.as_raw_fd())) {
+        Ok(file) => file,
+        // No /proc: by the path again, checked below to be the file looked at.
+        Err(_) => reading().open(path)?,
+    };
+    let looked = looked.metadata()?;
     let opened = file.metadata()?;
     refuse_unless_regular(&opened)?;
     if (opened.dev(), opened.ino()) != (looked.dev(), looked.ino()) {

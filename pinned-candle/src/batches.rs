@@ -105,12 +105,13 @@ impl Upload<'_> {
     ) -> Result<Tensor> {
         let index = self.next.replace(self.next.get() + 1);
         let elements = samples * per_sample;
+        // On the upload stream, not candle's: an allocation there would order the upload after
+        // all the work candle has queued. cudarc frees it there too, after candle's uses
+        // (its tracking has them as reads on candle's stream).
         // SAFETY: the memory is not initialised; the upload below writes every element
         // before the tensor is handed out (candle's stream waits for it, and cudarc's
         // tracking records it), and any bytes are valid plain numbers.
-        let mut slice = unsafe { self.target.candle.alloc::<T>(elements) }?;
-        // The allocation is ordered on candle's stream, the upload on ours.
-        self.stream.join(&self.target.stream).map_err(wrap)?;
+        let mut slice = unsafe { self.stream.alloc::<T>(elements) }.map_err(wrap)?;
         // The batch's pinned memory goes back to the loader once the copy is done: the
         // transfer's drop hands it over behind the copy's event.
         drop(

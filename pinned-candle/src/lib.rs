@@ -16,7 +16,12 @@
 //!
 //! Every tensor this crate hands over is candle's: its memory was allocated by candle on its
 //! device's stream, and candle frees it when the last tensor using it drops. Nothing is
-//! leaked, nothing is borrowed, and no `unsafe` is asked of the caller.
+//! borrowed, and no `unsafe` is asked of the caller. A checkpoint's load allocates its
+//! tensors' memory when it starts, and a `VarBuilder` holds every loaded tensor until it is
+//! dropped (weights asked for in another element type are converted copies beside them):
+//! load only what the model takes (`LoadOptions::only`) where device memory is short. The
+//! first load and the first staged copy on a device make a reader and a stager (threads and
+//! a small pinned ring each), kept for the process's later ones.
 //!
 //! candle's stream waits for each tensor on the device, not the host, on devices with a stream
 //! of their own (`Device::new_cuda_with_stream`), and cudarc's event tracking records the

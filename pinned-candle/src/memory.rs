@@ -117,6 +117,35 @@ where
     (tensor, address)
 }
 
+/// A load's block: a tensor's own, in candle's memory (handed over as it is), or one that
+/// several small tensors share, the load's own (each copied out into candle's memory).
+pub(crate) enum Memory {
+    Candle(Lent),
+    Load(cuda_pinned::DeviceBuffer<std::mem::MaybeUninit<u8>>),
+}
+
+// SAFETY: each kind keeps its own promises (below, and cuda-pinned's for its buffers).
+unsafe impl LentDeviceMemory for Memory {
+    fn device(&self) -> cuda_pinned::Device {
+        match self {
+            Self::Candle(lent) => lent.device(),
+            Self::Load(buffer) => LentDeviceMemory::device(buffer),
+        }
+    }
+    fn address(&self) -> u64 {
+        match self {
+            Self::Candle(lent) => lent.address(),
+            Self::Load(buffer) => LentDeviceMemory::address(buffer),
+        }
+    }
+    fn bytes(&self) -> usize {
+        match self {
+            Self::Candle(lent) => lent.bytes(),
+            Self::Load(buffer) => LentDeviceMemory::bytes(buffer),
+        }
+    }
+}
+
 /// A tensor's memory, candle's, lent to a load that fills it: the tensor keeps it alive.
 pub(crate) struct Lent {
     pub(crate) tensor: Tensor,
@@ -127,10 +156,10 @@ pub(crate) struct Lent {
 
 // SAFETY: `address..address + bytes` is the whole allocation behind `tensor` (made by
 // `uninit_tensor` on `device`, in the primary context candle and cuda-pinned share), which the
-// tensor keeps alive while this value lives; the allocation was waited for on the host
-// (`Target::settle`) before a value is made, so every stream may use it; the tensor is handed
-// to nobody else until the load's copies into it are over, except as views that wait for
-// them.
+// tensor keeps alive while this value lives; its maker waits for the allocation on the host
+// before lending it (`checkpoint::allocate`), so every stream may use it; it holds one
+// tensor, handed to the model only as a view whose stream waited for the load's copies into
+// it (or after the host did), and whose later copies cudarc orders after that wait.
 unsafe impl LentDeviceMemory for Lent {
     fn device(&self) -> cuda_pinned::Device {
         self.device

@@ -17,8 +17,8 @@ use crate::error::{Result, wrap};
 ///
 /// From the CPU to a CUDA device, and back, the bytes go through a [`Stager`]'s pinned ring
 /// (one per device, made at its first use and kept for the process); between two CUDA
-/// devices, or where nothing moves, this is candle's own `to_device`. `F8E4M3` tensors take
-/// candle's path too, and so do downloads of less than [`STAGED_DOWNLOADS_FROM`] bytes, where
+/// devices, or where nothing moves, this is candle's own `to_device`. 8-bit and smaller floats
+/// take candle's path too, and so do downloads of less than [`STAGED_DOWNLOADS_FROM`] bytes, where
 /// the driver's path is as fast (RESULTS.md of the benches has the figures).
 ///
 /// ```no_run
@@ -48,7 +48,18 @@ pub const STAGED_DOWNLOADS_FROM: usize = 32 << 20;
 
 impl ToDeviceStaged for Tensor {
     fn to_device_staged(&self, device: &Device) -> Result<Tensor> {
-        let staged = !matches!(self.dtype(), DType::F8E4M3);
+        let staged = matches!(
+            self.dtype(),
+            DType::U8
+                | DType::U32
+                | DType::I16
+                | DType::I32
+                | DType::I64
+                | DType::BF16
+                | DType::F16
+                | DType::F32
+                | DType::F64
+        );
         let bytes = self.elem_count() * self.dtype().size_in_bytes();
         match (self.device(), device) {
             (Device::Cpu, Device::Cuda(_)) if staged => upload(self, &Target::of(device)?),

@@ -227,6 +227,18 @@ fn what_the_model_asks_wrongly_is_candles_error() {
     let missing = vb.get(3, "model.nothing").unwrap_err();
     assert!(missing.to_string().contains("model.nothing"), "{missing}");
     assert!(!vb.contains_tensor("model.nothing") && vb.contains_tensor("lm_head.weight"));
+    // Left out by the caller's options: said so, not blamed on the type.
+    let options = LoadOptions::new().only(|t| !t.name().starts_with("lm_head"));
+    let only = CheckpointLoader::open(&[&path])
+        .unwrap()
+        .options(options)
+        .var_builder(DType::BF16, &device)
+        .unwrap();
+    let left_out = only
+        .get((3000, 256), "lm_head.weight")
+        .unwrap_err()
+        .to_string();
+    assert!(left_out.contains("left out of the load"), "{left_out}");
     let mask = vb.get(16, "model.mask").unwrap_err().to_string();
     assert!(
         mask.contains("model.mask") && mask.contains("BOOL") && mask.contains("candle"),
@@ -374,6 +386,14 @@ fn sharded_gets_cut_as_candles_sharded_loading_does() {
         .unwrap();
     let expected = full.narrow(1, 64, 64).unwrap().contiguous().unwrap();
     assert_eq!(bytes_of(&part), bytes_of(&expected));
+    // Another rank than the one loaded: refused, not another rank's weights.
+    let other = Shard {
+        dim: 1,
+        rank: 2,
+        world_size: 4,
+    };
+    let error = vb.get_with_hints((), name, other).unwrap_err().to_string();
+    assert!(error.contains("took rank 1 of 4"), "{error}");
 }
 
 #[test]

@@ -59,6 +59,7 @@ impl Drop for DeviceSlot {
         // when that cannot be known.
         if !self.released.iter().all(|e| e.synchronize().is_ok()) {
             std::mem::forget(std::mem::take(&mut self.buffers));
+            std::mem::forget(self.indices.take());
         }
     }
 }

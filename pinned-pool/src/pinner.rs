@@ -226,7 +226,7 @@ impl Pinner {
             return Err(refusal(size, short, "this pool's reserve", pinned));
         }
         if let Err(error) = count(&self.pinned, size, self.limit) {
-            tracing::warn!(bytes = size, %error, "reserve refused");
+            tracing::warn!(bytes = size, error = %cuda_pinned::ErrorChain(&error), "reserve refused");
             return Err(error);
         }
         let layout =
@@ -242,7 +242,7 @@ impl Pinner {
             )
         });
         if let Err(error) = &block {
-            tracing::warn!(bytes = size, %error, "reserve refused");
+            tracing::warn!(bytes = size, error = %cuda_pinned::ErrorChain(error), "reserve refused");
             self.pinned.fetch_sub(size, Ordering::Relaxed);
         }
         block

@@ -17,8 +17,9 @@ use crate::gpu::event::Event;
 use crate::gpu::pending::PendingCopies;
 use crate::gpu::stream::Stream;
 use crate::gpu::views::{DeviceRange, DeviceSlice, DeviceSliceMut, bounds, checked_bounds};
-/// `len` elements of `T` in device memory (`cudaMalloc`), on the device current when it was
-/// made or the one named ([`zeroed_on`](Self::zeroed_on)).
+/// `len` elements of `T` in device memory (`cudaMalloc`, or memory other code lent:
+/// [`from_lent`](DeviceBuffer::from_lent)), on the device current when it was made or the one
+/// named ([`zeroed_on`](Self::zeroed_on)).
 ///
 /// Copies into or out of a buffer go on a stream of the buffer's device; a stream of another
 /// device is refused with [`Error::DeviceMismatch`].
@@ -57,6 +58,21 @@ pub struct DeviceBuffer<T> {
     /// dropped, not freed, once the buffer's copies are done. `None`: `cudaMalloc`'s, ours.
     lent: Option<Box<dyn LentDeviceMemory>>,
     _owns: PhantomData<T>,
+}
+
+// SAFETY: `cudaMalloc`'s memory (or memory lent to it, under the same promises) is usable by
+// every stream of its device and stays allocated while the buffer lives; a buffer lent to
+// another is moved into it, so nothing but the new buffer reaches it.
+unsafe impl<T: Send + Sync + 'static> LentDeviceMemory for DeviceBuffer<T> {
+    fn device(&self) -> Device {
+        DeviceBuffer::device(self)
+    }
+    fn address(&self) -> u64 {
+        self.ptr
+    }
+    fn bytes(&self) -> usize {
+        self.len * size_of::<T>()
+    }
 }
 
 /// Device memory that other code allocated and frees, lent to a [`DeviceBuffer`]: another

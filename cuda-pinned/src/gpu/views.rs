@@ -100,8 +100,9 @@ fn stop_unwaited(error: &Error) -> ! {
     // Not `eprintln!`, which panics when stderr fails: unwinding would give the memory up.
     let _ = writeln!(
         std::io::stderr(),
-        "cuda-pinned: a copy of borrowed host memory could not be waited for ({error}); the \
-         device might still access that memory after the call, so the process stops"
+        "cuda-pinned: a copy of borrowed host memory could not be waited for ({}); the \
+         device might still access that memory after the call, so the process stops",
+        crate::ErrorChain(error)
     );
     std::process::abort()
 }

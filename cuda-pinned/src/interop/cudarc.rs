@@ -275,12 +275,6 @@ unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b mut DeviceSliceMut<'_, T>> for Laun
     }
 }
 
-/// Checks the lengths and that the device memory lives in the stream's context (cudarc could
-/// not record its use on the stream otherwise, and would free it while the copy runs), and
-/// wraps the stream for this call, its default streams included: the copy and its event are
-/// queued now, from this thread, with the stream's device current, where a default stream
-/// names the right one. The caller's current device is put back afterwards, where cudarc
-/// itself would leave its context bound.
 /// Copies between ordinary memory and cudarc's device memory through a [`Stager`]'s ring, on
 /// cudarc's streams (its per-thread and default streams included: the call's own thread
 /// queues everything): several times the driver's path from pageable memory, which is what
@@ -377,6 +371,12 @@ impl<A: PinnedAllocator> Stager<A> {
     }
 }
 
+/// Checks the lengths and that the device memory lives in the stream's context (cudarc could
+/// not record its use on the stream otherwise, and would free it while the copy runs), and
+/// wraps the stream for this call, its default streams included: the copy and its event are
+/// queued now, from this thread, with the stream's device current, where a default stream
+/// names the right one. The caller's current device is put back afterwards, where cudarc
+/// itself would leave its context bound.
 fn prepare(
     stream: &Arc<CudaStream>,
     host: usize,

@@ -3,7 +3,7 @@
 //! fans it out to other devices.
 
 use std::mem::MaybeUninit;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use cuda_pinned::{Device, DeviceBuffer, Event, LentDeviceMemory, RawCopy, Stream};
@@ -40,6 +40,7 @@ pub struct Block {
     device: Device,
     dtype: Dtype,
     bytes: usize,
+    tensors: usize,
 }
 
 impl Block {
@@ -61,6 +62,11 @@ impl Block {
     /// The bytes the memory must hold at least (a multiple of the element's size).
     pub fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// The tensors in it: one for a tensor with a block of its own.
+    pub fn tensors(&self) -> usize {
+        self.tensors
     }
 }
 
@@ -125,6 +131,14 @@ impl Checkpoint {
             }
             (lent.into_iter().zip(blocks))
                 .map(|(lent, block)| {
+                    if !lent.address().is_multiple_of(DEVICE_ALIGN) {
+                        return Err(Error::Invalid(format!(
+                            "the memory lent for the {:?} tensors starts at {:#x}, not on a \
+                             multiple of {DEVICE_ALIGN} bytes as the tensors in it must",
+                            block.dtype,
+                            lent.address()
+                        )));
+                    }
                     if lent.device() != block.device || lent.bytes() < block.bytes {
                         return Err(Error::Invalid(format!(
                             "the memory lent for the {:?} tensors is {} bytes on device {}; \
@@ -261,6 +275,7 @@ impl Checkpoint {
                 shape,
                 file,
                 extent,
+                split,
                 rank: options.order.as_ref().map_or(0, |order| order(spec)),
                 block: 0,
                 at: 0,
@@ -305,6 +320,8 @@ struct Planned {
     shape: Vec<usize>,
     file: usize,
     extent: Extent,
+    /// The part of it the options named, if any.
+    split: Option<Split>,
     /// Its place in the load's order ([`LoadOptions::order_by`]).
     rank: u64,
     block: usize,
@@ -498,6 +515,10 @@ fn on_device(
     ready: &[Arc<Ready>],
     allocate: &mut dyn FnMut(&[Block]) -> Result<Vec<Memory>>,
 ) -> Result<OnDevice> {
+    let mut counts = vec![0; blocks.len()];
+    for planned in plan {
+        counts[planned.block] += 1;
+    }
     let mut sized = Vec::with_capacity(blocks.len());
     for (index, &(dtype, bytes)) in blocks.iter().enumerate() {
         let bytes = usize::try_from(bytes)
@@ -507,6 +528,7 @@ fn on_device(
             device,
             dtype,
             bytes,
+            tensors: counts[index],
         });
     }
     // Blocks of no bytes (of empty tensors) need nothing allocated, nor asked of a caller.
@@ -527,6 +549,7 @@ fn on_device(
             name: p.name.clone(),
             dtype: p.dtype,
             shape: p.shape.clone(),
+            split: p.split,
             block: p.block,
             memory: memories[p.block].clone(),
             start: p.at as usize,
@@ -566,10 +589,17 @@ fn fan_out(
         })
         .collect();
     let (arrivals, meter) = (arrivals.clone(), meter.clone());
+    // Crew threads sink at once. A block tracks one event per stream, the latest it is given:
+    // recorded and given in one order, so that the one it keeps is the one recorded last.
+    let in_order = Mutex::new(());
     Box::new(move |targets: &[usize], stream: &Stream| {
+        let _in_order = in_order.lock().unwrap_or_else(PoisonError::into_inner);
         let mut landed = Event::untimed_on(device)?;
         landed.record(stream)?;
-        meter.landed(stream)?;
+        // Tensors of no bytes wait for nothing, and come first: not the load's first tensor.
+        if targets.iter().any(|&target| places[target].2 > 0) {
+            meter.landed(stream)?;
+        }
         let landed = Arc::new(landed);
         // The blocks these tensors are in.
         let mut touched: Vec<usize> = targets.iter().map(|&t| places[t].0).collect();

@@ -118,7 +118,8 @@ pub(super) struct OnDevice {
 
 /// A checkpoint loading: its tensors, each usable once it has landed.
 ///
-/// Tensors are read in the order [`tensors`](Self::tensors) lists them: the checkpoint's own
+/// Tensors of no bytes come first: they wait for nothing. Tensors are read in the order
+/// [`tensors`](Self::tensors) lists them: the checkpoint's own
 /// (shard after shard, each file's tensors by offset) unless
 /// [`LoadOptions::order_by`](super::LoadOptions::order_by) chose another. The first listed is
 /// the first to land: pieces read before it wait in the reader's ring and go to the device
@@ -241,10 +242,19 @@ impl Drop for Loading {
         }
         self.job.wait_finished();
         // No copy of the load may run once its memory can be freed: the replicas' streams
-        // too, where a failed copy may have left some queued without an event.
-        let _ = self.stream.synchronize();
+        // too, where a failed copy may have left some queued without an event. Copies of
+        // pieces whose tensors never completed have no event the memory tracks: where a
+        // stream cannot be waited for, the memory is leaked rather than freed (or handed back
+        // to its lender) under them.
+        let mut settled = self.stream.synchronize().is_ok();
         for stream in &self.replica_streams {
-            let _ = stream.synchronize();
+            settled &= stream.synchronize().is_ok();
+        }
+        if !settled {
+            for copy in std::iter::once(&mut self.primary).chain(&mut self.replicas) {
+                std::mem::forget(std::mem::take(&mut copy.blocks));
+                std::mem::forget(std::mem::take(&mut copy.tensors));
+            }
         }
     }
 }
@@ -318,6 +328,7 @@ pub struct LoadedTensor {
     pub(super) name: String,
     pub(super) dtype: Dtype,
     pub(super) shape: Vec<usize>,
+    pub(super) split: Option<super::Split>,
     pub(super) block: usize,
     /// The memory of its block (the load's tensors of its element type, on its device).
     pub(super) memory: Arc<DeviceBuffer<MaybeUninit<u8>>>,
@@ -356,6 +367,12 @@ impl LoadedTensor {
     /// The bytes loaded.
     pub fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// The tensor-parallel part loaded, where the options named one
+    /// ([`LoadOptions::split`](super::LoadOptions::split)); `None` for the whole tensor.
+    pub fn split(&self) -> Option<super::Split> {
+        self.split
     }
 
     /// Its block: the number, among its device's blocks, of the memory that holds it (the

@@ -209,16 +209,15 @@ impl Meter {
     /// The figures of a load that has completed: waits for its copies.
     pub(super) fn report(&self, job: &Job<Cuda>, stream: &Stream) -> Result<LoadReport> {
         stream.synchronize()?;
-        let since_start = |event: Option<&Event>| -> Result<Duration> {
-            Ok(match event {
-                Some(event) => {
-                    let ms = event.elapsed_ms_since(&self.start)?;
+        // Figures, not the load's outcome: a timing that cannot be read counts none.
+        let since_start = |event: Option<&Event>| {
+            event
+                .and_then(|event| event.elapsed_ms_since(&self.start).ok())
+                .map_or(Duration::ZERO, |ms| {
                     Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3)
-                }
-                None => Duration::ZERO,
-            })
+                })
         };
-        let last_tensor = since_start(self.end.get())?;
+        let last_tensor = since_start(self.end.get());
         let (cached_bytes, direct_bytes) = self.files.iter().zip(&self.read_before).fold(
             (0, 0),
             |(cached, direct), (file, &(cached_before, direct_before))| {
@@ -233,7 +232,7 @@ impl Meter {
         Ok(LoadReport {
             tensors: self.tensors,
             bytes: self.bytes,
-            first_tensor: since_start(self.first.get())?.min(last_tensor),
+            first_tensor: since_start(self.first.get()).min(last_tensor),
             last_tensor,
             cached_bytes,
             direct_bytes,
