@@ -2,7 +2,6 @@
 //! allocated and owns, and the builder hands each one to the model as soon as it has landed.
 
 use std::collections::HashMap;
-use std::mem::MaybeUninit;
 use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
@@ -11,20 +10,13 @@ use candle_core::cuda::cudarc::driver::DevicePtrMut;
 use candle_core::{CpuStorage, CudaStorage, DType, Device, InplaceOp1, Layout, Shape, Tensor};
 use candle_nn::var_builder::{Backend, Shard, SimpleBackend, VarBuilderArgs};
 use candle_nn::{Init, VarBuilder};
-use cuda_pinned::{CudarcCopies, DeviceBuffer, DeviceSlice};
 use pinned_io::{
     Block, Checkpoint, FileReader, LoadOptions, LoadedTensor, Loading, Split, TensorSpec,
 };
 
 use crate::device::Target;
 use crate::error::{Result, wrap};
-use crate::memory::{Lent, Memory, candle_dtype, refused, uninit_tensor, with_type};
-
-/// Tensors of at least this many bytes get an allocation of their own. candle copies a
-/// tensor's whole allocation when it moves it off the device (`to_device`, `to_vec`), so a
-/// large weight must not share one; small ones (norms, biases) share their element type's,
-/// which keeps the allocations few for checkpoints of thousands of them.
-const OWN_ALLOCATION_FROM: u64 = 1 << 20;
+use crate::memory::{Lent, candle_dtype, refused, uninit_tensor, with_type};
 
 /// Opens `paths` and returns a `VarBuilder` whose tensors pinned-io loads onto `device`: the
 /// drop-in for candle's `VarBuilder::from_mmaped_safetensors(paths, dtype, device)`.
@@ -193,12 +185,14 @@ impl CheckpointLoader {
             }
             None => default_reader(target.device)?,
         };
-        // Only what candle can hold: another type fails its own `get`, not the whole load. One
-        // device: replicas are another builder's.
+        // Only what candle can hold: another type fails its own `get`, not the whole load. Each
+        // tensor in an allocation of its own, candle's tensors' way: candle copies a tensor's
+        // whole allocation when it moves it (`to_device`, `to_vec`), and the rest of a shared
+        // one might still be loading. One device: replicas are another builder's.
         let options = self
             .options
             .only(|tensor: &TensorSpec| candle_dtype(tensor.dtype()).is_some())
-            .own_block_from(OWN_ALLOCATION_FROM)
+            .own_block_from(0)
             .replicate_to(std::iter::empty());
         let specs = (self.checkpoint.tensors())
             .map(|t| (t.name().to_owned(), (t.dtype(), t.shape().to_vec())))
@@ -209,12 +203,10 @@ impl CheckpointLoader {
             .load_into(&reader, &options, |asked: &[Block]| {
                 let lent = allocate(&target, asked)?;
                 for (block, lent) in asked.iter().zip(&lent) {
-                    if let Memory::Candle(lent) = lent {
-                        if blocks.len() <= block.index() {
-                            blocks.resize(block.index() + 1, None);
-                        }
-                        blocks[block.index()] = Some(lent.tensor.clone());
+                    if blocks.len() <= block.index() {
+                        blocks.resize(block.index() + 1, None);
                     }
+                    blocks[block.index()] = Some(lent.tensor.clone());
                 }
                 Ok(lent)
             })
@@ -244,45 +236,36 @@ fn default_reader(device: cuda_pinned::Device) -> Result<Arc<FileReader>> {
     Ok(reader)
 }
 
-/// The load's blocks: a tensor's own in memory candle allocates and owns, settled for other
-/// streams; a block that several small tensors share, the load's own (each of them is copied
-/// into an allocation of candle's when the model takes it, since candle copies a tensor's
-/// whole allocation when it moves it, and the rest of a shared one may still be loading).
-fn allocate(target: &Target, blocks: &[Block]) -> pinned_io::Result<Vec<Memory>> {
+/// The load's blocks (a tensor each), in memory candle allocates and owns, settled for other
+/// streams.
+fn allocate(target: &Target, blocks: &[Block]) -> pinned_io::Result<Vec<Lent>> {
     let candle = |error: candle_core::Error| {
         pinned_io::Error::Invalid(format!(
             "candle's allocation of a checkpoint's tensors: {error}"
         ))
     };
     // candle allocates from the device's stream-ordered pool. Grown once by the whole load,
-    // and that memory given back to it on the same stream, it serves every block at once
-    // instead of growing by each: hundreds of allocations of large weights cost what one
-    // does.
-    let own = |block: &&Block| block.tensors() == 1;
-    let total = blocks.iter().filter(own).map(Block::bytes).sum::<usize>();
+    // and that memory given back to it on the same stream, it serves every tensor at once
+    // instead of growing by each: thousands of allocations cost about what one does.
+    let total = blocks.iter().map(Block::bytes).sum::<usize>();
     // SAFETY: never read or written: freed again at once.
     if let Ok(grown) = unsafe { target.candle.alloc::<u8>(total) } {
         drop(grown);
     }
     let lent = (blocks.iter())
         .map(|block| {
-            if !own(&block) {
-                let memory =
-                    DeviceBuffer::<MaybeUninit<u8>>::uninit_on(target.device, block.bytes())?;
-                return Ok(Memory::Load(memory));
-            }
             let dtype = candle_dtype(block.dtype()).expect("the load takes candle's types only");
             let len = block.bytes() / dtype.size_in_bytes();
             let (tensor, address) = uninit_tensor(target, dtype, len).map_err(candle)?;
-            Ok(Memory::Candle(Lent {
+            Ok(Lent {
                 tensor,
                 address,
                 bytes: block.bytes(),
                 device: target.device,
-            }))
+            })
         })
-        .collect::<pinned_io::Result<Vec<Memory>>>()?;
-    // candle's allocations are ordered on its stream; the load's copies run on another.
+        .collect::<pinned_io::Result<Vec<Lent>>>()?;
+    // The allocations are ordered on candle's stream; the load's copies run on another.
     target
         .stream
         .synchronize()
@@ -318,17 +301,16 @@ impl Weights {
                 .bt(),
             });
         };
-        let view = self.wait_for(loaded)?;
+        self.wait_for(loaded)?;
         let dtype = candle_dtype(loaded.dtype()).expect("the load takes candle's types only");
         let shape = loaded.shape().to_vec();
         if loaded.bytes() == 0 {
             // Nothing was allocated for it.
             return Tensor::zeros(shape, dtype, &self.device);
         }
-        let Some(block) = self.blocks.get(loaded.block()).and_then(Option::as_ref) else {
-            // In a block the load shares among small tensors: copied out into candle's own.
-            return self.copy_out(view, dtype)?.reshape(shape);
-        };
+        let block = self.blocks[loaded.block()]
+            .as_ref()
+            .expect("a tensor with bytes has its allocation");
         if self.target.waits_on_device() {
             // candle's stream has waited for the tensor: cudarc's tracking records the write
             // there, so that its copies on other streams (to another device) wait too.
@@ -344,44 +326,11 @@ impl Weights {
         Ok(tensor)
     }
 
-    /// A landed tensor of a shared block, copied on candle's stream into memory candle
-    /// allocates there and owns, as a one-dimensional tensor.
-    fn copy_out(&self, view: DeviceSlice<'_, u8>, dtype: DType) -> Result<Tensor> {
-        let stream = &self.target.stream;
-        // SAFETY: filled by the copy below, on candle's stream, before candle's work there
-        // reads it.
-        let mut bytes = unsafe { self.target.candle.alloc::<u8>(view.len()) }?;
-        // Ordered after the tensor's copies (the view's block tracks them), and recorded in
-        // cudarc's tracking as the write of `bytes`.
-        stream
-            .copy_device_to_cudarc(view, &mut bytes)
-            .map_err(wrap)?;
-        let len = bytes.len() / dtype.size_in_bytes();
-        let address = bytes.leak();
-        let tensor = with_type!(dtype, T => {
-            // SAFETY: `address` is an allocation of `len * size_of::<T>()` bytes made on
-            // `stream` (aligned for any element, as the pool's are), given up by the slice
-            // that held it and taken over by this one, which frees it on the same stream as
-            // it would have; its bytes are `T`s, as the checkpoint's tensor of that type.
-            let typed = unsafe { stream.upgrade_device_ptr::<T>(address, len) };
-            Ok(crate::memory::wrap(&self.target, typed).0)
-        })?;
-        // The new slice's tracking starts afresh: the copy is its write. On a per-thread
-        // stream, whose work other threads' streams do not see, the host waits for it.
-        if self.target.waits_on_device() {
-            tensor.inplace_op1(&RecordWrite)?;
-        } else {
-            stream.synchronize().map_err(wrap)?;
-        }
-        Ok(tensor)
-    }
-
-    /// Makes candle's stream (or, for a per-thread stream, the host) wait for `tensor`, and
-    /// returns its memory.
-    fn wait_for<'a>(&self, tensor: &'a LoadedTensor) -> Result<DeviceSlice<'a, u8>> {
+    /// Makes candle's stream (or, for a per-thread stream, the host) wait for `tensor`.
+    fn wait_for(&self, tensor: &LoadedTensor) -> Result<()> {
         match &self.target.adopted {
-            Some(stream) => tensor.ready_on(stream).map_err(wrap),
-            None => tensor.wait().map_err(wrap),
+            Some(stream) => tensor.ready_on(stream).map(drop).map_err(wrap),
+            None => tensor.wait().map(drop).map_err(wrap),
         }
     }
 

@@ -117,35 +117,6 @@ where
     (tensor, address)
 }
 
-/// A load's block: a tensor's own, in candle's memory (handed over as it is), or one that
-/// several small tensors share, the load's own (each copied out into candle's memory).
-pub(crate) enum Memory {
-    Candle(Lent),
-    Load(cuda_pinned::DeviceBuffer<std::mem::MaybeUninit<u8>>),
-}
-
-// SAFETY: each kind keeps its own promises (below, and cuda-pinned's for its buffers).
-unsafe impl LentDeviceMemory for Memory {
-    fn device(&self) -> cuda_pinned::Device {
-        match self {
-            Self::Candle(lent) => lent.device(),
-            Self::Load(buffer) => LentDeviceMemory::device(buffer),
-        }
-    }
-    fn address(&self) -> u64 {
-        match self {
-            Self::Candle(lent) => lent.address(),
-            Self::Load(buffer) => LentDeviceMemory::address(buffer),
-        }
-    }
-    fn bytes(&self) -> usize {
-        match self {
-            Self::Candle(lent) => lent.bytes(),
-            Self::Load(buffer) => LentDeviceMemory::bytes(buffer),
-        }
-    }
-}
-
 /// A tensor's memory, candle's, lent to a load that fills it: the tensor keeps it alive.
 pub(crate) struct Lent {
     pub(crate) tensor: Tensor,

@@ -60,21 +60,6 @@ pub struct DeviceBuffer<T> {
     _owns: PhantomData<T>,
 }
 
-// SAFETY: `cudaMalloc`'s memory (or memory lent to it, under the same promises) is usable by
-// every stream of its device and stays allocated while the buffer lives; a buffer lent to
-// another is moved into it, so nothing but the new buffer reaches it.
-unsafe impl<T: Send + Sync + 'static> LentDeviceMemory for DeviceBuffer<T> {
-    fn device(&self) -> Device {
-        DeviceBuffer::device(self)
-    }
-    fn address(&self) -> u64 {
-        self.ptr
-    }
-    fn bytes(&self) -> usize {
-        self.len * size_of::<T>()
-    }
-}
-
 /// Device memory that other code allocated and frees, lent to a [`DeviceBuffer`]: another
 /// library's allocation (a cudarc `CudaSlice`, a candle tensor's storage), kept alive by the
 /// buffer, which drops it once its copies are done.
