@@ -36,9 +36,19 @@ pub(crate) fn refused(name: &str, dtype: Dtype) -> candle_core::Error {
     .bt()
 }
 
-/// Runs `$body` with `$T` the Rust type of candle's `$dtype`.
+/// Runs `$body` with `$T` the Rust type of candle's `$dtype`; `plain` leaves out the 8-bit
+/// floats, whose type is no plain old data, for bodies that need it to be.
 macro_rules! with_type {
+    (plain $dtype:expr, $T:ident => $body:expr) => {
+        $crate::memory::with_type!(@arms $dtype, $T => $body,)
+    };
     ($dtype:expr, $T:ident => $body:expr) => {
+        $crate::memory::with_type!(@arms $dtype, $T => $body, DType::F8E4M3 => {
+            type $T = float8::F8E4M3;
+            $body
+        })
+    };
+    (@arms $dtype:expr, $T:ident => $body:expr, $($extra:tt)*) => {
         match $dtype {
             DType::U8 => {
                 type $T = u8;
@@ -76,10 +86,7 @@ macro_rules! with_type {
                 type $T = f64;
                 $body
             }
-            DType::F8E4M3 => {
-                type $T = float8::F8E4M3;
-                $body
-            }
+            $($extra)*
             other => Err(candle_core::Error::UnsupportedDTypeForOp(other, "pinned-candle").bt()),
         }
     };

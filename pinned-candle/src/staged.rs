@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-use bytemuck::{AnyBitPattern, NoUninit, Zeroable};
+use bytemuck::NoUninit;
 use candle_core::cuda::CudaDType;
 use candle_core::cuda::cudarc::driver::DeviceRepr;
 use candle_core::{DType, Device, Storage, Tensor, WithDType};
@@ -12,6 +12,7 @@ use cuda_pinned::Stager;
 
 use crate::device::Target;
 use crate::error::{Result, wrap};
+use crate::memory::with_type;
 
 /// `to_device` through page-locked memory, for candle tensors.
 ///
@@ -71,51 +72,6 @@ impl ToDeviceStaged for Tensor {
     }
 }
 
-/// Runs `$body` with `$T` the Rust type of candle's `$dtype`, for the types staged.
-macro_rules! with_staged_type {
-    ($dtype:expr, $T:ident => $body:expr) => {
-        match $dtype {
-            DType::U8 => {
-                type $T = u8;
-                $body
-            }
-            DType::U32 => {
-                type $T = u32;
-                $body
-            }
-            DType::I16 => {
-                type $T = i16;
-                $body
-            }
-            DType::I32 => {
-                type $T = i32;
-                $body
-            }
-            DType::I64 => {
-                type $T = i64;
-                $body
-            }
-            DType::BF16 => {
-                type $T = half::bf16;
-                $body
-            }
-            DType::F16 => {
-                type $T = half::f16;
-                $body
-            }
-            DType::F32 => {
-                type $T = f32;
-                $body
-            }
-            DType::F64 => {
-                type $T = f64;
-                $body
-            }
-            other => Err(candle_core::Error::UnsupportedDTypeForOp(other, "to_device_staged").bt()),
-        }
-    };
-}
-
 /// The stager of `target`'s device, made at the first use.
 fn stager(target: &Target) -> Result<Arc<Stager>> {
     static STAGERS: OnceLock<Mutex<HashMap<usize, Arc<Stager>>>> = OnceLock::new();
@@ -141,7 +97,7 @@ fn upload(tensor: &Tensor, target: &Target) -> Result<Tensor> {
     };
     let (start, end) = layout.contiguous_offsets().expect("made contiguous above");
     let stager = stager(target)?;
-    let on_device = with_staged_type!(tensor.dtype(), T => {
+    let on_device = with_type!(plain tensor.dtype(), T => {
         upload_slice::<T>(&cpu.as_slice::<T>()?[start..end], target, &stager)
     })?;
     on_device.reshape(tensor.shape())
@@ -172,7 +128,7 @@ fn download(tensor: &Tensor) -> Result<Tensor> {
     };
     let (start, end) = layout.contiguous_offsets().expect("made contiguous above");
     let stager = stager(&target)?;
-    with_staged_type!(tensor.dtype(), T => {
+    with_type!(plain tensor.dtype(), T => {
         let slice = cuda.as_cuda_slice::<T>()?.slice(start..end);
         let mut host: Vec<T> = bytemuck::zeroed_vec(end - start);
         advise_huge_pages(bytemuck::cast_slice_mut(&mut host));
@@ -195,12 +151,4 @@ fn advise_huge_pages(memory: &mut [u8]) {
         // changes how they are backed, never their contents.
         unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
     }
-}
-
-/// What the staged copies need of an element type (checked at compile time for each one).
-#[allow(dead_code)]
-fn staged_types_are_plain_old_data() {
-    fn plain<T: NoUninit + AnyBitPattern + Zeroable>() {}
-    plain::<half::bf16>();
-    plain::<half::f16>();
 }
