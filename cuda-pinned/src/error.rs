@@ -284,6 +284,21 @@ pub enum Error {
     /// whatever mode: this crate waits, queries and allocates in relaxed capture mode, which
     /// a global-mode capture does not refuse (nor is it invalidated by these calls).
     Capturing,
+    /// Every chunk of a pinned ring (a [`Stager`](crate::Stager)'s, a file reader's) was lost
+    /// to device errors: their copies could not be waited for, so none is reused, and the
+    /// ring copies nothing more.
+    RingLost,
+    /// One of the threads working on a copy or a read panicked: the work it held is
+    /// unfinished.
+    Panicked {
+        /// Whose thread, such as `"a staging copy"`.
+        what: &'static str,
+    },
+    /// The system refused to start any thread of a crew that cannot work without one.
+    NoThreads {
+        /// Whose threads, such as `"a file reader's"`.
+        what: &'static str,
+    },
 }
 
 impl fmt::Display for Error {
@@ -361,6 +376,12 @@ impl fmt::Display for Error {
                 "the stream is capturing a CUDA graph: copies with host memory, tracked work and \
                  host functions would run at the graph's launch, after the memory may be gone"
             ),
+            Self::RingLost => f.write_str(
+                "every chunk of the pinned ring was lost to device errors (or waits for a chunk \
+                 that none is left to fill): it copies nothing more",
+            ),
+            Self::Panicked { what } => write!(f, "{what} thread panicked"),
+            Self::NoThreads { what } => write!(f, "the system refused to start {what} threads"),
         }
     }
 }

@@ -15,9 +15,11 @@
 //! | `memory` | the kinds of page-locked memory, under the [`PinnedAllocator`] contract |
 //! | `containers` | [`PinnedVec`], [`PinnedBox`] and [`PinMemory`] |
 //! | `gpu` | [`Device`], [`Stream`], [`Event`], [`DeviceBuffer`] and its views |
-//! | `copy` | tracked copies ([`Transfer`]), batches of raw copies, non-temporal stores ([`copy_streaming`], [`read_at_streaming`]) |
-//! | `files` | [`open_regular_file`]: a user-named file opened for reading, never blocking on a pipe or opening a device |
-//! | `staging` | the [`Stager`]: copies from ordinary memory through a pinned ring |
+//! | `copy` | tracked copies ([`Transfer`]), blocking copies of device views, batches of raw copies |
+//! | `nontemporal` | non-temporal stores ([`copy_streaming`], [`read_at_streaming`]) |
+//! | `files` | the operating system's side of reading files: [`open_regular_file`] (never blocking on a pipe or opening a device), [`PageCacheProbe`] (what the page cache holds) |
+//! | [`ring`] | the engine beneath: a ring of pinned chunks, each with an event, and a crew of threads that fill and drain it |
+//! | `staging` | the [`Stager`]: copies from ordinary memory through the ring |
 //! | `raw`, `context` | one CUDA call per function, and the context and capture-mode policy around them |
 //! | `interop` | cudarc (the `cudarc` feature) and allocator-api2 |
 //! | [`nvtx`](mod@crate::nvtx) | spans as NVTX ranges for Nsight Systems (the `nvtx` feature) |
@@ -92,10 +94,12 @@ mod files;
 mod gpu;
 mod interop;
 mod memory;
+mod nontemporal;
 #[cfg(feature = "nvtx")]
 pub mod nvtx;
 mod os;
 mod raw;
+pub mod ring;
 mod staging;
 mod test_hooks;
 pub mod traces {
@@ -128,12 +132,13 @@ pub use gpu::views::{DeviceSlice, DeviceSliceMut};
 
 // Copies.
 pub use copy::batch::{RawCopy, RawCopy2d};
-pub use copy::nontemporal::{copy_streaming, read_at_streaming};
 pub use copy::tracked::{HostBuffer, Transfer};
 pub use copy::window::Window;
-pub use files::open_regular_file;
+pub use files::open::open_regular_file;
+pub use files::page_cache::{PageCacheProbe, advise_random, advise_will_need};
 #[cfg(feature = "cudarc")]
 pub use interop::cudarc::CudarcCopies;
+pub use nontemporal::{copy_streaming, read_at_streaming};
 pub use staging::{StagedCopy, Stager, StagingConfig};
 
 // Errors, and the layer below.

@@ -3,6 +3,7 @@
 use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// The crate's result.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -45,7 +46,15 @@ pub enum Error {
     /// A request that cannot be met as asked: a range past a file's end, a destination of
     /// another length, a split of a tensor that does not divide, a setting out of range.
     Invalid(String),
-    /// Pinned memory, the device, or a CUDA call failed.
+    /// A load failed before this tensor landed (or before its end, for the load's iterator
+    /// and report): the load's own error, shared by everything that waited, is the
+    /// [`source`](std::error::Error::source).
+    Failed(Arc<Error>),
+    /// A load stopped before its end without an error of its own: dropped, or its device
+    /// memory never came; says which.
+    Stopped(&'static str),
+    /// cuda-pinned's error: pinned memory, the device or a CUDA call failed, or the ring and
+    /// threads beneath the reader did (a lost ring, a panicked or refused thread).
     Cuda(cuda_pinned::Error),
 }
 
@@ -56,6 +65,12 @@ impl Error {
             doing,
             source,
         }
+    }
+
+    /// The error shared by a failed load's waiters: itself where nobody else holds it, else
+    /// [`Error::Failed`] with it as the cause.
+    pub(crate) fn shared(error: Arc<Self>) -> Self {
+        Arc::try_unwrap(error).unwrap_or_else(Self::Failed)
     }
 
     pub(crate) fn format(path: &Path, tensor: Option<&str>, problem: impl Into<String>) -> Self {
@@ -93,6 +108,8 @@ impl fmt::Display for Error {
                 path.display()
             ),
             Self::Invalid(message) => f.write_str(message),
+            Self::Failed(_) => f.write_str("the checkpoint's load failed"),
+            Self::Stopped(why) => write!(f, "the checkpoint's load stopped: {why}"),
             Self::Cuda(error) => write!(f, "{error}"),
         }
     }
@@ -105,6 +122,7 @@ impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Self::Io { source, .. } => Some(source),
+            Self::Failed(cause) => Some(&**cause),
             Self::Cuda(error) => error.source(),
             _ => None,
         }

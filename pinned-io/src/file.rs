@@ -1,11 +1,10 @@
 //! A file to read from: a buffered descriptor, and one that bypasses the page cache
 //! (`O_DIRECT`) where the file system allows it.
 //!
-//! A piece of a read asks the kernel first whether the page cache holds it (`mincore` on a
-//! mapping of the file that is never read through, which starts no I/O, unlike a read that
-//! declines to wait) and reads it through the cache if so, else past the cache in whole
-//! aligned blocks: data in the cache comes at memory speed, data on storage at the device's
-//! speed without the copy through the cache.
+//! A piece of a read asks the kernel first whether the page cache holds it
+//! ([`PageCacheProbe`](cuda_pinned::PageCacheProbe)) and reads it through the cache if so,
+//! else past the cache in whole aligned blocks: data in the cache comes at memory speed, data
+//! on storage at the device's speed without the copy through the cache.
 
 use std::fs::File;
 use std::io;
@@ -14,6 +13,8 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use cuda_pinned::PageCacheProbe;
 
 use crate::error::{Error, Result};
 
@@ -53,7 +54,7 @@ struct Opened {
     /// Cleared when the file system refuses a direct read after all.
     direct_works: AtomicBool,
     /// Where the page cache's residency of the file is asked; `None` where it cannot be.
-    residency: Option<Residency>,
+    residency: Option<PageCacheProbe>,
     len: u64,
     cached_bytes: AtomicU64,
     direct_bytes: AtomicU64,
@@ -92,7 +93,7 @@ impl DataFile {
         // read through the cache and taken as cached, so that the tests can check the rest.
         let direct = (!cfg!(miri)).then(|| reopen_direct(&buffered)).flatten();
         let residency = (!cfg!(miri))
-            .then(|| Residency::map(&buffered, metadata.len()))
+            .then(|| PageCacheProbe::of(&buffered))
             .flatten();
         Ok(Self(Arc::new(Opened {
             path: path.to_owned(),
@@ -173,13 +174,7 @@ impl DataFile {
         mode: ReadMode,
         scratch: bool,
     ) -> Result<()> {
-        let direct = scratch
-            && self.can_read_direct()
-            && match mode {
-                ReadMode::Buffered => false,
-                ReadMode::Direct => true,
-                ReadMode::Auto => !self.cached(offset, len),
-            };
+        let direct = scratch && self.reads_direct(mode, offset, len);
         let mut done = 0;
         if direct {
             // SAFETY: forwarded from the caller.
@@ -200,7 +195,7 @@ impl DataFile {
         self.0
             .residency
             .as_ref()
-            .is_none_or(|residency| residency.all_resident(offset, len))
+            .is_none_or(|residency| residency.holds(offset, len))
     }
 
     /// Reads all of `buf` through the page cache from `offset`.
@@ -271,10 +266,15 @@ impl DataFile {
         Ok(filled)
     }
 
-    /// Whether the page cache holds every byte of `offset..offset + len` (as far as the
-    /// kernel says; `true` where it cannot be asked).
-    pub(crate) fn is_cached(&self, offset: u64, len: usize) -> bool {
-        self.cached(offset, len)
+    /// Whether `len` bytes at `offset` are read past the page cache, as `mode` says: the one
+    /// place that decides (the `Auto` mode asks the page cache, a system call).
+    pub(crate) fn reads_direct(&self, mode: ReadMode, offset: u64, len: usize) -> bool {
+        self.can_read_direct()
+            && match mode {
+                ReadMode::Buffered => false,
+                ReadMode::Direct => true,
+                ReadMode::Auto => !self.cached(offset, len),
+            }
     }
 
     /// Reads the bytes of `parts` past the page cache in one call: each part a buffer and
@@ -415,73 +415,5 @@ impl DataFile {
             wanted: wanted as u64,
             length,
         }
-    }
-}
-
-/// A shared read-only mapping of a file that is never read through: it only lets the kernel
-/// say which of the file's pages the page cache holds (`mincore`).
-#[derive(Debug)]
-struct Residency {
-    address: usize,
-    len: usize,
-    page: usize,
-}
-
-impl Residency {
-    fn map(file: &File, len: u64) -> Option<Self> {
-        let len = usize::try_from(len).ok().filter(|&len| len > 0)?;
-        // SAFETY: `sysconf` reads a constant of the system.
-        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok()?;
-        // SAFETY: a new shared read-only mapping of an open file, at an address the kernel
-        // picks; it is never read or written through (only `mincore` looks at it), so a
-        // file that shrinks cannot fault an access, and it is unmapped when dropped.
-        let address = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        (address != libc::MAP_FAILED).then_some(Self {
-            address: address as usize,
-            len,
-            page,
-        })
-    }
-
-    /// Whether every page of `offset..offset + len` is in the page cache; `false` where the
-    /// kernel cannot say.
-    fn all_resident(&self, offset: u64, len: usize) -> bool {
-        let Some(end) = usize::try_from(offset)
-            .ok()
-            .and_then(|o| o.checked_add(len))
-        else {
-            return false;
-        };
-        let start = offset as usize / self.page * self.page;
-        if end > self.len || len == 0 {
-            return len == 0;
-        }
-        let mut pages = vec![0u8; (end - start).div_ceil(self.page)];
-        // SAFETY: the range lies in the mapping (checked) and starts on a page; `pages` has a
-        // byte for each of its pages.
-        let asked = unsafe {
-            libc::mincore(
-                (self.address + start) as *mut libc::c_void,
-                end - start,
-                pages.as_mut_ptr(),
-            )
-        };
-        asked == 0 && pages.iter().all(|&page| page & 1 == 1)
-    }
-}
-
-impl Drop for Residency {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `map`, unmapped once; nothing refers into it.
-        unsafe { libc::munmap(self.address as *mut libc::c_void, self.len) };
     }
 }

@@ -6,9 +6,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use bytemuck::AnyBitPattern;
 use cuda_pinned::{DefaultPinned, Device, DeviceSliceMut, PinnedAllocator, PinnedVec, Stream};
 
-use crate::engine::crew::Crew;
-use crate::engine::cuda::Cuda;
-use crate::engine::{Job, Ring};
+use cuda_pinned::ring::Cuda;
+
+use crate::engine::{Crew, Done, Job, ReadRing, Reading};
 use crate::error::{Error, Result};
 use crate::file::{DIRECT_ALIGN, DataFile, ReadMode};
 use crate::plan::{self, Span};
@@ -145,7 +145,7 @@ impl Default for ReaderConfig {
 /// # Ok::<(), pinned_io::Error>(())
 /// ```
 pub struct FileReader {
-    pub(crate) crew: Arc<Crew<Cuda>>,
+    crew: Arc<Crew<Cuda>>,
     device: Device,
     config: ReaderConfig,
 }
@@ -182,18 +182,21 @@ impl FileReader {
         A: PinnedAllocator + Send + Sync + 'static,
     {
         config.check()?;
-        let bytes = Ring::<Cuda>::bytes_for(config.chunk_bytes, config.chunks)
+        let bytes = ReadRing::<Cuda>::bytes_for(config.chunk_bytes, config.chunks)
             .ok_or_else(|| Error::Invalid("a reader's ring overflows the address space".into()))?;
         let mut memory = PinnedVec::<u8, A>::with_capacity_in(bytes, allocator)?;
         let start = memory.as_mut_ptr();
-        let dma = Cuda { device };
-        let ring = Ring::new(
-            dma,
-            start,
-            config.chunk_bytes,
-            config.chunks,
-            Box::new(memory),
-        )?
+        // SAFETY: `start` is the first byte of `bytes_for` bytes of page-locked memory, which
+        // the ring keeps and uses alone.
+        let ring = unsafe {
+            ReadRing::new(
+                Cuda::on(device),
+                start,
+                config.chunk_bytes,
+                config.chunks,
+                Box::new(memory),
+            )
+        }?
         .read_in_parts_of(config.read_bytes);
         Ok(Self {
             crew: Arc::new(Crew::new(ring, config.threads)?),
@@ -210,6 +213,32 @@ impl FileReader {
     /// The configuration in use.
     pub fn config(&self) -> &ReaderConfig {
         &self.config
+    }
+
+    /// The most bytes of one piece of a read (a chunk of the ring).
+    pub(crate) fn piece_bytes(&self) -> usize {
+        self.crew.ring().capacity()
+    }
+
+    /// The pinned memory the reader's ring holds.
+    pub(crate) fn pinned_bytes(&self) -> usize {
+        self.crew.ring().pinned_bytes()
+    }
+
+    /// Starts reading `pieces` of `files` toward `targets` targets on `stream`, before their
+    /// destination exists: the crew reads the first target's pieces while the caller
+    /// allocates, and the caller names the destination (or abandons the read) through the
+    /// [`Reading`], which it waits on; `done` runs once every piece is moved or skipped.
+    pub(crate) fn start(
+        &self,
+        pieces: Vec<plan::Piece>,
+        files: Vec<DataFile>,
+        stream: &Stream,
+        targets: usize,
+        done: Box<Done<Cuda>>,
+    ) -> Reading<Cuda> {
+        let job = Job::to_come(pieces, files, self.config.mode, stream.clone(), targets);
+        self.crew.start(job.when_done(done))
     }
 
     /// Reads the bytes of `file` from `offset` into `dst` on `stream`, and returns once
@@ -253,7 +282,7 @@ impl FileReader {
                 dst: address,
                 target: 0,
             };
-            let pieces = plan::cut(&[span], crew.ring().capacity())?;
+            let pieces = plan::cut(&[span], self.piece_bytes())?;
             let sink = Box::new(|_: &[usize], _: &Stream| Ok(()));
             let job = Job::new(pieces, vec![file.clone()], mode, stream.clone(), 1, sink);
             crew.run(&Arc::new(job))

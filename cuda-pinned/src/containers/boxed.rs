@@ -10,12 +10,12 @@ use std::ptr::{self, NonNull};
 use bytemuck::Zeroable;
 
 use crate::containers::block::Block;
-use crate::containers::block::StreamUses;
 use crate::error::Result;
 use crate::gpu::stream::Stream;
 use crate::memory::allocator::MemoryKind;
 use crate::memory::allocator::PinnedAllocator;
 use crate::memory::default::DefaultPinned;
+use crate::memory::uses::StreamUses;
 
 /// One value in page-locked memory, like `Box<T>`: a counter or a struct the GPU writes back,
 /// a small parameter block, a staging slot.

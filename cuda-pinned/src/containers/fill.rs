@@ -151,7 +151,7 @@ impl<T: NoUninit, A: PinnedAllocator> PinnedVec<T, A> {
         // SAFETY: `room` holds `size_of_val(src)` writable bytes of the spare capacity,
         // uniquely borrowed (so apart from `src`); `src` is initialised (`NoUninit`).
         unsafe {
-            crate::copy::nontemporal::copy_bytes_streaming(
+            crate::nontemporal::copy_bytes_streaming(
                 src.as_ptr().cast(),
                 room.as_mut_ptr().cast(),
                 size_of_val(src),

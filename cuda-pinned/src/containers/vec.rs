@@ -10,7 +10,6 @@ use std::ptr::{self, NonNull};
 use bytemuck::{AnyBitPattern, NoUninit, Zeroable};
 
 use crate::containers::block::Block;
-use crate::containers::block::StreamUses;
 use crate::error::Error;
 use crate::error::Result;
 use crate::gpu::stream::Stream;
@@ -18,6 +17,7 @@ use crate::memory::allocator::Allocation;
 use crate::memory::allocator::MemoryKind;
 use crate::memory::allocator::PinnedAllocator;
 use crate::memory::default::DefaultPinned;
+use crate::memory::uses::StreamUses;
 
 /// A contiguous growable array in page-locked memory: `Vec<T>` whose buffer a GPU can copy
 /// from and to at full speed, asynchronously.

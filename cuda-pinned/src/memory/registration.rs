@@ -4,11 +4,11 @@ use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 
-use crate::containers::block::StreamUses;
 use crate::error::{Error, Result};
 use crate::gpu::stream::Stream;
 use crate::memory::allocator::MemoryKind;
 use crate::memory::flags::RegisterFlags;
+use crate::memory::uses::StreamUses;
 
 /// Registers `bytes` at `ptr`; `None` for an empty range (nothing to register). Memory CUDA
 /// cannot pin is refused before the driver is asked.

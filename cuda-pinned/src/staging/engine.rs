@@ -1,22 +1,20 @@
-//! The staging engine: the ring, its workers and their job queue.
+//! The stager's engine: copies cut into pieces that the ring's crew and the caller move
+//! through the chunks, and the upload slots beside the ring.
 
-use std::collections::VecDeque;
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
 
 use super::config::StagingConfig;
-use super::dma::Dma;
 use super::driver_check::MAX_DRIVER_BYTES;
-use super::job::{AbortOnUnwind, Job, PieceGuard, Queue, cut};
-use super::ring::{Address, Chunk, Ring, TakenUploadSlot, UploadSlot, UploadSlots, list_with_room};
-use super::{lock, wait};
+use super::job::{AbortOnUnwind, Job, PieceGuard, cut};
+use super::slots::{Address, TakenUploadSlot, UploadSlot, UploadSlots, list_with_room};
 use crate::containers::vec::PinnedVec;
-use crate::copy::nontemporal::copy_bytes_streaming;
 use crate::error::{Error, Result};
 use crate::memory::allocator::PinnedAllocator;
+use crate::nontemporal::copy_bytes_streaming;
 use crate::raw::copy::Direction;
+use crate::ring::{Crew, CrewConfig, Dma, Pick, Ring, RingCopy, Taken, Way, lock};
 
 /// How long an idle worker watches for the next job before it sleeps: waking a sleeping
 /// thread takes tens of microseconds on a virtual machine, a piece of a copy about as long.
@@ -33,52 +31,22 @@ const STREAMING_SLOT_BYTES: usize = 32 << 10;
 /// CPU's caches for the DMA to read (`docs/tuning.md`).
 const STREAMING_UPLOAD_BYTES: usize = 256 << 20;
 
-pub(super) struct Shared<D: Dma> {
-    pub(super) dma: D,
+/// What the crew's threads share: the ring, and how copies are cut.
+pub(crate) struct Copier<D: Dma> {
+    pub(super) ring: Ring<D>,
     pub(super) config: StagingConfig,
-    /// The ring's memory (owned by the engine, which outlives every use).
-    pub(super) base: Address,
-    pub(super) ring: Mutex<Ring<D>>,
-    pub(super) slot_freed: Condvar,
-    pub(super) queue: Mutex<Queue<D>>,
-    pub(super) job_posted: Condvar,
-    /// Jobs posted so far: a worker that just finished watches it for a moment before
-    /// sleeping, so a program copying in a loop finds its workers awake.
-    pub(super) posts: AtomicUsize,
 }
 
-/// The staging engine over a device `D`: the ring, the workers, the job queue.
+/// The staging engine over a device `D`: the ring and its crew, the upload slots.
 pub(crate) struct Engine<D: Dma, A: PinnedAllocator> {
-    pub(super) shared: Arc<Shared<D>>,
-    pub(super) workers: Vec<JoinHandle<()>>,
+    pub(super) crew: Crew<Copier<D>, Job<D>>,
     /// The device current at construction: the ring's events and the workers' device.
     pub(super) device: i32,
+    /// The first upload slot's memory.
+    slots_base: Address,
     pub(super) upload_slots: Mutex<UploadSlots<D>>,
     /// Dropped (or leaked) after the workers have stopped and every chunk's DMA has ended.
     pub(super) memory: ManuallyDrop<PinnedVec<u8, A>>,
-}
-
-/// A chunk out of the ring: given back, or else lost when dropped (an error or a panic left
-/// its DMA unknown).
-pub(super) struct Taken<'a, D: Dma> {
-    pub(super) shared: &'a Shared<D>,
-    pub(super) slot: Option<Chunk<D>>,
-}
-
-impl<D: Dma> Taken<'_, D> {
-    fn give_back(mut self) {
-        if let Some(slot) = self.slot.take() {
-            self.shared.give_back(slot);
-        }
-    }
-}
-
-impl<D: Dma> Drop for Taken<'_, D> {
-    fn drop(&mut self) {
-        if let Some(slot) = self.slot.take() {
-            self.shared.lose(slot);
-        }
-    }
 }
 
 /// Refuses a configuration the engine cannot work with.
@@ -104,24 +72,6 @@ fn check(config: &StagingConfig) -> Result<()> {
     Ok(())
 }
 
-/// Starts the workers, `threads - 1` of them; those that cannot start (or cannot use the
-/// device) leave more work to the others and the callers.
-fn start_workers<D: Dma>(shared: &Arc<Shared<D>>) -> Vec<JoinHandle<()>> {
-    (1..shared.config.threads)
-        .map_while(|index| {
-            let shared = shared.clone();
-            std::thread::Builder::new()
-                .name(format!("pinned-staging-{index}"))
-                .spawn(move || {
-                    if shared.dma.use_device().is_ok() {
-                        shared.work(index);
-                    }
-                })
-                .ok()
-        })
-        .collect()
-}
-
 impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
     pub(crate) fn new(dma: D, config: StagingConfig, allocator: A) -> Result<Self> {
         check(&config)?;
@@ -137,6 +87,7 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
         // The memory first: a configuration with more slots than the machine can hold fails
         // here, before the slots' lists are made.
         let mut memory = PinnedVec::with_capacity_in(bytes, allocator)?;
+        let threads = config.threads;
         let upload_count = if config.upload_slot_bytes == 0 {
             0
         } else {
@@ -144,46 +95,43 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
         };
         let mut upload_slots = list_with_room(upload_count)?;
         upload_slots.extend((0..upload_count).map(|i| UploadSlot {
-            offset: ring_bytes + i * config.upload_slot_bytes,
+            offset: i * config.upload_slot_bytes,
             ended: None,
         }));
-        let mut free = list_with_room(config.chunks)?;
-        for i in 0..config.chunks {
-            free.push_back(Chunk {
-                offset: i * config.chunk_bytes,
-                event: dma.event()?,
-                settled: true,
-            });
-        }
         let device = dma.device();
-        let shared = Arc::new(Shared {
-            dma,
-            base: Address(memory.as_mut_ptr()),
-            ring: Mutex::new(Ring {
-                live: free.len(),
-                free,
-                lost: false,
-            }),
-            config,
-            slot_freed: Condvar::new(),
-            queue: Mutex::new(Queue {
-                jobs: VecDeque::new(),
-                shutdown: false,
-            }),
-            job_posted: Condvar::new(),
-            posts: AtomicUsize::new(0),
-        });
-        let workers = start_workers(&shared);
+        let base = memory.as_mut_ptr();
+        // SAFETY: the first `ring_bytes` of the memory are the ring's (the slots lie after
+        // them), page-locked; the memory is dropped only after the ring settled.
+        let ring = unsafe { Ring::new(dma, base, config.chunk_bytes, config.chunks) }?;
+        let crew = Crew::start(
+            Copier { ring, config },
+            CrewConfig {
+                threads: threads - 1,
+                name: "pinned-staging",
+                pick: Pick::Spread,
+                spin: SPIN,
+            },
+            |copier| copier.ring.dma().use_device().is_ok(),
+        );
         Ok(Self {
-            shared,
-            workers,
+            crew,
             device,
+            slots_base: Address(base.wrapping_add(ring_bytes)),
             upload_slots: Mutex::new(UploadSlots {
                 free: upload_slots,
                 lost: false,
             }),
             memory: ManuallyDrop::new(memory),
         })
+    }
+
+    pub(super) fn config(&self) -> &StagingConfig {
+        &self.crew.context().config
+    }
+
+    /// Worker threads running.
+    pub(super) fn workers(&self) -> usize {
+        self.crew.threads()
     }
 
     /// Copies `bytes` between `host` and the device address `device` on `stream`; returns
@@ -205,28 +153,29 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
         if bytes == 0 {
             return Ok(());
         }
-        let config = &self.shared.config;
-        let spread = bytes > config.single_thread_bytes && !self.workers.is_empty();
+        let config = self.config();
+        let workers = self.workers();
+        let spread = bytes > config.single_thread_bytes && workers > 0;
         let cuts = cut(bytes, config, spread);
         let pieces = cuts.len();
-        let helpers = if spread {
-            self.workers.len().min(pieces - 1)
-        } else {
-            0
+        let helpers = if spread { workers.min(pieces - 1) } else { 0 };
+        let way = match direction {
+            Direction::HostToDevice => Way::Upload,
+            Direction::DeviceToHost => Way::Download,
         };
         let job = Arc::new(Job {
-            direction,
+            way,
             host: Address(host),
             device,
             cuts,
             newest_chunk: helpers == 0 && pieces == 1,
-            streaming: match direction {
+            streaming: match way {
                 // One piece goes into the newest chunk, which the CPU's caches still hold:
                 // plain stores keep it there.
-                Direction::HostToDevice => {
+                Way::Upload => {
                     config.streaming_stores && pieces > 1 && bytes <= STREAMING_UPLOAD_BYTES
                 }
-                Direction::DeviceToHost => config.streaming_stores,
+                Way::Download => config.streaming_stores,
             },
             pieces,
             stream: stream.clone(),
@@ -237,26 +186,17 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
             error: Mutex::new(None),
         });
         if helpers > 0 {
-            {
-                // Counted under the lock: a worker checks the count under it before sleeping.
-                let mut queue = lock(&self.shared.queue);
-                queue.jobs.push_back(job.clone());
-                self.shared.posts.fetch_add(1, Ordering::Release);
-            }
-            for _ in 0..helpers {
-                self.shared.job_posted.notify_one();
-            }
+            self.crew.post(&job, helpers);
         }
         let unwinding = AbortOnUnwind;
+        let copier = self.crew.context();
         while let Some(index) = job.take() {
-            self.shared.copy_piece(&job, index);
+            copier.copy_piece(&job, index);
         }
         job.wait_finished();
         drop(unwinding);
         if helpers > 0 {
-            lock(&self.shared.queue)
-                .jobs
-                .retain(|queued| !Arc::ptr_eq(queued, &job));
+            self.crew.withdraw(&job);
         }
         match lock(&job.error).take() {
             Some(error) => Err(error),
@@ -283,7 +223,7 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
         stream: &D::Stream,
         end: impl FnOnce() -> Result<Arc<D::Event>>,
     ) -> Option<Result<Arc<D::Event>>> {
-        if bytes == 0 || bytes > self.shared.config.upload_slot_bytes {
+        if bytes == 0 || bytes > self.config().upload_slot_bytes {
             return None;
         }
         let taken = TakenUploadSlot {
@@ -291,23 +231,23 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
             slot: Some(self.take_upload_slot()?),
         };
         let offset = taken.slot.as_ref().expect("taken").offset;
-        let dma = &self.shared.dma;
-        let memory = self.shared.base.0.wrapping_add(offset);
+        let dma = self.crew.context().ring.dma();
+        let memory = self.slots_base.0.wrapping_add(offset);
         // SAFETY: `host` is readable for `bytes` (the caller's contract); the slot is this
         // thread's alone (taken from the free list), its last copy has finished, it holds
         // `upload_slot_bytes` ≥ `bytes`, and it is disjoint from `host`, which is not ours.
         unsafe {
-            if self.shared.config.streaming_stores && bytes >= STREAMING_SLOT_BYTES {
+            if self.config().streaming_stores && bytes >= STREAMING_SLOT_BYTES {
                 copy_bytes_streaming(host, memory, bytes);
             } else {
                 std::ptr::copy_nonoverlapping(host, memory, bytes);
             }
         }
-        // SAFETY: the slot stays allocated and untouched until the event `end` records has
-        // finished (or, after an error, until the stream has been waited for); the device
-        // range is valid per the caller's contract.
-        let ended = unsafe { dma.queue(stream, memory, device, bytes, Direction::HostToDevice) }
-            .and_then(|()| end());
+        let copy = RingCopy::plain(memory, device, bytes);
+        // SAFETY: the slot is page-locked, and stays allocated and untouched until the event
+        // `end` records has finished (or, after an error, until the stream has been waited
+        // for); the device range is valid per the caller's contract.
+        let ended = unsafe { dma.queue(stream, &[copy], Way::Upload) }.and_then(|()| end());
         match ended {
             Ok(event) => {
                 taken.give_back(Some(event.clone()));
@@ -329,7 +269,7 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
     /// known to have (its memory likely still in the CPU's caches), else the least recently
     /// used if one query finds its copy finished.
     fn take_upload_slot(&self) -> Option<UploadSlot<D>> {
-        let dma = &self.shared.dma;
+        let dma = self.crew.context().ring.dma();
         let mut slots = lock(&self.upload_slots);
         let known = slots.free.iter().rposition(|slot| {
             slot.ended
@@ -350,85 +290,52 @@ impl<D: Dma, A: PinnedAllocator> Engine<D, A> {
     }
 }
 
-impl<D: Dma> Shared<D> {
-    /// A worker (on the engine's device): takes pieces of the queued jobs (worker `index`
-    /// starts on job `index % jobs`, so concurrent copies share the workers) until shutdown.
-    fn work(&self, index: usize) {
-        loop {
-            let seen = self.posts.load(Ordering::Acquire);
-            let queued = {
-                let mut queue = lock(&self.queue);
-                if queue.shutdown {
-                    return;
-                }
-                queue.jobs.retain(|job| !job.exhausted());
-                (!queue.jobs.is_empty()).then(|| queue.jobs[index % queue.jobs.len()].clone())
-            };
-            let Some(job) = queued else {
-                self.idle(seen);
-                continue;
-            };
-            while let Some(piece) = job.take() {
-                self.copy_piece(&job, piece);
-            }
-        }
-    }
-
-    /// Waits for a job posted after `seen` (or shutdown): watching for a moment, then asleep.
-    fn idle(&self, seen: usize) {
-        let watch = std::time::Instant::now();
-        while watch.elapsed() < SPIN {
-            if self.posts.load(Ordering::Acquire) != seen {
-                return;
-            }
-            std::hint::spin_loop();
-        }
-        let queue = lock(&self.queue);
-        if self.posts.load(Ordering::Acquire) == seen && !queue.shutdown {
-            drop(wait(&self.job_posted, queue));
-        }
-    }
-
+impl<D: Dma> Copier<D> {
     /// Copies piece `index` of `job` through a chunk of the ring.
-    fn copy_piece(&self, job: &Job<D>, index: usize) {
+    pub(super) fn copy_piece(&self, job: &Job<D>, index: usize) {
         let _finished = PieceGuard(job);
         if job.failed.load(Ordering::Relaxed) {
             return;
         }
-        let mut taken = match self.take_slot(job.newest_chunk) {
-            Ok(slot) => Taken {
-                shared: self,
-                slot: Some(slot),
-            },
+        let taken = if job.newest_chunk {
+            self.ring.take_newest()
+        } else {
+            self.ring.take()
+        };
+        let mut taken = match taken {
+            Ok(taken) => taken,
             Err(error) => return job.fail(error),
         };
-        let slot = taken.slot.as_mut().expect("taken");
         // The chunk's previous DMA must be over before it is written or refilled; if that
         // cannot be known, the chunk is never used again (`taken` loses it when dropped).
-        if !slot.settled
-            && let Err(error) = self.dma.wait(&slot.event)
-        {
+        if let Err(error) = taken.settle() {
             return job.fail(error);
         }
-        slot.settled = job.direction == Direction::DeviceToHost;
         let (offset, bytes) = job.cuts[index];
         let host = job.host.0.wrapping_add(offset);
-        let chunk = self.base.0.wrapping_add(slot.offset);
+        let chunk = taken.start();
         let device = job.device + offset as u64;
+        // From here on copies of the chunk may be queued: lost if dropped pending.
+        taken.chunk_mut().set_pending(true);
         // SAFETY: the caller of `run` keeps the host range valid (read for uploads, written
         // for downloads, this piece's alone) until every piece has finished; the chunk is this
         // thread's alone (taken from the free list), its previous DMA is over, and it stays
         // allocated until its event has completed; the device range is valid per `run`'s
         // contract; both sides are `bytes` long and disjoint.
-        let moved = unsafe { self.move_piece(job, &slot.event, chunk, host, device, bytes) };
+        let moved = unsafe { self.move_piece(job, &taken, chunk, host, device, bytes) };
         match moved {
-            Ok(()) => taken.give_back(),
+            Ok(settled) => {
+                taken.chunk_mut().set_pending(!settled);
+                taken.give_back();
+            }
             Err(error) => {
                 // A copy may be queued that the chunk's event does not cover. One that a
                 // capture took in may run at any launch of its graph: the chunk is lost
                 // without waiting for the stream, which would break the capture.
-                if !matches!(error, Error::Capturing) && self.dma.wait_stream(&job.stream).is_ok() {
-                    taken.give_back();
+                if !matches!(error, Error::Capturing)
+                    && self.ring.dma().wait_stream(&job.stream).is_ok()
+                {
+                    taken.chunk_mut().set_pending(false);
                 }
                 job.fail(error);
             }
@@ -436,27 +343,29 @@ impl<D: Dma> Shared<D> {
     }
 
     /// Moves one piece between the host range at `host` and the device at `device` through
-    /// `chunk`, whose DMA `event` records: host → chunk → device, or device → chunk (waited
-    /// for) → host.
+    /// the `taken` chunk at `chunk`: host → chunk → device, or device → chunk (waited for) →
+    /// host. Returns whether the chunk's copies are known to be over.
     ///
     /// # Safety
     ///
     /// - `host` is valid for `bytes` (read for an upload, written for a download) and this
     ///   piece's alone until the job's pieces have all finished;
-    /// - `chunk` is `bytes` of the ring that only this thread uses, its previous DMA over,
-    ///   and it stays allocated and untouched until `event` has completed;
+    /// - `chunk` is `bytes` of the taken chunk, its previous DMA over, and it stays allocated
+    ///   and untouched until its event has completed;
     /// - `device` is device memory valid for the copy until it has finished.
     unsafe fn move_piece(
         &self,
         job: &Job<D>,
-        event: &D::Event,
+        taken: &Taken<'_, D>,
         chunk: *mut u8,
         host: *mut u8,
         device: u64,
         bytes: usize,
-    ) -> Result<()> {
-        match job.direction {
-            Direction::HostToDevice => {
+    ) -> Result<bool> {
+        let dma = self.ring.dma();
+        let copy = [RingCopy::plain(chunk, device, bytes)];
+        match job.way {
+            Way::Upload => {
                 // SAFETY: both are `bytes` long, disjoint, and ours (the contract).
                 unsafe {
                     if job.streaming {
@@ -465,99 +374,48 @@ impl<D: Dma> Shared<D> {
                         std::ptr::copy_nonoverlapping(host.cast_const(), chunk, bytes);
                     }
                 }
-                // SAFETY: the chunk stays untouched until its event, recorded next, has
-                // completed; the device range is valid (the contract).
-                unsafe {
-                    self.dma
-                        .queue(&job.stream, chunk, device, bytes, job.direction)
-                }
-                .and_then(|()| self.dma.record(event, &job.stream))
+                // SAFETY: the chunk is page-locked and stays untouched until its event,
+                // recorded next, has completed; the device range is valid (the contract).
+                unsafe { dma.queue(&job.stream, &copy, job.way) }?;
+                taken.record(&job.stream)?;
+                Ok(false)
             }
-            Direction::DeviceToHost => {
+            Way::Download => {
                 // SAFETY: as above; the chunk is written by the DMA only.
+                unsafe { dma.queue(&job.stream, &copy, job.way) }?;
+                taken.record(&job.stream)?;
+                dma.wait(taken.chunk().event())?;
+                // SAFETY: the DMA into the chunk has finished; the host range is writable
+                // and this piece's alone (the contract).
                 unsafe {
-                    self.dma
-                        .queue(&job.stream, chunk, device, bytes, job.direction)
-                }
-                .and_then(|()| self.dma.record(event, &job.stream))
-                .and_then(|()| self.dma.wait(event))
-                .map(|()| {
-                    // SAFETY: the DMA into the chunk has finished; the host range is
-                    // writable and this piece's alone (the contract).
-                    unsafe {
-                        if job.streaming {
-                            copy_bytes_streaming(chunk.cast_const(), host, bytes);
-                        } else {
-                            std::ptr::copy_nonoverlapping(chunk.cast_const(), host, bytes);
-                        }
+                    if job.streaming {
+                        copy_bytes_streaming(chunk.cast_const(), host, bytes);
+                    } else {
+                        std::ptr::copy_nonoverlapping(chunk.cast_const(), host, bytes);
                     }
-                })
+                }
+                Ok(true)
             }
         }
-    }
-
-    /// A free chunk, waiting while all are taken: the oldest (the likeliest to have finished
-    /// its DMA), or the newest (still in the CPU's caches; for a small copy on one thread,
-    /// whose DMA is usually over since small copies are waited for).
-    fn take_slot(&self, newest: bool) -> Result<Chunk<D>> {
-        let mut ring = lock(&self.ring);
-        loop {
-            let slot = if newest {
-                ring.free.pop_back()
-            } else {
-                ring.free.pop_front()
-            };
-            if let Some(slot) = slot {
-                return Ok(slot);
-            }
-            if ring.live == 0 {
-                return Err(Error::Unsupported(
-                    "every chunk of the staging ring was lost to device errors",
-                ));
-            }
-            ring = wait(&self.slot_freed, ring);
-        }
-    }
-
-    fn give_back(&self, slot: Chunk<D>) {
-        lock(&self.ring).free.push_back(slot);
-        self.slot_freed.notify_one();
-    }
-
-    fn lose(&self, slot: Chunk<D>) {
-        let mut ring = lock(&self.ring);
-        ring.live -= 1;
-        ring.lost = true;
-        drop(ring);
-        drop(slot);
-        self.slot_freed.notify_all();
     }
 }
 
 impl<D: Dma, A: PinnedAllocator> Drop for Engine<D, A> {
     fn drop(&mut self) {
-        lock(&self.shared.queue).shutdown = true;
-        self.shared.job_posted.notify_all();
-        for worker in self.workers.drain(..) {
-            if let Err(payload) = worker.join() {
-                // A panic's payload may panic when dropped: leaked.
-                std::mem::forget(payload);
-            }
-        }
+        self.crew.stop();
         // No thread uses the ring now; its memory goes once every chunk's and every upload
         // slot's last DMA is over.
-        let dma = &self.shared.dma;
-        let ring = lock(&self.shared.ring);
+        let dma = self.crew.context().ring.dma();
+        let ring_settled = self.crew.context().ring.settle();
         let uploads = lock(&self.upload_slots);
-        let settled = !ring.lost
+        let settled = ring_settled
             && !uploads.lost
-            && ring.free.iter().all(|slot| dma.wait(&slot.event).is_ok())
             && uploads.free.iter().all(|slot| {
                 slot.ended
                     .as_ref()
                     .is_none_or(|event| dma.wait(event).is_ok())
             });
-        drop((ring, uploads));
+        drop(uploads);
         if settled {
             // SAFETY: dropped once, here; no DMA or thread uses the memory any more.
             unsafe { ManuallyDrop::drop(&mut self.memory) };

@@ -1,15 +1,13 @@
 //! One copy cut into pieces that any thread may take, and the queue of them.
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Condvar, Mutex};
 
 use super::config::StagingConfig;
-use super::dma::Dma;
-use super::ring::Address;
-use super::{lock, wait};
+use super::engine::Copier;
+use super::slots::Address;
 use crate::error::Error;
-use crate::raw::copy::Direction;
+use crate::ring::{CrewJob, Dma, Way, lock, wait};
 
 /// Cuts `bytes` into pieces (offset, length), in order, each at most a chunk. On one thread:
 /// whole chunks, the fewest calls. Spread: about two pieces per thread, the first and last
@@ -43,14 +41,9 @@ pub(super) fn cut(bytes: usize, config: &StagingConfig, spread: bool) -> Vec<(us
     cuts
 }
 
-pub(super) struct Queue<D: Dma> {
-    pub(super) jobs: VecDeque<Arc<Job<D>>>,
-    pub(super) shutdown: bool,
-}
-
 /// One copy, cut into pieces that any thread may take.
 pub(super) struct Job<D: Dma> {
-    pub(super) direction: Direction,
+    pub(super) way: Way,
     /// The host side: dereferenced only for pieces taken before the caller has seen every
     /// piece finish.
     pub(super) host: Address,
@@ -102,6 +95,18 @@ impl<D: Dma> Job<D> {
     }
 }
 
+impl<D: Dma> CrewJob<Copier<D>> for Job<D> {
+    fn exhausted(&self) -> bool {
+        Job::exhausted(self)
+    }
+
+    fn work(&self, copier: &Copier<D>, _worker: usize) {
+        while let Some(index) = self.take() {
+            copier.copy_piece(self, index);
+        }
+    }
+}
+
 /// Counts a taken piece as finished when dropped, whatever path the piece took; a piece left
 /// by a panic fails its job.
 pub(super) struct PieceGuard<'a, D: Dma>(pub(super) &'a Job<D>);
@@ -109,8 +114,9 @@ pub(super) struct PieceGuard<'a, D: Dma>(pub(super) &'a Job<D>);
 impl<D: Dma> Drop for PieceGuard<'_, D> {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            self.0
-                .fail(Error::Unsupported("a staging copy thread panicked"));
+            self.0.fail(Error::Panicked {
+                what: "a staging copy",
+            });
         }
         self.0.finish_piece();
     }

@@ -22,7 +22,7 @@
 
 use std::ops::RangeInclusive;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use bytemuck::{AnyBitPattern, NoUninit};
 
@@ -39,16 +39,15 @@ use crate::raw::copy::Direction;
 use crate::gpu::device::check_same_device;
 use crate::gpu::event::Event;
 use crate::gpu::stream::Stream;
-use dma::Cuda;
+use crate::ring::{Cuda, lock};
 use driver_check::DriverPaths;
 use engine::Engine;
 
 mod config;
-mod dma;
 mod driver_check;
 mod engine;
 mod job;
-mod ring;
+mod slots;
 #[cfg(test)]
 mod tests;
 
@@ -145,8 +144,8 @@ impl<A: PinnedAllocator> Stager<A> {
     /// As [`with_config_in`](Self::with_config_in).
     pub fn with_config_on(device: Device, config: StagingConfig, allocator: A) -> Result<Self> {
         crate::context::on_device(device.raw(), || {
-            let engine = Engine::new(Cuda { device }, config, allocator)?;
-            let config = &engine.shared.config;
+            let engine = Engine::new(Cuda::on(device), config, allocator)?;
+            let config = engine.config();
             let stages_pageable = crate::raw::device::device_attribute(
                 cuda_pinned_sys::cudaDeviceAttr::cudaDevAttrPageableMemoryAccess,
                 device.raw(),
@@ -173,12 +172,12 @@ impl<A: PinnedAllocator> Stager<A> {
 
     /// The configuration in use.
     pub fn config(&self) -> &StagingConfig {
-        &self.engine.shared.config
+        self.engine.config()
     }
 
     /// Worker threads running (`threads - 1`, fewer if the system refused to start some).
     pub fn workers(&self) -> usize {
-        self.engine.workers.len()
+        self.engine.workers()
     }
 
     /// Copies `src` into `dst` on `stream`, and returns once `src` has been read.
@@ -561,13 +560,4 @@ impl StagedCopy {
     pub fn event(&self) -> &Event {
         &self.event
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Nothing panics while these locks are held; a poisoned lock holds consistent data.
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-fn wait<'a, T>(condvar: &Condvar, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
-    condvar.wait(guard).unwrap_or_else(PoisonError::into_inner)
 }

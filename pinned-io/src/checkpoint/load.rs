@@ -14,12 +14,11 @@ use super::loading::{Arrivals, LoadedTensor, Loading, OnDevice, Ready, State};
 use super::open::Checkpoint;
 use super::report::Meter;
 use super::split::{Extent, Split, extent};
-use crate::engine::crew::Crew;
-use crate::engine::cuda::Cuda;
-use crate::engine::{self, Bases, Destination, Job};
+use crate::engine::{self, Bases, Destination, Job, Reading};
 use crate::error::{Error, Result};
 use crate::plan::{self, Span};
 use crate::reader::FileReader;
+use cuda_pinned::ring::Cuda;
 
 /// Tensors start on this alignment in device memory (what CUDA's allocations give, and more
 /// than any vectorised load wants).
@@ -175,12 +174,11 @@ impl Checkpoint {
             replicas = options.replicas.len(),
         )
         .entered();
-        let ring = reader.crew.ring();
         let meter = Arc::new(Meter::start(
             &stream,
             &self.files,
             (plan.len(), bytes),
-            (ring.pinned_bytes(), reader.config().threads),
+            (reader.pinned_bytes(), reader.config().threads),
         )?);
         // The reader's own device, or one named twice, holds its copy already.
         let mut others: Vec<Device> = Vec::with_capacity(options.replicas.len());
@@ -207,25 +205,11 @@ impl Checkpoint {
                 target,
             })
             .collect();
-        let pieces = plan::cut_by(&spans, ring.capacity(), |span| span.target as u64)?;
+        let pieces = plan::cut_by(&spans, reader.piece_bytes(), |span| span.target as u64)?;
         let arrivals = Arc::new(Arrivals::default());
-        let job = Job::to_come(
-            pieces,
-            self.files.clone(),
-            reader.config().mode,
-            stream.clone(),
-            plan.len(),
-        )
-        .when_done(when_done(&ready, &arrivals, &meter));
-        let job = Arc::new(job);
-        // The crew reads the first tensor while the device memory is allocated, which can
-        // take milliseconds; what it reads waits in the ring, and goes to the device once the
-        // memory is named.
-        reader.crew.submit(&job);
-        let coming = Coming {
-            job: &job,
-            crew: &reader.crew,
-        };
+        let done = when_done(&ready, &arrivals, &meter);
+        let reading = reader.start(pieces, self.files.clone(), &stream, plan.len(), done);
+        let coming = Coming { reading: &reading };
         let allocating = Instant::now();
         let (primary, replicas) =
             allocate_all(device, &others, (&plan, &blocks), &ready, allocate)?;
@@ -249,8 +233,7 @@ impl Checkpoint {
                 .enumerate()
                 .map(|(i, p)| (p.name.clone(), i))
                 .collect(),
-            job,
-            crew: reader.crew.clone(),
+            reading,
             stream,
             replica_streams,
             arrivals,
@@ -437,20 +420,20 @@ fn when_done(
     let all_ready: Vec<Arc<Ready>> = ready.iter().flatten().cloned().collect();
     let (arrivals, meter) = (arrivals.clone(), meter.clone());
     Box::new(move |job: &Job<Cuda>| {
-        let why = match job.error_message() {
+        let cause = match job.error() {
             None if job.named() => {
                 // Without the mark the report counts no time: nothing to fail over.
                 let _ = meter.ended(&job.stream);
                 arrivals.end(Ok(()));
                 return;
             }
-            Some(error) => format!("the checkpoint's load failed: {error}"),
-            None => "the checkpoint's load stopped".to_owned(),
+            Some(error) => error,
+            None => Arc::new(Error::Stopped("its device memory never came")),
         };
         for ready in &all_ready {
-            ready.set(State::Failed(why.clone()));
+            ready.set(State::Failed(cause.clone()));
         }
-        arrivals.end(Err(why));
+        arrivals.end(Err(cause));
     })
 }
 
@@ -459,28 +442,27 @@ fn when_done(
 /// memory that will not come, and no copy queued into that memory still runs when it is
 /// freed.
 struct Coming<'a> {
-    job: &'a Job<Cuda>,
-    crew: &'a Crew<Cuda>,
+    reading: &'a Reading<Cuda>,
 }
 
 impl Coming<'_> {
     fn arrive(self, destination: Destination<Cuda>) {
-        self.job.arrive(self.crew.ring(), destination);
+        self.reading.arrive(destination);
         std::mem::forget(self);
     }
 }
 
 impl Drop for Coming<'_> {
     fn drop(&mut self) {
-        let why = Error::Invalid("the load's device memory was not allocated".into());
-        let ring = self.crew.ring();
-        self.job.abandon(ring, why);
+        let why = Error::Stopped("its device memory was not allocated");
+        self.reading.abandon(why);
         // Only after a panic while naming the memory may copies into it be queued, by this
         // thread and the crew's until they find the job failed: waited for (the replicas'
         // copies are tracked by their memory). Else nothing waits for the crew.
-        if self.job.named() {
-            self.job.wait_finished();
-            let _ = self.job.stream.synchronize();
+        let job = self.reading.job();
+        if job.named() {
+            self.reading.wait();
+            let _ = job.stream.synchronize();
         }
     }
 }

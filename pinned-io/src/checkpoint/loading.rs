@@ -9,10 +9,9 @@ use cuda_pinned::{Device, DeviceBuffer, DeviceSlice, Event, Stream};
 use safetensors::Dtype;
 
 use super::report::{LoadReport, Meter};
-use crate::engine::crew::Crew;
-use crate::engine::cuda::Cuda;
-use crate::engine::{self, Job};
+use crate::engine::Reading;
 use crate::error::{Error, Result};
+use cuda_pinned::ring::Cuda;
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
@@ -30,7 +29,7 @@ pub(super) enum State {
     #[default]
     Pending,
     Queued(Arc<Event>),
-    Failed(String),
+    Failed(Arc<Error>),
 }
 
 impl Ready {
@@ -55,7 +54,7 @@ impl Ready {
                         .unwrap_or_else(PoisonError::into_inner);
                 }
                 State::Queued(event) => return Ok(event.clone()),
-                State::Failed(why) => return Err(Error::Invalid(why.clone())),
+                State::Failed(cause) => return Err(Error::Failed(cause.clone())),
             }
         }
     }
@@ -73,7 +72,7 @@ pub(super) struct Arrivals {
 struct ArrivalState {
     order: Vec<usize>,
     /// `Some` once the load has ended: `Ok` when everything landed, else why not.
-    ended: Option<std::result::Result<(), String>>,
+    ended: Option<std::result::Result<(), Arc<Error>>>,
 }
 
 impl Arrivals {
@@ -82,14 +81,14 @@ impl Arrivals {
         self.changed.notify_all();
     }
 
-    pub(super) fn end(&self, outcome: std::result::Result<(), String>) {
+    pub(super) fn end(&self, outcome: std::result::Result<(), Arc<Error>>) {
         lock(&self.state).ended.get_or_insert(outcome);
         self.changed.notify_all();
     }
 
     /// The `index`th tensor to land, waiting for it; `None` once the load has ended with
     /// fewer, with why where it failed.
-    fn nth(&self, index: usize) -> Option<std::result::Result<usize, String>> {
+    fn nth(&self, index: usize) -> Option<std::result::Result<usize, Arc<Error>>> {
         let mut state = lock(&self.state);
         loop {
             if let Some(&target) = state.order.get(index) {
@@ -132,9 +131,8 @@ pub struct Loading {
     pub(super) primary: OnDevice,
     pub(super) replicas: Vec<OnDevice>,
     pub(super) names: HashMap<String, usize>,
-    pub(super) job: Arc<Job<Cuda>>,
-    /// Kept while loading: its threads do the work.
-    pub(super) crew: Arc<Crew<Cuda>>,
+    /// The read: the reader's crew does the work.
+    pub(super) reading: Reading<Cuda>,
     pub(super) stream: Stream,
     pub(super) replica_streams: Vec<Stream>,
     pub(super) arrivals: Arc<Arrivals>,
@@ -176,7 +174,7 @@ impl Loading {
     /// [`LoadedTensor::wait`].
     ///
     /// The iterator ends after the last tensor; if the load fails first, it yields the
-    /// failure once (an [`Error::Invalid`] that says why) and ends.
+    /// failure once ([`Error::Failed`], the load's error its source) and ends.
     ///
     /// ```no_run
     /// # use pinned_io::{Checkpoint, FileReader, LoadOptions};
@@ -206,9 +204,8 @@ impl Loading {
     /// The first error of the load (naming the file, and the tensor where one is at fault),
     /// or the CUDA error of waiting.
     pub fn wait(mut self) -> Result<Loaded> {
-        self.job.wait_finished();
-        engine::finish(&self.job, self.crew.ring())?;
-        let report = self.meter.report(&self.job, &self.stream)?;
+        self.reading.finish()?;
+        let report = self.meter.report(self.reading.job(), &self.stream)?;
         for stream in &self.replica_streams {
             stream.synchronize()?;
         }
@@ -237,10 +234,8 @@ impl Loading {
 
 impl Drop for Loading {
     fn drop(&mut self) {
-        if !self.job.exhausted() {
-            self.job.fail(Error::Invalid("the load was dropped".into()));
-        }
-        self.job.wait_finished();
+        self.reading.stop(Error::Stopped("the load was dropped"));
+        self.reading.wait();
         // No copy of the load may run once its memory can be freed: the replicas' streams
         // too, where a failed copy may have left some queued without an event. Copies of
         // pieces whose tensors never completed have no event the memory tracks: where a
@@ -280,9 +275,9 @@ impl<'a> Iterator for Landed<'a> {
                 self.next += 1;
                 Some(Ok(&self.loading.primary.tensors[target]))
             }
-            Err(why) => {
+            Err(cause) => {
                 self.failed = true;
-                Some(Err(Error::Invalid(why)))
+                Some(Err(Error::Failed(cause)))
             }
         }
     }
@@ -398,8 +393,8 @@ impl LoadedTensor {
     ///
     /// # Errors
     ///
-    /// [`Error::Invalid`] when the load failed before the tensor landed (the message says
-    /// why), or the CUDA error of making the stream wait.
+    /// [`Error::Failed`] when the load failed before the tensor landed (the load's error its
+    /// source), or the CUDA error of making the stream wait.
     pub fn ready_on(&self, stream: &Stream) -> Result<DeviceSlice<'_, u8>> {
         stream.wait_event(&*self.ready.queued()?)?;
         Ok(self.view())

@@ -4,10 +4,10 @@ use std::fmt;
 use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
+use cuda_pinned::ring::Cuda;
 use cuda_pinned::{Device, Event, Stream};
 
 use crate::engine::Job;
-use crate::engine::cuda::Cuda;
 use crate::error::Result;
 use crate::file::DataFile;
 

@@ -1,28 +1,21 @@
-//! The crew: threads that live as long as the reader, each taking pieces of the jobs queued,
-//! so that a read starts without starting threads.
+//! The reader's crew: the engine's threads over a reader's ring, and the one way in for a
+//! read — [`Crew::run`] for a read whose caller waits, [`Crew::start`] for one it follows
+//! ([`Reading`]).
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
+use std::sync::Arc;
+use std::time::Duration;
 
-use super::{Dma, Job, Ring, finish, lock};
-use crate::error::Result;
+use cuda_pinned::ring::{self, CrewConfig, Dma, Pick};
 
-struct Queue<D: Dma> {
-    jobs: VecDeque<Arc<Job<D>>>,
-    shutdown: bool,
-}
-
-struct Shared<D: Dma> {
-    ring: Ring<D>,
-    queue: Mutex<Queue<D>>,
-    posted: Condvar,
-}
+use super::arrival::Destination;
+use super::job::{Job, finish};
+use super::ring::ReadRing;
+use super::worker::Worker;
+use crate::error::{Error, Result};
 
 /// The ring and the threads that move pieces through it.
 pub(crate) struct Crew<D: Dma> {
-    shared: Arc<Shared<D>>,
-    workers: Vec<JoinHandle<()>>,
+    crew: ring::Crew<ReadRing<D>, Job<D>>,
 }
 
 impl<D: Dma> Crew<D> {
@@ -31,39 +24,27 @@ impl<D: Dma> Crew<D> {
     ///
     /// # Errors
     ///
-    /// [`Error::Invalid`](crate::Error::Invalid) when not one thread starts.
-    pub(crate) fn new(ring: Ring<D>, threads: usize) -> Result<Self> {
-        let shared = Arc::new(Shared {
-            ring,
-            queue: Mutex::new(Queue {
-                jobs: VecDeque::new(),
-                shutdown: false,
-            }),
-            posted: Condvar::new(),
-        });
-        let workers: Vec<_> = (0..threads)
-            .filter_map(|i| {
-                let shared = shared.clone();
-                std::thread::Builder::new()
-                    .name(format!("pinned-io-{i}"))
-                    .spawn(move || {
-                        if shared.ring.dma.use_device().is_ok() {
-                            shared.work();
-                        }
-                    })
-                    .ok()
-            })
-            .collect();
-        if workers.is_empty() {
-            return Err(crate::Error::Invalid(
-                "the system refused every reading thread".into(),
-            ));
+    /// [`cuda_pinned::Error::NoThreads`] when not one thread starts.
+    pub(crate) fn new(ring: ReadRing<D>, threads: usize) -> Result<Self> {
+        let config = CrewConfig {
+            threads,
+            name: "pinned-io",
+            // A load's first tensor comes first: every thread on the oldest job.
+            pick: Pick::Oldest,
+            // Reads come one load at a time, far apart: idle threads sleep at once.
+            spin: Duration::ZERO,
+        };
+        let crew = ring::Crew::start(ring, config, |ring| ring.dma().use_device().is_ok());
+        if crew.threads() == 0 {
+            return Err(Error::Cuda(cuda_pinned::Error::NoThreads {
+                what: "a file reader's",
+            }));
         }
-        Ok(Self { shared, workers })
+        Ok(Self { crew })
     }
 
-    pub(crate) fn ring(&self) -> &Ring<D> {
-        &self.shared.ring
+    pub(crate) fn ring(&self) -> &ReadRing<D> {
+        self.crew.context()
     }
 
     /// Queues `job` for the crew and returns at once.
@@ -72,60 +53,90 @@ impl<D: Dma> Crew<D> {
         if job.exhausted() {
             return;
         }
-        lock(&self.shared.queue).jobs.push_back(job.clone());
-        self.shared.posted.notify_all();
+        self.crew.post(job, usize::MAX);
     }
 
     /// Runs `job` with the crew and the calling thread, and returns once every piece's
     /// copies are queued; after a failure, once the stream is done with them.
     pub(crate) fn run(&self, job: &Arc<Job<D>>) -> Result<()> {
         self.submit(job);
-        job.work(&self.shared.ring);
+        self.worker(job).work();
         job.wait_finished();
-        finish(job, &self.shared.ring)
+        finish(job, self.ring())
     }
-}
 
-impl<D: Dma> Shared<D> {
-    /// A worker: takes pieces of the oldest queued job until shutdown.
-    fn work(&self) {
-        loop {
-            let job = {
-                let mut queue = lock(&self.queue);
-                loop {
-                    if queue.shutdown {
-                        return;
-                    }
-                    queue.jobs.retain(|job| !job.exhausted());
-                    if let Some(job) = queue.jobs.front() {
-                        break job.clone();
-                    }
-                    queue = self
-                        .posted
-                        .wait(queue)
-                        .unwrap_or_else(std::sync::PoisonError::into_inner);
-                }
-            };
-            // A panic in a piece is counted and fails its job (see `Counted`); the thread
-            // goes on with the next.
-            let worked =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.work(&self.ring)));
-            if let Err(payload) = worked {
-                // A panic's payload may panic when dropped: leaked.
-                std::mem::forget(payload);
-            }
+    /// Starts `job` (made by [`Job::to_come`]) with the crew, which reads its lead while the
+    /// caller prepares the destination; the caller follows it through the [`Reading`].
+    pub(crate) fn start(self: &Arc<Self>, job: Job<D>) -> Reading<D> {
+        let job = Arc::new(job);
+        self.submit(&job);
+        Reading {
+            job,
+            crew: self.clone(),
+        }
+    }
+
+    /// Names the destination of `job` (made by [`Job::to_come`]), once, and queues the pieces
+    /// read for it so far, on the calling thread, in order.
+    pub(crate) fn arrive(&self, job: &Job<D>, destination: Destination<D>) {
+        self.worker(job).arrive(destination);
+    }
+
+    /// Fails `job`, whose destination will never come, with `error`, and gives back what
+    /// waited for it.
+    pub(crate) fn abandon(&self, job: &Job<D>, error: Error) {
+        self.worker(job).abandon(error);
+    }
+
+    fn worker<'a>(&'a self, job: &'a Job<D>) -> Worker<'a, D> {
+        Worker {
+            job,
+            ring: self.ring(),
         }
     }
 }
 
-impl<D: Dma> Drop for Crew<D> {
-    fn drop(&mut self) {
-        lock(&self.shared.queue).shutdown = true;
-        self.shared.posted.notify_all();
-        for worker in self.workers.drain(..) {
-            if let Err(payload) = worker.join() {
-                std::mem::forget(payload);
-            }
+/// A read started by [`Crew::start`]: named a destination once it exists, or abandoned;
+/// waited for, or stopped.
+pub(crate) struct Reading<D: Dma> {
+    job: Arc<Job<D>>,
+    crew: Arc<Crew<D>>,
+}
+
+impl<D: Dma> Reading<D> {
+    /// The job, for its stream, its timing and its outcome.
+    pub(crate) fn job(&self) -> &Job<D> {
+        &self.job
+    }
+
+    /// Names the destination (once), and queues the pieces read for it so far, on the
+    /// calling thread, in order.
+    pub(crate) fn arrive(&self, destination: Destination<D>) {
+        self.crew.arrive(&self.job, destination);
+    }
+
+    /// Fails a read whose destination will never come, with `error`, and gives back what
+    /// waited for it.
+    pub(crate) fn abandon(&self, error: Error) {
+        self.crew.abandon(&self.job, error);
+    }
+
+    /// Fails the read with `error` if pieces are left to read: its threads skip them.
+    pub(crate) fn stop(&self, error: Error) {
+        if !self.job.exhausted() {
+            self.job.fail(error);
         }
+    }
+
+    /// Waits until every piece is moved or skipped and the job's end has run.
+    pub(crate) fn wait(&self) {
+        self.job.wait_finished();
+    }
+
+    /// Waits as [`wait`](Self::wait), and returns the read's outcome: after a failure, once
+    /// the stream is done with its copies.
+    pub(crate) fn finish(&self) -> Result<()> {
+        self.wait();
+        finish(&self.job, self.crew.ring())
     }
 }

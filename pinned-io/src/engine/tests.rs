@@ -5,11 +5,13 @@ use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use cuda_pinned::ring::{Dma, RingCopy, Way};
 use proptest::prelude::*;
 
-use super::crew::Crew;
 use super::*;
-use crate::plan::{Span, cut};
+use crate::error::{Error, Result};
+use crate::file::{DIRECT_ALIGN, DataFile, ReadMode};
+use crate::plan::{ChunkCopy, Span, cut};
 
 mod random_faults;
 
@@ -23,8 +25,25 @@ enum Op {
 }
 
 /// A device whose stream is a list of operations, run when something waits.
+#[derive(Clone, Default)]
+struct Fake(Arc<FakeState>);
+
+impl Fake {
+    fn new(state: FakeState) -> Self {
+        Self(Arc::new(state))
+    }
+}
+
+impl std::ops::Deref for Fake {
+    type Target = FakeState;
+
+    fn deref(&self) -> &FakeState {
+        &self.0
+    }
+}
+
 #[derive(Default)]
-struct Fake {
+struct FakeState {
     stream: Mutex<Vec<Op>>,
     /// Times each destination byte was written (indexed from `dst_base`).
     writes: Mutex<Vec<u8>>,
@@ -46,9 +65,21 @@ struct Fake {
     clobbered: AtomicUsize,
     /// Every copy queued (to its address), in the order queued, drained or not.
     queued: Mutex<Vec<ChunkCopy>>,
+    /// Where each target's destination starts, in order (none: every copy is target 0's).
+    target_starts: Mutex<Vec<u64>>,
 }
 
-impl Fake {
+impl FakeState {
+    /// The target whose destination holds `device`.
+    fn target_of(&self, device: u64) -> usize {
+        let starts = self.target_starts.lock().unwrap();
+        starts
+            .iter()
+            .filter(|&&start| start <= device)
+            .count()
+            .saturating_sub(1)
+    }
+
     fn drain(&self) {
         // Run under the stream's lock: an event is done only once its work has run.
         let mut stream = self.stream.lock().unwrap();
@@ -92,34 +123,37 @@ impl Fake {
     }
 }
 
-impl Dma for Arc<Fake> {
+fn injected(what: &'static str) -> cuda_pinned::Error {
+    cuda_pinned::Error::Unsupported(what)
+}
+
+impl Dma for Fake {
     type Stream = ();
     type Event = Arc<AtomicBool>;
 
-    fn event(&self) -> Result<Self::Event> {
+    fn event(&self) -> cuda_pinned::Result<Self::Event> {
         Ok(Arc::default())
     }
 
-    unsafe fn copy(
-        &self,
-        _: &(),
-        chunk: *const u8,
-        copies: &[ChunkCopy],
-        bases: &Bases,
-    ) -> Result<()> {
+    unsafe fn queue(&self, _: &(), copies: &[RingCopy], way: Way) -> cuda_pinned::Result<()> {
+        assert_eq!(way, Way::Upload, "a reader only uploads");
         let call = self.copy_calls.fetch_add(1, Ordering::Relaxed) + 1;
         if self.fail_copy == Some(call) {
-            return Err(Error::Invalid("injected copy failure".into()));
+            return Err(injected("injected copy failure"));
         }
         assert_ne!(self.panic_copy, Some(call), "injected copy panic");
         let mut stream = self.stream.lock().unwrap();
         for copy in copies {
+            let src = copy.host as usize;
             let copy = ChunkCopy {
-                dst: bases.of(copy.target) + copy.dst,
-                ..*copy
+                from: 0,
+                pitch: copy.host_pitch,
+                width: copy.width,
+                rows: copy.rows,
+                dst: copy.device,
+                target: self.target_of(copy.device),
             };
             self.queued.lock().unwrap().push(copy);
-            let src = chunk as usize + copy.from;
             let mut snap = Vec::new();
             for row in 0..copy.rows {
                 // SAFETY: the filled bytes of the chunk (the contract).
@@ -132,20 +166,20 @@ impl Dma for Arc<Fake> {
         Ok(())
     }
 
-    fn record(&self, event: &mut Self::Event, _: &()) -> Result<()> {
+    fn record(&self, event: &Self::Event, _: &()) -> cuda_pinned::Result<()> {
         let call = self.record_calls.fetch_add(1, Ordering::Relaxed) + 1;
         if self.fail_record == Some(call) {
-            return Err(Error::Invalid("injected record failure".into()));
+            return Err(injected("injected record failure"));
         }
         event.store(false, Ordering::Relaxed);
         self.stream.lock().unwrap().push(Op::Record(event.clone()));
         Ok(())
     }
 
-    fn wait(&self, event: &Self::Event) -> Result<()> {
+    fn wait(&self, event: &Self::Event) -> cuda_pinned::Result<()> {
         let call = self.wait_calls.fetch_add(1, Ordering::Relaxed) + 1;
         if self.fail_wait == Some(call) {
-            return Err(Error::Invalid("injected wait failure".into()));
+            return Err(injected("injected wait failure"));
         }
         if !event.load(Ordering::Acquire) {
             self.drain();
@@ -153,28 +187,42 @@ impl Dma for Arc<Fake> {
         Ok(())
     }
 
-    fn wait_stream(&self, _: &()) -> Result<()> {
+    fn seen_finished(&self, event: &Self::Event) -> bool {
+        event.load(Ordering::Acquire)
+    }
+
+    fn finished(&self, event: &Self::Event) -> cuda_pinned::Result<bool> {
+        Ok(event.load(Ordering::Acquire))
+    }
+
+    fn wait_stream(&self, _: &()) -> cuda_pinned::Result<()> {
         if self.fail_wait_stream {
-            return Err(Error::Invalid("injected stream wait failure".into()));
+            return Err(injected("injected stream wait failure"));
         }
         self.drain();
         Ok(())
     }
 
-    fn use_device(&self) -> Result<()> {
+    fn device(&self) -> i32 {
+        0
+    }
+
+    fn use_device(&self) -> cuda_pinned::Result<()> {
         Ok(())
     }
 }
 
-fn ring(fake: &Arc<Fake>, capacity: usize, count: usize) -> Ring<Arc<Fake>> {
+fn ring(fake: &Fake, capacity: usize, count: usize) -> ReadRing<Fake> {
     ring_in_parts(fake, capacity, count, capacity)
 }
 
 /// [`ring`], reading pieces through the page cache in parts of `part` bytes.
-fn ring_in_parts(fake: &Arc<Fake>, capacity: usize, count: usize, part: usize) -> Ring<Arc<Fake>> {
-    let mut memory = vec![0u8; Ring::<Arc<Fake>>::bytes_for(capacity, count).unwrap()];
+fn ring_in_parts(fake: &Fake, capacity: usize, count: usize, part: usize) -> ReadRing<Fake> {
+    let mut memory = vec![0u8; ReadRing::<Fake>::bytes_for(capacity, count).unwrap()];
     let start = memory.as_mut_ptr();
-    Ring::new(fake.clone(), start, capacity, count, Box::new(memory))
+    // SAFETY: `start` is the first of `bytes_for` bytes of `memory`, which the ring keeps
+    // (the fake device needs no page-locked memory).
+    unsafe { ReadRing::new(fake.clone(), start, capacity, count, Box::new(memory)) }
         .unwrap()
         .read_in_parts_of(part)
 }
@@ -225,7 +273,7 @@ fn read_in_parts(
         span.dst = at;
         at += span.width * span.rows;
     }
-    let fake = Arc::new(Fake::default());
+    let fake = Fake::default();
     fake.dst_base.store(base as usize, Ordering::Relaxed);
     *fake.writes.lock().unwrap() = vec![0; total as usize];
     let crew = Crew::new(ring_in_parts(&fake, chunk, count, part), threads).unwrap();
@@ -266,7 +314,7 @@ struct Outcome {
     result: Result<()>,
     dst: Vec<u8>,
     bytes: Vec<u8>,
-    fake: Arc<Fake>,
+    fake: Fake,
     seen: Vec<usize>,
     /// Whether the file system took direct reads from the opening to the end.
     direct_throughout: bool,
@@ -460,9 +508,9 @@ fn a_piece_read_in_parts_goes_to_the_device_in_one_copy() {
 #[test]
 fn a_failed_copy_is_the_jobs_error_and_its_chunk_is_reused_after_the_stream() {
     let (file, _) = file_of(64 << 10);
-    let fake = Arc::new(Fake {
+    let fake = Fake::new(FakeState {
         fail_copy: Some(2),
-        ..Fake::default()
+        ..FakeState::default()
     });
     let mut dst = vec![0u8; 64 << 10];
     fake.dst_base
@@ -490,15 +538,15 @@ fn a_failed_copy_is_the_jobs_error_and_its_chunk_is_reused_after_the_stream() {
     );
     let error = crew.run(&Arc::new(job)).unwrap_err();
     assert!(error.to_string().contains("injected"), "{error}");
-    assert_eq!(lock(&crew.ring().chunks).live, 2, "a chunk was lost");
+    assert_eq!(crew.ring().census().live, 2, "a chunk was lost");
 }
 
 /// A job of `spans` pieces of a fresh file, for the crew tests.
 fn job_for(
-    crew: &Crew<Arc<Fake>>,
+    crew: &Crew<Fake>,
     dst: &mut [u8],
-    sink: Box<Sink<Arc<Fake>>>,
-) -> (tempfile::NamedTempFile, Job<Arc<Fake>>) {
+    sink: Box<Sink<Fake>>,
+) -> (tempfile::NamedTempFile, Job<Fake>) {
     let (file, _) = file_of(dst.len());
     let span = Span {
         file: 0,
@@ -519,7 +567,7 @@ fn job_for(
 
 #[test]
 fn a_submitted_job_completes_on_the_crew_alone_and_calls_done_once() {
-    let fake = Arc::new(Fake::default());
+    let fake = Fake::default();
     let mut dst = vec![0u8; 40_000];
     fake.dst_base
         .store(dst.as_mut_ptr() as usize, Ordering::Relaxed);
@@ -549,7 +597,7 @@ fn a_submitted_job_completes_on_the_crew_alone_and_calls_done_once() {
 
 #[test]
 fn a_panicking_sink_fails_the_job_and_nobody_hangs() {
-    let fake = Arc::new(Fake::default());
+    let fake = Fake::default();
     let mut dst = vec![0u8; 40_000];
     fake.dst_base
         .store(dst.as_mut_ptr() as usize, Ordering::Relaxed);
@@ -582,7 +630,7 @@ impl Drop for Watched {
 
 struct Faulty {
     result: Result<()>,
-    fake: Arc<Fake>,
+    fake: Fake,
     live: usize,
     lost: bool,
     freed: bool,
@@ -599,7 +647,7 @@ struct Faulty {
 /// `sink_fails` makes the sink fail on its n-th call.
 #[allow(clippy::too_many_arguments)]
 fn faulty(
-    fake: Fake,
+    fake: FakeState,
     len: usize,
     chunk: usize,
     count: usize,
@@ -609,21 +657,24 @@ fn faulty(
     parts: usize,
 ) -> Faulty {
     let (file, bytes) = file_of(len);
-    let fake = Arc::new(fake);
+    let fake = Fake::new(fake);
     let mut dst = vec![0u8; len];
     fake.dst_base
         .store(dst.as_mut_ptr() as usize, Ordering::Relaxed);
     *fake.writes.lock().unwrap() = vec![0; len];
     let freed = Arc::new(AtomicBool::new(false));
-    let mut memory = vec![0u8; Ring::<Arc<Fake>>::bytes_for(chunk, count).unwrap()];
+    let mut memory = vec![0u8; ReadRing::<Fake>::bytes_for(chunk, count).unwrap()];
     let start = memory.as_mut_ptr();
-    let ring = Ring::new(
-        fake.clone(),
-        start,
-        chunk,
-        count,
-        Box::new(Watched(memory, freed.clone())),
-    )
+    // SAFETY: as in `ring_in_parts`.
+    let ring = unsafe {
+        ReadRing::new(
+            fake.clone(),
+            start,
+            chunk,
+            count,
+            Box::new(Watched(memory, freed.clone())),
+        )
+    }
     .unwrap()
     .read_in_parts_of(chunk.div_ceil(parts));
     // Many small targets: one per KiB, so the sink is called often, and pieces of whole
@@ -664,7 +715,7 @@ fn faulty(
     let crew = Crew::new(ring, threads).unwrap();
     let result = crew.run(&Arc::new(job));
     let (live, lost) = {
-        let c = lock(&crew.ring().chunks);
+        let c = crew.ring().census();
         (c.live, c.lost)
     };
     drop(crew);
@@ -692,7 +743,7 @@ fn a_sink_panicking_mid_run_loses_no_chunk() {
     for (mode, threads, parts) in modes_and(&[1, 3]) {
         let len = 200_000;
         let (file, _) = file_of(len);
-        let fake = Arc::new(Fake::default());
+        let fake = Fake::default();
         let mut dst = vec![0u8; len];
         fake.dst_base
             .store(dst.as_mut_ptr() as usize, Ordering::Relaxed);
@@ -724,7 +775,7 @@ fn a_sink_panicking_mid_run_loses_no_chunk() {
         job.wait_finished();
         let error = job.take_error().expect("the job failed");
         assert!(error.to_string().contains("panicked"), "{error}");
-        let chunks = lock(&crew.ring().chunks);
+        let chunks = crew.ring().census();
         assert_eq!(
             (chunks.live, chunks.lost),
             (8, false),
@@ -737,7 +788,7 @@ fn a_sink_panicking_mid_run_loses_no_chunk() {
 fn pieces_past_the_page_cache_are_read_several_at_a_time() {
     for threads in [1, 3] {
         let f = faulty(
-            Fake::default(),
+            FakeState::default(),
             300_000,
             8192,
             8,
@@ -796,9 +847,9 @@ fn check_written_bytes_are_right(f: &Faulty) {
 fn record_fails_stream_drains_chunk_kept() {
     for (mode, threads, parts) in modes_and(&[1, 3]) {
         let f = faulty(
-            Fake {
+            FakeState {
                 fail_record: Some(3),
-                ..Fake::default()
+                ..FakeState::default()
             },
             200_000,
             8192,
@@ -821,10 +872,10 @@ fn record_fails_stream_drains_chunk_kept() {
 fn record_fails_stream_wait_fails_chunk_lost_memory_kept() {
     for (mode, threads, parts) in modes_and(&[1, 3]) {
         let f = faulty(
-            Fake {
+            FakeState {
                 fail_record: Some(2),
                 fail_wait_stream: true,
-                ..Fake::default()
+                ..FakeState::default()
             },
             200_000,
             8192,
@@ -848,9 +899,9 @@ fn record_fails_stream_wait_fails_chunk_lost_memory_kept() {
 fn event_wait_fails_chunk_lost_memory_kept() {
     for (mode, threads, parts) in modes_and(&[1, 3]) {
         let f = faulty(
-            Fake {
+            FakeState {
                 fail_wait: Some(2),
-                ..Fake::default()
+                ..FakeState::default()
             },
             200_000,
             8192,
@@ -872,7 +923,7 @@ fn event_wait_fails_chunk_lost_memory_kept() {
 fn sink_fails_first_error_reported_ring_whole() {
     for (mode, threads, parts) in modes_and(&[1, 3]) {
         let f = faulty(
-            Fake::default(),
+            FakeState::default(),
             200_000,
             8192,
             3,
@@ -896,10 +947,10 @@ fn every_chunk_lost_no_hang() {
     // threads waiting for a chunk must wake and fail, not hang.
     for (mode, threads, parts) in modes_and(&[1, 2, 4]) {
         let f = faulty(
-            Fake {
+            FakeState {
                 fail_record: Some(1),
                 fail_wait_stream: true,
-                ..Fake::default()
+                ..FakeState::default()
             },
             200_000,
             4096,
@@ -920,9 +971,9 @@ fn every_chunk_lost_no_hang() {
 fn copy_fails_with_threads_bytes_right() {
     for (mode, threads, parts) in modes_and(&[2, 4]) {
         let f = faulty(
-            Fake {
+            FakeState {
                 fail_copy: Some(5),
-                ..Fake::default()
+                ..FakeState::default()
             },
             300_000,
             4096,
@@ -950,7 +1001,7 @@ fn a_panic_reading_a_part_fails_the_job_and_leaves_nothing_behind() {
         (3, 6, false),
     ] {
         {
-            let fake = Arc::new(Fake::default());
+            let fake = Fake::default();
             let mut dst = vec![0u8; pieces * chunk];
             fake.dst_base
                 .store(dst.as_mut_ptr() as usize, Ordering::Relaxed);
@@ -983,13 +1034,16 @@ fn a_panic_reading_a_part_fails_the_job_and_leaves_nothing_behind() {
             let case = format!("{threads} threads, {pieces} pieces, submitted: {submitted}");
             assert!(finishes(&job), "{case}: the job never finished");
             let error = returned
-                .or_else(|| job.error_message())
+                .or_else(|| {
+                    job.error()
+                        .map(|error| cuda_pinned::ErrorChain(&*error).to_string())
+                })
                 .expect("the job failed");
             assert!(error.contains("panicked"), "{case}: {error}");
             assert_eq!(done.load(Ordering::Relaxed), 1, "{case}");
-            let chunks = lock(&crew.ring().chunks);
+            let chunks = crew.ring().census();
             assert_eq!(
-                (chunks.free.len(), chunks.live, chunks.lost),
+                (chunks.free, chunks.live, chunks.lost),
                 (2, 2, false),
                 "{case}"
             );
@@ -999,7 +1053,7 @@ fn a_panic_reading_a_part_fails_the_job_and_leaves_nothing_behind() {
 
 #[test]
 fn a_job_completes_once_however_its_last_counts_interleave() {
-    let fake = Arc::new(Fake::default());
+    let fake = Fake::default();
     let mut dst = vec![0u8; 100];
     let crew = Crew::new(ring(&fake, DIRECT_ALIGN, 1), 1).unwrap();
     let (_file, job) = job_for(&crew, &mut dst, Box::new(|_: &[usize], _: &()| Ok(())));
@@ -1021,16 +1075,17 @@ fn reads_through_the_page_cache_write_nothing_outside_their_piece() {
     for threads in [1, 3] {
         for part in [1000, 3000, DIRECT_ALIGN] {
             let (file, _) = file_of(50_000);
-            let fake = Arc::new(Fake::default());
+            let fake = Fake::default();
             // One piece of a length no part size divides, into a ring of one chunk.
             let (offset, len) = (1234usize, 9_500usize);
             let mut dst = vec![0u8; len];
             fake.dst_base
                 .store(dst.as_mut_ptr() as usize, Ordering::Relaxed);
             *fake.writes.lock().unwrap() = vec![0; len];
-            let mut memory = vec![CANARY; Ring::<Arc<Fake>>::bytes_for(chunk, 1).unwrap()];
+            let mut memory = vec![CANARY; ReadRing::<Fake>::bytes_for(chunk, 1).unwrap()];
             let (start, bytes) = (memory.as_mut_ptr(), memory.len());
-            let ring = Ring::new(fake.clone(), start, chunk, 1, Box::new(memory))
+            // SAFETY: as in `ring_in_parts`.
+            let ring = unsafe { ReadRing::new(fake.clone(), start, chunk, 1, Box::new(memory)) }
                 .unwrap()
                 .read_in_parts_of(part);
             let crew = Crew::new(ring, threads).unwrap();
@@ -1072,7 +1127,7 @@ fn the_first_target_is_queued_before_the_pieces_after_it() {
     let (chunks, lead) = (8, 2);
     let chunk = 4 * DIRECT_ALIGN;
     let (file, bytes) = file_of(6 * chunk);
-    let fake = Arc::new(Fake::default());
+    let fake = Fake::default();
     let mut dst = vec![0u8; 6 * chunk];
     let base = dst.as_mut_ptr() as u64;
     fake.dst_base.store(base as usize, Ordering::Relaxed);
@@ -1086,6 +1141,7 @@ fn the_first_target_is_queued_before_the_pieces_after_it() {
         ..span
     });
     spans[1].target = 1;
+    *fake.target_starts.lock().unwrap() = spans.iter().map(|span| span.dst).collect();
     let pieces = cut(&spans, chunk).unwrap();
     assert_eq!(pieces.len(), 6);
     // For each sink call: its targets, and the copies queued by then.
@@ -1130,8 +1186,8 @@ fn the_first_target_is_queued_before_the_pieces_after_it() {
     assert!(dst == bytes);
     assert!(fake.writes.lock().unwrap().iter().all(|&w| w == 1));
     assert_eq!(fake.clobbered.load(Ordering::Relaxed), 0);
-    let ring = lock(&crew.ring().chunks);
-    assert_eq!((ring.free.len(), ring.parked), (chunks, 0));
+    let ring = crew.ring().census();
+    assert_eq!((ring.free, ring.parked), (chunks, 0));
 }
 
 /// A job of three targets of two chunks each, at offsets from a destination named later, on
@@ -1140,16 +1196,16 @@ fn the_first_target_is_queued_before_the_pieces_after_it() {
 struct ToCome {
     _file: tempfile::NamedTempFile,
     bytes: Vec<u8>,
-    fake: Arc<Fake>,
-    crew: Crew<Arc<Fake>>,
-    job: Arc<Job<Arc<Fake>>>,
+    fake: Fake,
+    crew: Crew<Fake>,
+    job: Arc<Job<Fake>>,
     done: Arc<AtomicUsize>,
 }
 
 fn job_to_come(chunks: usize) -> ToCome {
     let chunk = 4 * DIRECT_ALIGN;
     let (file, bytes) = file_of(6 * chunk);
-    let fake = Arc::new(Fake::default());
+    let fake = Fake::default();
     let crew = Crew::new(ring_in_parts(&fake, chunk, chunks, DIRECT_ALIGN), 3).unwrap();
     let width = 2 * chunk as u64;
     let spans: Vec<Span> = (0..3)
@@ -1178,9 +1234,9 @@ fn job_to_come(chunks: usize) -> ToCome {
 }
 
 /// Waits until `count` pieces of `job` are parked.
-fn until_parked(job: &Job<Arc<Fake>>, count: usize) {
+fn until_parked(job: &Job<Fake>, count: usize) {
     let start = std::time::Instant::now();
-    while lock(&job.lead_state).parked.len() < count {
+    while job.lead.waiting().parked.len() < count {
         assert!(
             start.elapsed() < std::time::Duration::from_secs(20),
             "never parked"
@@ -1204,7 +1260,7 @@ fn a_job_reads_its_lead_before_its_destination_is_named_then_queues_in_order() {
     // threads read no further.
     until_parked(&job, 2);
     std::thread::sleep(std::time::Duration::from_millis(50));
-    assert_eq!(lock(&job.lead_state).parked.len(), 2);
+    assert_eq!(job.lead.waiting().parked.len(), 2);
     assert_eq!(job.next.load(Ordering::Relaxed), 2);
     assert_eq!(fake.copy_calls.load(Ordering::Relaxed), 0);
     let mut dst = vec![0u8; bytes.len()];
@@ -1217,8 +1273,8 @@ fn a_job_reads_its_lead_before_its_destination_is_named_then_queues_in_order() {
         sink_seen.lock().unwrap().extend_from_slice(targets);
         Ok(())
     });
-    job.arrive(
-        crew.ring(),
+    crew.arrive(
+        &job,
         Destination {
             bases: Bases::One(base),
             sink,
@@ -1244,8 +1300,8 @@ fn a_job_reads_its_lead_before_its_destination_is_named_then_queues_in_order() {
     assert_eq!(queued, (0..6).map(|i| i * chunk).collect::<Vec<_>>());
     assert!(dst == bytes);
     assert!(fake.writes.lock().unwrap().iter().all(|&w| w == 1));
-    let chunks = lock(&crew.ring().chunks);
-    assert_eq!((chunks.free.len(), chunks.parked), (8, 0));
+    let chunks = crew.ring().census();
+    assert_eq!((chunks.free, chunks.parked), (8, 0));
 }
 
 #[test]
@@ -1261,23 +1317,20 @@ fn a_job_whose_destination_never_comes_gives_its_chunks_back_and_completes() {
     } = job_to_come(2);
     crew.submit(&job);
     until_parked(&job, 2);
-    job.abandon(
-        crew.ring(),
-        Error::Invalid("the destination never came".into()),
-    );
+    crew.abandon(&job, Error::Invalid("the destination never came".into()));
     assert!(finishes(&job), "the job never finished");
     let error = job.take_error().expect("the job failed").to_string();
     assert!(error.contains("never came"), "{error}");
     assert_eq!(done.load(Ordering::Relaxed), 1);
     assert_eq!(fake.copy_calls.load(Ordering::Relaxed), 0);
-    let chunks = lock(&crew.ring().chunks);
-    assert_eq!((chunks.free.len(), chunks.live, chunks.parked), (2, 2, 0));
+    let chunks = crew.ring().census();
+    assert_eq!((chunks.free, chunks.live, chunks.parked), (2, 2, 0));
 }
 
 #[test]
 fn a_job_without_pieces_completes_once_named_or_abandoned() {
     for named in [true, false] {
-        let fake = Arc::new(Fake::default());
+        let fake = Fake::default();
         let crew = Crew::new(ring(&fake, DIRECT_ALIGN, 2), 2).unwrap();
         // One target without bytes.
         let job = Arc::new(Job::to_come(
@@ -1295,8 +1348,8 @@ fn a_job_without_pieces_completes_once_named_or_abandoned() {
                 sink_seen.lock().unwrap().extend_from_slice(targets);
                 Ok(())
             });
-            job.arrive(
-                crew.ring(),
+            crew.arrive(
+                &job,
                 Destination {
                     bases: Bases::One(0),
                     sink,
@@ -1304,7 +1357,7 @@ fn a_job_without_pieces_completes_once_named_or_abandoned() {
             );
         } else {
             let error = Error::Invalid("the destination never came".into());
-            job.abandon(crew.ring(), error);
+            crew.abandon(&job, error);
         }
         assert!(finishes(&job), "named: {named}: the job never finished");
         assert_eq!(job.take_error().is_none(), named);
@@ -1314,7 +1367,7 @@ fn a_job_without_pieces_completes_once_named_or_abandoned() {
 
 /// Whether `job` finishes within 20 seconds (a thread of its own waits for it, left behind if
 /// it does not).
-fn finishes(job: &Arc<Job<Arc<Fake>>>) -> bool {
+fn finishes(job: &Arc<Job<Fake>>) -> bool {
     let (sender, receiver) = std::sync::mpsc::channel();
     let waiting = job.clone();
     std::thread::spawn(move || {
@@ -1331,7 +1384,7 @@ fn a_job_named_late_completes_after_what_naming_it_does() {
     // Two pieces, the first read in two parts, and a target without bytes whose sink fails.
     let chunk = 4 * DIRECT_ALIGN;
     let (file, _) = file_of(2 * chunk);
-    let fake = Arc::new(Fake::default());
+    let fake = Fake::default();
     let mut dst = vec![0u8; 2 * chunk];
     let base = dst.as_mut_ptr() as u64;
     fake.dst_base.store(base as usize, Ordering::Relaxed);
@@ -1367,8 +1420,12 @@ fn a_job_named_late_completes_after_what_naming_it_does() {
     let completed = Arc::new(Mutex::new(Vec::new()));
     let at_done = Arc::new(Mutex::new(None));
     let (seen, saw) = (completed.clone(), at_done.clone());
-    let job = Arc::new(job.when_done(Box::new(move |job: &Job<Arc<Fake>>| {
-        *saw.lock().unwrap() = Some((job.error_message(), seen.lock().unwrap().clone()));
+    let job = Arc::new(job.when_done(Box::new(move |job: &Job<Fake>| {
+        *saw.lock().unwrap() = Some((
+            job.error()
+                .map(|error| cuda_pinned::ErrorChain(&*error).to_string()),
+            seen.lock().unwrap().clone(),
+        ));
     })));
     crew.submit(&job);
     let wait = |what: &str, until: &dyn Fn() -> bool| {
@@ -1381,7 +1438,7 @@ fn a_job_named_late_completes_after_what_naming_it_does() {
     wait("reading", &|| reading.load(Ordering::SeqCst));
     // The naming thread stops where it wakes the crew, its destination set: the crew's
     // thread counts every piece meanwhile.
-    let gate = lock(&job.gate);
+    let gate = job.arrival.hold_gate();
     std::thread::scope(|scope| {
         let sink_seen = completed.clone();
         let sink = Box::new(move |targets: &[usize], _: &()| {
@@ -1392,17 +1449,17 @@ fn a_job_named_late_completes_after_what_naming_it_does() {
             }
         });
         let naming = scope.spawn(|| {
-            job.arrive(
-                crew.ring(),
+            crew.arrive(
+                &job,
                 Destination {
                     bases: Bases::One(base),
                     sink,
                 },
             )
         });
-        wait("named", &|| job.destination.get().is_some());
+        wait("named", &|| job.named());
         read.store(true, Ordering::SeqCst);
-        wait("counted", &|| lock(&job.finished).pieces == 2);
+        wait("counted", &|| job.outcome.pieces() == 2);
         drop(gate);
         naming.join().unwrap();
     });

@@ -107,6 +107,8 @@ impl std::error::Error for FileError {
 pub(crate) struct Source {
     pub(crate) path: PathBuf,
     pub(crate) file: File,
+    /// What the page cache holds of the file; `None` where the kernel cannot say.
+    pub(crate) probe: Option<cuda_pinned::PageCacheProbe>,
 }
 
 impl Source {
@@ -119,9 +121,14 @@ impl Source {
             .metadata()
             .map_err(|e| FileError::io(path, "inspecting", e))?
             .len();
+        // Miri maps no files: there the page cache cannot be asked.
+        let probe = (!cfg!(miri))
+            .then(|| cuda_pinned::PageCacheProbe::of(&file))
+            .flatten();
         let source = Self {
             path: path.to_owned(),
             file,
+            probe,
         };
         Ok((source, len))
     }
@@ -156,88 +163,27 @@ impl Source {
 
     /// Tells the kernel reads will come at random (a shuffled epoch): it then reads no more
     /// than asked for, instead of reading ahead what the next sample will not need.
-    #[cfg(target_os = "linux")]
     pub(crate) fn advise_random(&self) -> Result<(), FileError> {
-        use std::os::fd::AsRawFd;
-        // SAFETY: posix_fadvise only reads its arguments, and the descriptor is open while
-        // `self.file` lives.
-        let code =
-            unsafe { libc::posix_fadvise(self.file.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };
-        match code {
-            0 => Ok(()),
-            code => Err(FileError::io(
-                &self.path,
-                "advising random reads",
-                io::Error::from_raw_os_error(code),
-            )),
-        }
+        cuda_pinned::advise_random(&self.file)
+            .map_err(|e| FileError::io(&self.path, "advising random reads", e))
     }
 
-    /// Advice the system has no call for: nothing to do.
-    #[cfg(not(target_os = "linux"))]
-    pub(crate) fn advise_random(&self) -> Result<(), FileError> {
-        Ok(())
-    }
-
-    /// Whether the page cache holds the byte at `offset`, asked with a one-byte read that
-    /// may not wait for the disk (`preadv2` with `RWF_NOWAIT`); `None` where the kernel or
-    /// the file system cannot say.
-    #[cfg(target_os = "linux")]
+    /// Whether the page cache holds the byte at `offset`; `None` where the kernel cannot say.
     pub(crate) fn cached_at(&self, offset: u64) -> Option<bool> {
-        use std::os::fd::AsRawFd;
-        let mut byte = 0u8;
-        let vector = libc::iovec {
-            iov_base: (&raw mut byte).cast(),
-            iov_len: 1,
-        };
-        let offset = libc::off_t::try_from(offset).ok()?;
-        // SAFETY: one vector of one byte, which lives across the call; the descriptor is open
-        // while `self.file` lives.
-        let read =
-            unsafe { libc::preadv2(self.file.as_raw_fd(), &vector, 1, offset, libc::RWF_NOWAIT) };
-        match read {
-            1 => Some(true),
-            -1 if io::Error::last_os_error().raw_os_error() == Some(libc::EAGAIN) => Some(false),
-            _ => None,
-        }
-    }
-
-    /// Where the system cannot say: unknown.
-    #[cfg(not(target_os = "linux"))]
-    pub(crate) fn cached_at(&self, _offset: u64) -> Option<bool> {
-        None
+        Some(self.probe.as_ref()?.holds(offset, 1))
     }
 
     /// Asks the kernel to start reading `len` bytes from `offset` into the page cache, and
-    /// returns without waiting for them. Advice only: a failure changes nothing but speed.
-    #[cfg(target_os = "linux")]
+    /// returns without waiting for them.
     pub(crate) fn will_need(&self, offset: u64, len: u64) {
-        use std::os::fd::AsRawFd;
-        let (Ok(offset), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len))
-        else {
-            return;
-        };
-        // SAFETY: posix_fadvise only reads its arguments, and the descriptor is open while
-        // `self.file` lives.
-        unsafe {
-            libc::posix_fadvise(
-                self.file.as_raw_fd(),
-                offset,
-                len,
-                libc::POSIX_FADV_WILLNEED,
-            )
-        };
+        cuda_pinned::advise_will_need(&self.file, offset, len);
     }
-
-    /// Advice the system has no call for: nothing to do.
-    #[cfg(not(target_os = "linux"))]
-    pub(crate) fn will_need(&self, _offset: u64, _len: u64) {}
 
     /// Starts reading the byte ranges `ranges` yields (a batch's samples, in order) side by
     /// side, where the first is not in the page cache: a cold batch's reads then reach the
-    /// disk together, not one at a time, and a warm one pays a single one-byte read. Where
-    /// the file system cannot tell (no `RWF_NOWAIT`), nothing is asked: advice on every warm
-    /// batch would cost more than it saves.
+    /// disk together, not one at a time, and a warm one pays a single question. Where the
+    /// kernel cannot tell, nothing is asked: advice on every warm batch would cost more than
+    /// it saves.
     pub(crate) fn read_ahead(&self, mut ranges: impl Iterator<Item = (u64, u64)>) {
         let Some((offset, len)) = ranges.next() else {
             return;

@@ -390,6 +390,7 @@ mod tests {
         let source = Source {
             path: path.clone(),
             file,
+            probe: None,
         };
         let error = NpyArray::read_header(source, 128).unwrap_err();
         let FileError::Io {

@@ -9,17 +9,17 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::dma::Dma;
+use super::StagingConfig;
 use super::engine::Engine;
 use super::job::cut;
-use super::ring::Address;
-use super::{StagingConfig, lock, wait};
+use super::slots::Address;
 use crate::error::Error;
 use crate::error::Result;
 use crate::memory::allocator::Allocation;
 use crate::memory::allocator::PinnedAllocator;
 use crate::memory::host_locked::HostLocked;
 use crate::raw::copy::Direction;
+use crate::ring::{Dma, RingCopy, Way, lock, wait};
 
 #[derive(Default)]
 struct FakeEvent {
@@ -192,14 +192,16 @@ impl Dma for Fake {
         Ok(Arc::default())
     }
 
-    unsafe fn queue(
-        &self,
-        _stream: &(),
-        host: *mut u8,
-        device: u64,
-        bytes: usize,
-        direction: Direction,
-    ) -> Result<()> {
+    unsafe fn queue(&self, _stream: &(), copies: &[RingCopy], way: Way) -> Result<()> {
+        let [copy] = copies else {
+            panic!("the stager queues one plain copy at a time");
+        };
+        assert_eq!(copy.rows, 1);
+        let (host, device, bytes) = (copy.host, copy.device, copy.width);
+        let direction = match way {
+            Way::Upload => Direction::HostToDevice,
+            Way::Download => Direction::DeviceToHost,
+        };
         let faults = &self.0.faults;
         if hit(&faults.queues, &faults.queue_at) {
             return Err(injected());

@@ -160,13 +160,13 @@ fn run_case(case: &Case) -> std::result::Result<(), String> {
     let faults = &case.faults;
     let total = case.len * case.jobs;
     let (file, bytes) = file_of(total);
-    let fake = Arc::new(Fake {
+    let fake = Fake::new(FakeState {
         fail_copy: faults.copy_fails,
         panic_copy: faults.copy_panics,
         fail_record: faults.record_fails,
         fail_wait: faults.wait_fails,
         fail_wait_stream: faults.stream_never_drains,
-        ..Fake::default()
+        ..FakeState::default()
     });
     let mut dst = vec![0u8; total];
     let dst_base = dst.as_mut_ptr() as usize;
@@ -213,7 +213,7 @@ fn run_case(case: &Case) -> std::result::Result<(), String> {
         let completed = Arc::new(Mutex::new(Vec::new()));
         let (sink_completed, calls) = (completed.clone(), sink_calls.clone());
         let (fails, panics) = (faults.sink_fails, faults.sink_panics);
-        let sink: Box<Sink<Arc<Fake>>> = Box::new(move |targets: &[usize], _: &()| {
+        let sink: Box<Sink<Fake>> = Box::new(move |targets: &[usize], _: &()| {
             let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
             assert_ne!(panics, Some(n), "injected sink panic");
             if fails == Some(n) {
@@ -237,8 +237,13 @@ fn run_case(case: &Case) -> std::result::Result<(), String> {
         let done_calls = Arc::new(AtomicUsize::new(0));
         let done_saw_error = Arc::new(AtomicBool::new(false));
         let (counted, saw) = (done_calls.clone(), done_saw_error.clone());
-        let job = Arc::new(job.when_done(Box::new(move |job: &Job<Arc<Fake>>| {
-            saw.store(job.error_message().is_some(), Ordering::SeqCst);
+        let job = Arc::new(job.when_done(Box::new(move |job: &Job<Fake>| {
+            saw.store(
+                job.error()
+                    .map(|error| cuda_pinned::ErrorChain(&*error).to_string())
+                    .is_some(),
+                Ordering::SeqCst,
+            );
             counted.fetch_add(1, Ordering::SeqCst);
         })));
         let (crew, outcome, submitted) = (crew.clone(), outcome.clone(), case.submitted);
@@ -254,8 +259,8 @@ fn run_case(case: &Case) -> std::result::Result<(), String> {
                             std::thread::sleep(Duration::from_micros(micros));
                             let sink = sink.take().expect("named once");
                             let base = dst_base as u64;
-                            job.arrive(
-                                crew.ring(),
+                            crew.arrive(
+                                &job,
                                 Destination {
                                     bases: Bases::One(base),
                                     sink,
@@ -265,7 +270,7 @@ fn run_case(case: &Case) -> std::result::Result<(), String> {
                         Named::Never(micros) => {
                             std::thread::sleep(Duration::from_micros(micros));
                             let error = Error::Invalid("injected: no destination".into());
-                            job.abandon(crew.ring(), error);
+                            crew.abandon(&job, error);
                         }
                     }));
                 job.wait_finished();
@@ -299,17 +304,16 @@ fn run_case(case: &Case) -> std::result::Result<(), String> {
     let mut ended = Vec::new();
     for _ in 0..case.jobs {
         let Ok(job) = outcomes.recv_timeout(Duration::from_secs(20)) else {
-            let chunks = lock(&crew.ring().chunks);
+            let chunks = crew.ring().census();
             let hang = format!(
                 "a job never completed; ring: {} free, {} live, lost: {}; {} sink calls, {} parts \
                  read",
-                chunks.free.len(),
+                chunks.free,
                 chunks.live,
                 chunks.lost,
                 sink_calls.load(Ordering::SeqCst),
                 part_reads.load(Ordering::SeqCst)
             );
-            drop(chunks);
             // Threads may still use all of it: leaked.
             std::mem::forget((dst, crew, file));
             return Err(hang);
@@ -322,8 +326,8 @@ fn run_case(case: &Case) -> std::result::Result<(), String> {
             .map_err(|_| "a job's thread panicked".to_string())?;
     }
     let (free, live, lost) = {
-        let chunks = lock(&crew.ring().chunks);
-        (chunks.free.len(), chunks.live, chunks.lost)
+        let chunks = crew.ring().census();
+        (chunks.free, chunks.live, chunks.lost)
     };
     drop(crew);
     if !faults.stream_never_drains {

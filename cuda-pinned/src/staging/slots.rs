@@ -1,20 +1,11 @@
-//! The ring's chunks and the upload slots beside it.
+//! The upload slots beside the ring: small uploads, each copied into a slot of its own and
+//! sent from there, freed by the event that ends it.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
-use super::dma::Dma;
-use super::lock;
 use crate::error::{Error, Result};
-
-/// One chunk of the ring (its offset in the ring's memory) and the event after its last DMA.
-pub(super) struct Chunk<D: Dma> {
-    pub(super) offset: usize,
-    pub(super) event: D::Event,
-    /// The event is known to have completed (the last piece waited for it): the next piece
-    /// skips the wait.
-    pub(super) settled: bool,
-}
+use crate::ring::{Dma, lock};
 
 /// A slot for small uploads (its offset in the ring's memory) and the event that ended its
 /// last upload, shared with whoever tracks that upload.
@@ -52,14 +43,6 @@ impl<D: Dma> Drop for TakenUploadSlot<'_, D> {
             lock(self.slots).lost = true;
         }
     }
-}
-
-/// The free chunks, and how many exist: a chunk whose DMA could not be accounted for after a
-/// device error is never reused (and the ring's memory is then leaked, not freed).
-pub(super) struct Ring<D: Dma> {
-    pub(super) free: VecDeque<Chunk<D>>,
-    pub(super) live: usize,
-    pub(super) lost: bool,
 }
 
 /// Host memory shared with the copy threads.

@@ -1,5 +1,4 @@
-//! Opening a user-named file for reading into page-locked memory, without blocking on what is
-//! not a regular file.
+//! Opening a user-named file without blocking on what is not a regular file.
 //!
 //! `open(2)` of a named pipe blocks until a writer comes, and opening a device can have
 //! effects of its own (a tape rewinds, a terminal becomes the controlling one): a dataset or
