@@ -285,8 +285,8 @@ pub enum Error {
     /// a global-mode capture does not refuse (nor is it invalidated by these calls).
     Capturing,
     /// Every chunk of a pinned ring (a [`Stager`](crate::Stager)'s, a file reader's) was lost
-    /// to device errors: their copies could not be waited for, so none is reused, and the
-    /// ring copies nothing more.
+    /// to device errors (their copies could not be waited for, so none is reused), or every
+    /// chunk left waits for one to be filled: the ring copies nothing more.
     RingLost,
     /// One of the threads working on a copy or a read panicked: the work it held is
     /// unfinished.
@@ -383,6 +383,87 @@ impl fmt::Display for Error {
             Self::Panicked { what } => write!(f, "{what} thread panicked"),
             Self::NoThreads { what } => write!(f, "the system refused to start {what} threads"),
         }
+    }
+}
+
+/// A copy, for errors handed to several waiters (the tensors of a failed load); an operating
+/// system's error is copied by its code, or else by its kind and text.
+impl Clone for Error {
+    fn clone(&self) -> Self {
+        match self {
+            Self::Unavailable(e) => Self::Unavailable(e.clone()),
+            Self::Cuda(e) => Self::Cuda(*e),
+            Self::Driver(e) => Self::Driver(*e),
+            Self::MemlockLimit { requested, limit } => Self::MemlockLimit {
+                requested: *requested,
+                limit: *limit,
+            },
+            Self::OutOfMemory { requested } => Self::OutOfMemory {
+                requested: *requested,
+            },
+            Self::CapacityOverflow => Self::CapacityOverflow,
+            Self::Os { call, source } => Self::Os {
+                call,
+                source: copy_io_error(source),
+            },
+            Self::Unsupported(what) => Self::Unsupported(what),
+            Self::LimitExceeded {
+                requested,
+                pinned,
+                limit,
+            } => Self::LimitExceeded {
+                requested: *requested,
+                pinned: *pinned,
+                limit: *limit,
+            },
+            Self::MemoryPressure {
+                requested,
+                available,
+                total,
+                keep,
+                pinner,
+                pinned,
+            } => Self::MemoryPressure {
+                requested: *requested,
+                available: *available,
+                total: *total,
+                keep: *keep,
+                pinner,
+                pinned: *pinned,
+            },
+            #[cfg(feature = "cudarc")]
+            Self::Cudarc(e) => Self::Cudarc(*e),
+            Self::LengthMismatch { host, device } => Self::LengthMismatch {
+                host: *host,
+                device: *device,
+            },
+            Self::LengthsDiffer { src, dst } => Self::LengthsDiffer {
+                src: *src,
+                dst: *dst,
+            },
+            Self::DeviceMismatch {
+                what,
+                expected,
+                found,
+            } => Self::DeviceMismatch {
+                what,
+                expected: *expected,
+                found: *found,
+            },
+            Self::Capturing => Self::Capturing,
+            Self::RingLost => Self::RingLost,
+            Self::Panicked { what } => Self::Panicked { what },
+            Self::NoThreads { what } => Self::NoThreads { what },
+        }
+    }
+}
+
+/// A copy of an operating system's error: by its code where it has one, else by its kind and
+/// text.
+pub fn copy_io_error(error: &std::io::Error) -> std::io::Error {
+    match error.raw_os_error() {
+        Some(code) => std::io::Error::from_raw_os_error(code),
+        None => std::io::Error::new(error.kind(), error.to_string()),
     }
 }
 

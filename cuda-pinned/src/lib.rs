@@ -146,6 +146,6 @@ pub use staging::{StagedCopy, Stager, StagingConfig};
 /// [`Event::as_raw`], and the rest of the runtime API).
 pub use cuda_pinned_sys as sys;
 pub use cuda_pinned_sys::LoadError;
-pub use error::{CudaError, DriverError, Error, ErrorChain, Result};
+pub use error::{CudaError, DriverError, Error, ErrorChain, Result, copy_io_error};
 #[doc(hidden)]
 pub use raw::RUNTIME_CALLS_VAR;

@@ -46,9 +46,10 @@ pub enum Error {
     /// A request that cannot be met as asked: a range past a file's end, a destination of
     /// another length, a split of a tensor that does not divide, a setting out of range.
     Invalid(String),
-    /// A load failed before this tensor landed (or before its end, for the load's iterator
-    /// and report): the load's own error, shared by everything that waited, is the
-    /// [`source`](std::error::Error::source).
+    /// A load failed before this tensor landed (or before its end, for the load's iterator):
+    /// a copy of the load's own error, shared by everything that waited, is the
+    /// [`source`](std::error::Error::source); the load's [`wait`](crate::Loading::wait)
+    /// returns the error itself.
     Failed(Arc<Error>),
     /// A load stopped before its end without an error of its own: dropped, or its device
     /// memory never came; says which.
@@ -65,12 +66,6 @@ impl Error {
             doing,
             source,
         }
-    }
-
-    /// The error shared by a failed load's waiters: itself where nobody else holds it, else
-    /// [`Error::Failed`] with it as the cause.
-    pub(crate) fn shared(error: Arc<Self>) -> Self {
-        Arc::try_unwrap(error).unwrap_or_else(Self::Failed)
     }
 
     pub(crate) fn format(path: &Path, tensor: Option<&str>, problem: impl Into<String>) -> Self {
@@ -125,6 +120,48 @@ impl std::error::Error for Error {
             Self::Failed(cause) => Some(&**cause),
             Self::Cuda(error) => error.source(),
             _ => None,
+        }
+    }
+}
+
+/// A copy, for errors handed to several waiters (the tensors of a failed load); an operating
+/// system's error is copied by its code, or else by its kind and text.
+impl Clone for Error {
+    fn clone(&self) -> Self {
+        match self {
+            Self::Io {
+                path,
+                doing,
+                source,
+            } => Self::Io {
+                path: path.clone(),
+                doing,
+                source: cuda_pinned::copy_io_error(source),
+            },
+            Self::Format {
+                path,
+                tensor,
+                problem,
+            } => Self::Format {
+                path: path.clone(),
+                tensor: tensor.clone(),
+                problem: problem.clone(),
+            },
+            Self::Truncated {
+                path,
+                offset,
+                wanted,
+                length,
+            } => Self::Truncated {
+                path: path.clone(),
+                offset: *offset,
+                wanted: *wanted,
+                length: *length,
+            },
+            Self::Invalid(message) => Self::Invalid(message.clone()),
+            Self::Failed(cause) => Self::Failed(cause.clone()),
+            Self::Stopped(why) => Self::Stopped(why),
+            Self::Cuda(error) => Self::Cuda(error.clone()),
         }
     }
 }

@@ -65,6 +65,16 @@ impl PageCacheProbe {
         })
     }
 
+    /// The file's length when probed: the bytes it can say anything of.
+    pub fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    /// Whether the probe covers no bytes: never (an empty file has no probe).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// Whether every page of `offset..offset + len` is in the page cache; `false` where the
     /// kernel cannot say or the range passes the file's end as probed (`true` for no bytes).
     pub fn holds(&self, offset: u64, len: usize) -> bool {

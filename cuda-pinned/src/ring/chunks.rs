@@ -31,10 +31,20 @@ impl<E> Chunk<E> {
         self.pending
     }
 
-    /// Sets whether copies may be pending (see [`pending`](Self::pending)): `true` before
-    /// the first copy is queued, `false` once they are known to be over.
-    pub fn set_pending(&mut self, pending: bool) {
-        self.pending = pending;
+    /// Marks the chunk pending: copies out of (or into) it may be queued from now on.
+    pub fn mark_pending(&mut self) {
+        self.pending = true;
+    }
+
+    /// Marks the chunk settled: its copies are known to be over.
+    ///
+    /// # Safety
+    ///
+    /// No copy queued out of or into the chunk can still run (its event, or the stream it
+    /// was recorded on, has been waited for): the chunk is then filled again, and the ring's
+    /// memory freed once every chunk is settled.
+    pub unsafe fn mark_settled(&mut self) {
+        self.pending = false;
     }
 }
 
@@ -176,8 +186,12 @@ impl<D: Dma> Ring<D> {
         Some(self.taken(chunk))
     }
 
-    /// `chunk`, taken out of the ring before (see [`Taken::take_chunk`]), in a guard again.
-    pub fn hold(&self, chunk: Chunk<D::Event>) -> Taken<'_, D> {
+    /// `chunk` in a guard again, out of the ring still.
+    ///
+    /// # Safety
+    ///
+    /// `chunk` was taken out of this ring ([`Taken::take_chunk`]), and is held nowhere else.
+    pub unsafe fn hold(&self, chunk: Chunk<D::Event>) -> Taken<'_, D> {
         self.taken(chunk)
     }
 
@@ -300,8 +314,16 @@ impl<'a, D: Dma> Taken<'a, D> {
         }
     }
 
+    /// Loses the chunk: it is never reused (its copies cannot be accounted for); the guard is
+    /// then empty.
+    pub fn lose(&mut self) {
+        if let Some(chunk) = self.chunk.take() {
+            self.ring.lose(chunk);
+        }
+    }
+
     /// The chunk out of its guard, still out of the ring (parked: [`Ring::hold`] guards it
-    /// again); the guard is then empty.
+    /// again, or it is never reused); the guard is then empty.
     pub fn take_chunk(&mut self) -> Chunk<D::Event> {
         self.chunk.take().expect("held until given back")
     }

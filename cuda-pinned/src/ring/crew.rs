@@ -87,7 +87,7 @@ where
             spin: config.spin,
         });
         let workers = (1..=config.threads)
-            .map_while(|index| {
+            .filter_map(|index| {
                 let shared = shared.clone();
                 std::thread::Builder::new()
                     .name(format!("{}-{index}", config.name))

@@ -29,7 +29,17 @@ impl Dma for Cuda {
         Event::untimed_on(self.device)
     }
 
+    fn enqueue<R>(&self, stream: &Stream, work: impl FnOnce(&Stream) -> Result<R>) -> Result<R> {
+        crate::gpu::fence::enqueue(stream, work)
+    }
+
     unsafe fn queue(&self, stream: &Stream, copies: &[RingCopy], way: Way) -> Result<()> {
+        if let [copy] = copies
+            && copy.rows == 1
+        {
+            // SAFETY: forwarded from the caller.
+            return unsafe { queue_plain(stream, copy, way) };
+        }
         let (plain, strided): (Vec<&RingCopy>, Vec<&RingCopy>) =
             copies.iter().partition(|copy| copy.rows == 1);
         // Several plain uploads out of one chunk (small tensors): one batch call, where the
@@ -46,21 +56,9 @@ impl Dma for Cuda {
             // each device range too, until an event after them completes.
             unsafe { stream.copy_batch_raw(&batch) }?;
         } else {
-            let direction = match way {
-                Way::Upload => Direction::HostToDevice,
-                Way::Download => Direction::DeviceToHost,
-            };
             for copy in plain {
-                let device = copy.device as *mut std::ffi::c_void;
-                let host = copy.host.cast::<std::ffi::c_void>();
-                let (dst, src) = match way {
-                    Way::Upload => (device, host.cast_const()),
-                    Way::Download => (host, device.cast_const()),
-                };
-                // SAFETY: forwarded from the caller; the stream is live while borrowed.
-                unsafe {
-                    crate::copy::split::queue(dst, src, copy.width, direction, stream.as_raw())
-                }?;
+                // SAFETY: forwarded from the caller.
+                unsafe { queue_plain(stream, copy, way) }?;
             }
         }
         for copy in strided {
@@ -119,4 +117,21 @@ impl Dma for Cuda {
     fn use_device(&self) -> Result<()> {
         self.device.set_current()
     }
+}
+
+/// Queues one plain copy, cut where buffers registered in chunks end.
+///
+/// # Safety
+///
+/// As [`Dma::queue`], for `copy` (one row); the calling thread's current device is the
+/// stream's ([`Dma::enqueue`] makes it so).
+unsafe fn queue_plain(stream: &Stream, copy: &RingCopy, way: Way) -> Result<()> {
+    let device = copy.device as *mut std::ffi::c_void;
+    let host = copy.host.cast::<std::ffi::c_void>();
+    let (dst, src, direction) = match way {
+        Way::Upload => (device, host.cast_const(), Direction::HostToDevice),
+        Way::Download => (host, device.cast_const(), Direction::DeviceToHost),
+    };
+    // SAFETY: forwarded from the caller; the stream is live while borrowed.
+    unsafe { crate::copy::split::queue(dst, src, copy.width, direction, stream.as_raw()) }
 }

@@ -94,11 +94,29 @@ pub trait Dma: Send + Sync + 'static {
     ///
     /// # Safety
     ///
-    /// Each copy's host rows are page-locked memory valid for the copy (read for an upload,
-    /// written for a download) and the device range too, until an event recorded after them
-    /// on `stream` has completed (or the stream has been waited for); nobody else writes
-    /// either side meanwhile, nor reads what a download writes.
+    /// - each copy's host rows are page-locked memory valid for the copy (read for an upload,
+    ///   written for a download) and the device range too, until an event recorded after
+    ///   them on `stream` has completed (or the stream has been waited for); nobody else
+    ///   writes either side meanwhile, nor reads what a download writes;
+    /// - the call runs inside [`enqueue`](Self::enqueue), on the stream it hands over (or
+    ///   inside the same fence taken by the caller, as the stager's copies do).
     unsafe fn queue(&self, stream: &Self::Stream, copies: &[RingCopy], way: Way) -> Result<()>;
+
+    /// Runs `work`, which queues copies for `stream` and records their events, the way the
+    /// device runs such work safely: for CUDA, with the stream's device current and, on a
+    /// stream adopted from other code, fenced against a capture begun there meanwhile (see
+    /// [`Stream::from_cudarc`](crate::Stream::from_cudarc)); `work` gets the stream to queue
+    /// on.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Capturing`](crate::Error::Capturing) for a stream capturing a graph (nothing
+    /// queued), or `work`'s.
+    fn enqueue<R>(
+        &self,
+        stream: &Self::Stream,
+        work: impl FnOnce(&Self::Stream) -> Result<R>,
+    ) -> Result<R>;
 
     /// Records `event` on `stream`, after the work queued there so far.
     ///

@@ -316,7 +316,7 @@ impl<D: Dma> Copier<D> {
         let chunk = taken.start();
         let device = job.device + offset as u64;
         // From here on copies of the chunk may be queued: lost if dropped pending.
-        taken.chunk_mut().set_pending(true);
+        taken.chunk_mut().mark_pending();
         // SAFETY: the caller of `run` keeps the host range valid (read for uploads, written
         // for downloads, this piece's alone) until every piece has finished; the chunk is this
         // thread's alone (taken from the free list), its previous DMA is over, and it stays
@@ -325,7 +325,10 @@ impl<D: Dma> Copier<D> {
         let moved = unsafe { self.move_piece(job, &taken, chunk, host, device, bytes) };
         match moved {
             Ok(settled) => {
-                taken.chunk_mut().set_pending(!settled);
+                if settled {
+                    // SAFETY: the download into the chunk was waited for (`move_piece`).
+                    unsafe { taken.chunk_mut().mark_settled() };
+                }
                 taken.give_back();
             }
             Err(error) => {
@@ -335,7 +338,8 @@ impl<D: Dma> Copier<D> {
                 if !matches!(error, Error::Capturing)
                     && self.ring.dma().wait_stream(&job.stream).is_ok()
                 {
-                    taken.chunk_mut().set_pending(false);
+                    // SAFETY: the stream the piece's copy was queued on has finished its work.
+                    unsafe { taken.chunk_mut().mark_settled() };
                 }
                 job.fail(error);
             }

@@ -428,7 +428,7 @@ fn when_done(
                 return;
             }
             Some(error) => error,
-            None => Arc::new(Error::Stopped("its device memory never came")),
+            None => Arc::new(Error::Stopped("its device memory was not allocated")),
         };
         for ready in &all_ready {
             ready.set(State::Failed(cause.clone()));

@@ -277,15 +277,15 @@ impl<D: Dma> Job<D> {
         self.arrival.wake();
     }
 
-    /// The job's error, if a piece failed (it stays the job's).
+    /// A copy of the job's error, if a piece failed, shared by every caller (the error itself
+    /// stays the job's, for [`take_error`](Self::take_error)).
     pub(crate) fn error(&self) -> Option<Arc<Error>> {
         self.outcome.error()
     }
 
-    /// The job's error, taken out (the failure stays recorded): the error itself where
-    /// nobody else holds it.
+    /// The job's error, taken out (the failure stays recorded).
     pub(crate) fn take_error(&self) -> Option<Error> {
-        self.outcome.take_error().map(Error::shared)
+        self.outcome.take_error()
     }
 
     /// Counts the piece toward its targets and completes those it was the last of.

@@ -22,8 +22,11 @@ struct Progress {
 #[derive(Default)]
 pub(super) struct Outcome {
     failed: AtomicBool,
-    /// The first error; shared, so that every waiter of a failed load gets it as its cause.
-    error: Mutex<Option<Arc<Error>>>,
+    /// The first error, for the job's owner.
+    error: Mutex<Option<Error>>,
+    /// A copy of it, made once, for whoever waits on part of the job (every tensor of a
+    /// failed load gets it as its cause).
+    shared: Mutex<Option<Arc<Error>>>,
     progress: Mutex<Progress>,
     completed: Condvar,
 }
@@ -37,16 +40,21 @@ impl Outcome {
     /// Records `error` as the job's; the first one wins.
     pub(super) fn fail(&self, error: Error) {
         self.failed.store(true, Ordering::Relaxed);
-        self.error.lock().get_or_insert_with(|| Arc::new(error));
+        self.error.lock().get_or_insert(error);
     }
 
-    /// The job's error, if a piece failed.
+    /// A copy of the job's error, if a piece failed, shared by every caller.
     pub(super) fn error(&self) -> Option<Arc<Error>> {
-        self.error.lock().clone()
+        let error = self.error.lock();
+        let mut shared = self.shared.lock();
+        if shared.is_none() {
+            *shared = error.as_ref().map(|error| Arc::new(error.clone()));
+        }
+        shared.clone()
     }
 
     /// The job's error, taken out (the failure stays recorded).
-    pub(super) fn take_error(&self) -> Option<Arc<Error>> {
+    pub(super) fn take_error(&self) -> Option<Error> {
         self.error.lock().take()
     }
 

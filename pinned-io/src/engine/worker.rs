@@ -5,7 +5,7 @@
 //! over) → read → queue the copies and record the chunk's event, or park the piece (the lead,
 //! the destination) → count the piece toward its targets, whose sink completes them.
 
-use cuda_pinned::ring::{Dma, RingCopy, Taken, Way};
+use cuda_pinned::ring::{Chunk, Dma, RingCopy, Taken, Way};
 
 use super::arrival::{Bases, Destination};
 use super::job::{Job, panicked};
@@ -183,6 +183,13 @@ impl<'a, D: Dma> Worker<'a, D> {
         }
     }
 
+    /// A chunk this job took out of the ring (parked, or opened for parts), in guards again.
+    fn hold(&self, chunk: Chunk<D::Event>) -> Held<'a, D> {
+        // SAFETY: the job's chunks come out of its ring alone, and a parked or open piece's
+        // chunk is held by that piece alone, handed over here.
+        self.held(unsafe { self.ring.hold(chunk) })
+    }
+
     /// `taken` in a guard that fails the job if a panic drops the chunk pending.
     fn held(&self, taken: Taken<'a, D>) -> Held<'a, D> {
         Held {
@@ -204,7 +211,7 @@ impl<'a, D: Dma> Worker<'a, D> {
                 self.job.fail(error.into());
                 // This chunk's copies are unknown: lost (dropped pending); the others are
                 // given back once theirs are known to be over.
-                drop(self.ring.hold(taken[i].taken.take_chunk()));
+                taken[i].taken.lose();
                 give_back_settled(taken);
                 return None;
             }
@@ -296,15 +303,19 @@ impl<'a, D: Dma> Worker<'a, D> {
                 })
                 .collect();
             // From here on copies out of the chunk may be queued: lost if dropped.
-            held.taken.chunk_mut().set_pending(true);
-            // SAFETY: the copies read the piece's bytes, filled at `start` by the caller (or,
-            // for a parked piece, by the thread that parked it, its chunk held untouched
-            // since), in the page-locked ring; the chunk is left alone until its event,
-            // recorded next, completes (or, if that fails, it is lost). They write at their
-            // targets' bases plus their offsets, into the destination the job's owner lent
-            // for it (at creation, or naming it).
-            let queued = unsafe { dma.queue(&job.stream, &copies, Way::Upload) }
-                .and_then(|()| held.taken.record(&job.stream));
+            held.taken.chunk_mut().mark_pending();
+            let taken = &held.taken;
+            let queued = dma.enqueue(&job.stream, |stream| {
+                // SAFETY: the copies read the piece's bytes, filled at `start` by the caller
+                // (or, for a parked piece, by the thread that parked it, its chunk held
+                // untouched since), in the page-locked ring; the chunk is left alone until its
+                // event, recorded next, completes (or, if that fails, it is lost). They write
+                // at their targets' bases plus their offsets, into the destination the job's
+                // owner lent for it (at creation, or naming it). Inside `enqueue`, on its
+                // stream.
+                unsafe { dma.queue(stream, &copies, Way::Upload) }?;
+                taken.record(stream)
+            });
             if let Err(error) = queued {
                 // Copies may be queued that no event covers: reused only once the stream is
                 // known to be done with them, else lost when dropped. One that a capture took
@@ -314,7 +325,9 @@ impl<'a, D: Dma> Worker<'a, D> {
                 if !matches!(error, cuda_pinned::Error::Capturing)
                     && dma.wait_stream(&job.stream).is_ok()
                 {
-                    held.taken.chunk_mut().set_pending(false);
+                    // SAFETY: the stream the copies were queued on (or joined back to, from a
+                    // fence's companion) has finished its work.
+                    unsafe { held.taken.chunk_mut().mark_settled() };
                 }
                 return Err(error.into());
             }
@@ -378,10 +391,9 @@ impl<'a, D: Dma> Worker<'a, D> {
 
     /// Parked pieces back in guards, out of the ring's count of parked chunks.
     fn unpark(&self, parked: Vec<Parked<D::Event>>) -> Vec<Filled<'a, D>> {
-        let ring = self.ring;
-        ring.unpark(parked.iter().filter(|parked| parked.counted).count());
+        (self.ring).unpark(parked.iter().filter(|parked| parked.counted).count());
         (parked.into_iter())
-            .map(|p| (self.held(ring.hold(p.chunk)), p.piece, Some(p.start)))
+            .map(|p| (self.hold(p.chunk), p.piece, Some(p.start)))
             .collect()
     }
 
@@ -445,7 +457,7 @@ impl<'a, D: Dma> Worker<'a, D> {
         self.ring
             .unpark(parked.iter().filter(|parked| parked.counted).count());
         for parked in parked {
-            self.ring.hold(parked.chunk).give_back();
+            self.hold(parked.chunk).taken.give_back();
         }
         self.job.count_finished(count);
     }
@@ -504,12 +516,11 @@ impl<'a, D: Dma> Worker<'a, D> {
         if closed.is_empty() {
             return;
         }
-        let ring = self.ring;
         let filled = closed
             .into_iter()
             .map(|open| {
                 let start = (!open.failed).then_some(open.start);
-                (self.held(ring.hold(open.chunk)), open.piece, start)
+                (self.hold(open.chunk), open.piece, start)
             })
             .collect();
         self.queue_filled(filled);

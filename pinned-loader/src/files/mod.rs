@@ -168,9 +168,11 @@ impl Source {
             .map_err(|e| FileError::io(&self.path, "advising random reads", e))
     }
 
-    /// Whether the page cache holds the byte at `offset`; `None` where the kernel cannot say.
+    /// Whether the page cache holds the byte at `offset`; `None` where the kernel cannot say
+    /// (or the byte lies past the file's end when it was opened).
     pub(crate) fn cached_at(&self, offset: u64) -> Option<bool> {
-        Some(self.probe.as_ref()?.holds(offset, 1))
+        let probe = self.probe.as_ref().filter(|probe| offset < probe.len())?;
+        Some(probe.holds(offset, 1))
     }
 
     /// Asks the kernel to start reading `len` bytes from `offset` into the page cache, and

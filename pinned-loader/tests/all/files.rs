@@ -592,26 +592,9 @@ fn resident_pages(file: &fs::File, len: usize) -> Vec<bool> {
     vector.iter().map(|&page| page & 1 == 1).collect()
 }
 
-/// Whether a read that may not wait tells apart cached and uncached pages of `file` here
-/// (asked at `offset`, which it may read in).
-fn tells_cached(file: &fs::File, offset: u64) -> bool {
-    use std::os::fd::AsRawFd;
-    let mut byte = 0u8;
-    let vector = libc::iovec {
-        iov_base: (&raw mut byte).cast(),
-        iov_len: 1,
-    };
-    // SAFETY: one vector of one byte that outlives the call, on an open descriptor.
-    let read = unsafe {
-        libc::preadv2(
-            file.as_raw_fd(),
-            &vector,
-            1,
-            offset as i64,
-            libc::RWF_NOWAIT,
-        )
-    };
-    read == 1 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EAGAIN)
+/// Whether the kernel tells apart cached and uncached pages of `file` here.
+fn tells_cached(file: &fs::File) -> bool {
+    cuda_pinned::PageCacheProbe::of(file).is_some()
 }
 
 /// Writes `bytes` to a fresh file on a disk, evicts it from the page cache and calls
@@ -658,7 +641,7 @@ fn cold_read_ahead(
         eprintln!("not measurable here: the file stayed in the page cache after eviction");
         return;
     }
-    if !tells_cached(&file, data + (COLD_COUNT - 1) as u64 * COLD_SAMPLE as u64) {
+    if !tells_cached(&file) {
         eprintln!("not measurable here: the file system cannot say what the page cache holds");
         return;
     }

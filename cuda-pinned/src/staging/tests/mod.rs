@@ -228,6 +228,10 @@ impl Dma for Fake {
         Ok(())
     }
 
+    fn enqueue<R>(&self, stream: &(), work: impl FnOnce(&()) -> Result<R>) -> Result<R> {
+        work(stream)
+    }
+
     fn record(&self, event: &Arc<FakeEvent>, _stream: &()) -> Result<()> {
         let mut state = lock(&event.state);
         state.0 += 1;
