@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use crate::goals::{GOALS, Goal, Measured, Reference};
+use crate::goals::{Goal, Measured, Reference, goals};
 use crate::report::Report;
 
 /// The line before the README's generated figures.
@@ -33,7 +33,7 @@ impl Row {
     }
 
     fn met(&self) -> Option<bool> {
-        self.measured.map(|m| self.goal.target.met(m.median))
+        self.measured.map(|m| self.goal.met(m.median))
     }
 
     fn reference(&self, report: &Report) -> String {
@@ -41,10 +41,15 @@ impl Row {
             .goal
             .reference
             .iter()
-            .map(|r| match *r {
-                Reference::Anchor(text) => text.to_owned(),
-                Reference::Same(name, read, unit, decimals) => match read.measure(report) {
-                    Some(m) => format!("{name} {} {unit}", m.show(decimals)),
+            .map(|r| match r {
+                Reference::Anchor { anchor } => anchor.clone(),
+                Reference::Same {
+                    name,
+                    read,
+                    unit,
+                    decimals,
+                } => match read.measure(report) {
+                    Some(m) => format!("{name} {} {unit}", m.show(*decimals)),
                     None => format!("{name}: not measured"),
                 },
             })
@@ -58,11 +63,11 @@ impl Row {
 }
 
 fn rows(report: &Report) -> Vec<Row> {
-    GOALS
+    goals()
         .iter()
         .map(|goal| Row {
             goal,
-            measured: goal.figure.measure(report),
+            measured: goal.measure(report),
         })
         .collect()
 }
@@ -240,7 +245,7 @@ fn write_gaps(out: &mut String, rows: &[Row]) {
     let unmeasured: Vec<&str> = rows
         .iter()
         .filter(|r| r.measured.is_none())
-        .map(|r| r.goal.name)
+        .map(|r| r.goal.name.as_str())
         .collect();
     if !unmeasured.is_empty() {
         let _ = writeln!(

@@ -138,34 +138,19 @@ fn the_readme_shows_six_figures_at_most() {
     // figure in every cell.
     let mut report = fixture();
     report.sections.clear();
-    for goal in pinned_bench::goals::GOALS {
-        let reads = match goal.figure {
-            pinned_bench::goals::Figure::Read(r) => vec![r],
-            pinned_bench::goals::Figure::PercentOf(a, b) => vec![a, b],
-        };
-        for read in reads {
-            let columns: Vec<&str> = read
-                .rows
-                .iter()
-                .map(|(c, _)| *c)
-                .chain(match read.columns {
-                    pinned_bench::goals::Columns::One(c) => vec![c],
-                    pinned_bench::goals::Columns::Spread(a, b, c) => vec![a, b, c],
-                })
+    for goal in pinned_bench::goals::goals() {
+        for read in goal.reads() {
+            let columns: Vec<&str> = (read.rows.keys().map(String::as_str))
+                .chain(read.columns.names())
                 .collect();
-            let mut section = Section::new(read.section, "t", &columns);
-            let mut row: Vec<Value> = read
-                .rows
-                .iter()
-                .map(|(_, pick)| {
-                    Value::Text(
-                        match pick {
-                            pinned_bench::goals::Pick::Is(t) => t,
-                            pinned_bench::goals::Pick::OneOf(list) => list[0],
-                            _ => "64 MiB",
-                        }
-                        .to_owned(),
-                    )
+            let mut section = Section::new(&read.section, "t", &columns);
+            let mut row: Vec<Value> = (read.rows.values())
+                .map(|pick| {
+                    Value::Text(match pick {
+                        pinned_bench::goals::Pick::Is(text) => text.clone(),
+                        pinned_bench::goals::Pick::OneOf(list) => list[0].clone(),
+                        pinned_bench::goals::Pick::Size { from, .. } => from.clone(),
+                    })
                 })
                 .collect();
             row.resize(columns.len(), Value::Num(100.0, 1));
@@ -215,16 +200,71 @@ fn each_record_names_the_sections_it_gives() {
 #[test]
 fn the_per_core_rows_name_their_cap() {
     use pinned_bench::goals::{
-        GOALS, LOADER_MEMORY_PER_CORE_ROW, LOADER_NPY_PER_CORE_ROW, LOADER_PER_CORE_CAP,
+        LOADER_MEMORY_PER_CORE_ROW, LOADER_NPY_PER_CORE_ROW, LOADER_PER_CORE_CAP, goals,
     };
     let cap = format!("(at most {LOADER_PER_CORE_CAP})");
     for name in [LOADER_NPY_PER_CORE_ROW, LOADER_MEMORY_PER_CORE_ROW] {
         assert!(name.contains(&cap), "{name:?} does not say {cap}");
     }
     assert!(
-        GOALS
+        goals()
             .iter()
             .any(|goal| goal.name.contains("a worker per core") && goal.name.contains(&cap)),
         "the per-core goal does not say {cap}"
     );
+}
+
+#[test]
+fn the_goals_read_every_row_the_sections_name_for_them() {
+    use pinned_bench::goals::*;
+    let picked: Vec<&str> = goals()
+        .iter()
+        .flat_map(Goal::reads)
+        .flat_map(|read| read.rows.values())
+        .flat_map(|pick| match pick {
+            Pick::Is(text) => vec![text.as_str()],
+            Pick::OneOf(list) => list.iter().map(String::as_str).collect(),
+            Pick::Size { .. } => Vec::new(),
+        })
+        .collect();
+    for row in [
+        FILES_FIRST_BACK_TO_BACK_ROW,
+        FILES_FIRST_SETTLED_ROW,
+        FILES_ALLOCATION_BACK_TO_BACK_ROW,
+        FILES_ALLOCATION_SETTLED_ROW,
+        LOADER_NPY_ROW,
+        LOADER_MEMORY_ROW,
+        LOADER_NPY_PER_CORE_ROW,
+        LOADER_MEMORY_PER_CORE_ROW,
+        LOADER_COLD_ROW,
+        LOADER_COLD_CEILING_ROW,
+    ] {
+        assert!(picked.contains(&row), "no goal reads the row {row:?}");
+    }
+}
+
+#[test]
+fn goals_are_refused_with_what_is_wrong() {
+    use pinned_bench::goals::parse;
+    let goal = |extra: &str| {
+        format!(
+            "[[goal]]\nname = \"n\"\nfigure.section = \"s\"\nfigure.rows.path = \"$none\"\n\
+             figure.columns = \"c\"\ndecimals = 1\ngoal = \"g\"\n{extra}"
+        )
+    };
+    assert!(
+        parse(&goal(""))
+            .unwrap_err()
+            .contains("one of at_least and at_most")
+    );
+    let both = goal("at_least = 1.0\nat_most = 2.0\n");
+    assert!(
+        parse(&both)
+            .unwrap_err()
+            .contains("one of at_least and at_most")
+    );
+    let unlisted = parse(&goal("at_least = 1.0\n")).unwrap_err();
+    assert!(unlisted.contains("no list `none`"), "{unlisted}");
+    let typo = parse(&goal("at_least = 1.0\nreadem = true\n")).unwrap_err();
+    assert!(typo.contains("readem"), "{typo}");
 }

@@ -1,4 +1,5 @@
-//! Giving idle blocks back to the backend: on request, past a cap, after idling.
+//! Giving idle blocks back to the backend: on request, past the cap on idle bytes (counted
+//! here as blocks enter and leave the caches), after idling.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
@@ -13,6 +14,33 @@ use crate::local::{Cached, idle_bytes};
 use crate::size_class::{CLASSES, SLOT_STRIDE, class_size};
 
 impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
+    /// Counts `size` idle bytes more in the caches, under a cap on them, *before* they enter
+    /// one; whether the caches are then over the cap (and want [`trim_to_cap`](Self::trim_to_cap)
+    /// once the bytes are in).
+    #[inline]
+    pub(super) fn cache_grows(&self, size: usize) -> bool {
+        self.config
+            .max_cached_bytes
+            .is_some_and(|max| self.cached.fetch_add(size, Ordering::Relaxed) + size > max)
+    }
+
+    /// Trims the caches to the cap on idle bytes.
+    #[cold]
+    pub(super) fn trim_to_cap(&self) {
+        if let Some(max) = self.config.max_cached_bytes {
+            self.trim(max);
+        }
+    }
+
+    /// Counts `size` idle bytes fewer in the caches, under a cap on them, *after* they have
+    /// left them.
+    #[inline]
+    pub(super) fn cache_shrank(&self, size: usize) {
+        if self.config.max_cached_bytes.is_some() {
+            self.cached.fetch_sub(size, Ordering::Relaxed);
+        }
+    }
+
     /// Releases every idle block to the backend (PyTorch's `empty_cache`). Blocks in use or
     /// waiting for device work stay.
     pub fn empty_cache(&self) {

@@ -27,33 +27,6 @@ impl<B: PinnedAllocator, C: Completion> Pool<B, C> {
         self.pending.lock().push((allocation, completion));
     }
 
-    /// Counts `size` idle bytes more in the caches, under a cap on them, *before* they enter
-    /// one; whether the caches are then over the cap (and want [`trim_to_cap`](Self::trim_to_cap)
-    /// once the bytes are in).
-    #[inline]
-    pub(super) fn cache_grows(&self, size: usize) -> bool {
-        self.config
-            .max_cached_bytes
-            .is_some_and(|max| self.cached.fetch_add(size, Ordering::Relaxed) + size > max)
-    }
-
-    /// Trims the caches to the cap on idle bytes.
-    #[cold]
-    pub(super) fn trim_to_cap(&self) {
-        if let Some(max) = self.config.max_cached_bytes {
-            self.trim(max);
-        }
-    }
-
-    /// Counts `size` idle bytes fewer in the caches, under a cap on them, *after* they have
-    /// left them.
-    #[inline]
-    pub(super) fn cache_shrank(&self, size: usize) {
-        if self.config.max_cached_bytes.is_some() {
-            self.cached.fetch_sub(size, Ordering::Relaxed);
-        }
-    }
-
     /// Moves every block whose device work has finished into the cache, however many older
     /// blocks still wait. Called on every cache miss; no lock is held while events are asked.
     pub fn process_events(&self) {
