@@ -293,15 +293,13 @@ impl<'a, D: Dma> Worker<'a, D> {
         .entered();
         let dma = self.ring.dma();
         for ((held, piece), &start) in taken.iter_mut().zip(pieces).zip(starts) {
-            let copies: Vec<RingCopy> = (piece.copies.iter())
-                .map(|copy| RingCopy {
-                    host: start.wrapping_add(copy.from),
-                    host_pitch: copy.pitch,
-                    device: bases.of(copy.target) + copy.dst,
-                    width: copy.width,
-                    rows: copy.rows,
-                })
-                .collect();
+            let copies = coalesced(piece.copies.iter().map(|copy| RingCopy {
+                host: start.wrapping_add(copy.from),
+                host_pitch: copy.pitch,
+                device: bases.of(copy.target) + copy.dst,
+                width: copy.width,
+                rows: copy.rows,
+            }));
             // From here on copies out of the chunk may be queued: lost if dropped.
             held.taken.chunk_mut().mark_pending();
             let taken = &held.taken;
@@ -527,6 +525,27 @@ impl<'a, D: Dma> Worker<'a, D> {
     }
 }
 
+/// `copies` with each plain copy that continues the one before it on both sides (the next
+/// tensor of a block, read from the bytes after it) folded into it: the DMA engine pays for
+/// every copy it starts, and a chunk of small tensors then goes in one copy.
+fn coalesced(copies: impl Iterator<Item = RingCopy>) -> Vec<RingCopy> {
+    let mut out: Vec<RingCopy> = Vec::new();
+    for copy in copies {
+        if let Some(last) = out.last_mut()
+            && last.rows == 1
+            && copy.rows == 1
+            && last.host.wrapping_add(last.width) == copy.host
+            && last.device + last.width as u64 == copy.device
+        {
+            last.width += copy.width;
+            last.host_pitch = last.width;
+            continue;
+        }
+        out.push(copy);
+    }
+    out
+}
+
 /// A chunk taken for a job: a panic that drops it with copies pending fails the job first,
 /// so that a thread the loss wakes finds the panic the cause.
 struct Held<'a, D: Dma> {
@@ -620,5 +639,44 @@ impl<D: Dma> Drop for Counted<'_, D> {
         if self.pieces > 0 {
             self.job.count_finished(self.pieces);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn copy(host: usize, device: u64, width: usize, rows: usize) -> RingCopy {
+        RingCopy {
+            host: host as *mut u8,
+            host_pitch: width + if rows > 1 { 8 } else { 0 },
+            device,
+            width,
+            rows,
+        }
+    }
+
+    #[test]
+    fn copies_that_continue_each_other_on_both_sides_go_as_one() {
+        let merged = coalesced(
+            [
+                copy(0, 100, 10, 1),
+                copy(10, 110, 5, 1),
+                copy(15, 115, 1, 1),
+            ]
+            .into_iter(),
+        );
+        assert_eq!(merged, [copy(0, 100, 16, 1)]);
+        // A gap on either side, or a strided copy, keeps them apart.
+        let apart = [
+            copy(0, 100, 10, 1),
+            copy(11, 110, 5, 1),
+            copy(16, 116, 4, 1),
+        ];
+        assert_eq!(coalesced(apart.into_iter()), apart);
+        let apart = [copy(0, 100, 10, 1), copy(10, 111, 5, 1)];
+        assert_eq!(coalesced(apart.into_iter()), apart);
+        let strided = [copy(0, 100, 10, 1), copy(10, 110, 4, 2)];
+        assert_eq!(coalesced(strided.into_iter()), strided);
     }
 }

@@ -4,10 +4,9 @@
 //! ceiling, an mmap with one pageable copy per tensor, the file read into a `Vec` and one
 //! copy, and PyTorch's two paths where `python3` has torch and safetensors.
 
-use std::io::Write;
 use std::mem::MaybeUninit;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use cuda_pinned::{DeviceBuffer, PinnedVec, Stream};
@@ -20,68 +19,25 @@ use pinned_bench::goals::{
     FILES_FIRST_SETTLED_ROW as FIRST_SETTLED_ROW,
 };
 
+mod peers;
+mod shapes;
+mod write;
+
+use peers::{Peer, torch};
+use shapes::{peer_rows, shapes};
+use write::{Written, write_checkpoint};
+
 use crate::progress::Progress;
 use crate::report::{Section, Value};
 use crate::stats::{Spread, gbps};
 
 /// Work items, for the progress bar.
 pub fn steps() -> usize {
-    2
+    3
 }
 
-/// A checkpoint written for the benchmark, removed when dropped.
-struct Written {
-    path: PathBuf,
-    bytes: usize,
-    tensors: usize,
-}
-
-impl Drop for Written {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
-
-/// Writes a safetensors file of `tensors` bf16 tensors of `each` bytes, of varied bytes.
-fn write_checkpoint(
-    dir: &Path,
-    name: &str,
-    tensors: usize,
-    each: usize,
-) -> std::io::Result<Written> {
-    let mut header = String::from("{");
-    for i in 0..tensors {
-        let (start, end) = (i * each, (i + 1) * each);
-        let comma = if i + 1 < tensors { "," } else { "" };
-        header.push_str(&format!(
-            "\"layer.{i}.weight\":{{\"dtype\":\"BF16\",\"shape\":[{}],\"data_offsets\":[{start},{end}]}}{comma}",
-            each / 2
-        ));
-    }
-    header.push('}');
-    while (8 + header.len()) % 8 != 0 {
-        header.push(' ');
-    }
-    let path = dir.join(name);
-    let mut file = std::io::BufWriter::with_capacity(8 << 20, std::fs::File::create(&path)?);
-    file.write_all(&(header.len() as u64).to_le_bytes())?;
-    file.write_all(header.as_bytes())?;
-    let block: Vec<u8> = (0..8 << 20)
-        .map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
-        .collect();
-    let mut left = tensors * each;
-    while left > 0 {
-        let n = left.min(block.len());
-        file.write_all(&block[..n])?;
-        left -= n;
-    }
-    file.into_inner()?.sync_all()?;
-    Ok(Written {
-        path,
-        bytes: tensors * each,
-        tensors,
-    })
-}
+/// The row of the disk's ceiling, which the cold rows are measured against.
+const CEILING_ROW: &str = "disk ceiling: 16 threads of 8 MiB O_DIRECT reads, cold (reference)";
 
 /// Drops the page cache: `true` where the process may (root on Linux).
 fn drop_caches() -> bool {
@@ -321,27 +277,6 @@ fn direct_ceiling(path: &Path, len: usize) -> Result<(), String> {
             .into_iter()
             .try_for_each(|t| t.join().unwrap_or(Err("a reading thread panicked".into())))
     })
-}
-
-/// PyTorch's paths, timed by python itself: seconds, or why not.
-fn torch(path: &Path, pinned: bool) -> Result<f64, String> {
-    let script = if pinned {
-        "import sys,time,torch\nfrom safetensors.torch import load_file\ntorch.cuda.init()\nt=time.perf_counter()\nd={k:v.pin_memory().to('cuda',non_blocking=True) for k,v in load_file(sys.argv[1]).items()}\ntorch.cuda.synchronize()\nprint(time.perf_counter()-t)"
-    } else {
-        "import sys,time,torch\nfrom safetensors.torch import load_file\ntorch.cuda.init()\nt=time.perf_counter()\nd=load_file(sys.argv[1],device='cuda:0')\ntorch.cuda.synchronize()\nprint(time.perf_counter()-t)"
-    };
-    let output = std::process::Command::new("python3")
-        .args(["-c", script])
-        .arg(path)
-        .output()
-        .map_err(|e| format!("python3: {e}", e = cuda_pinned::ErrorChain(&e)))?;
-    if !output.status.success() {
-        return Err("python3 with torch and safetensors not usable".into());
-    }
-    String::from_utf8_lossy(&output.stdout)
-        .trim()
-        .parse()
-        .map_err(|_| "python3 printed no time".into())
 }
 
 fn row(
@@ -672,6 +607,16 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
                 ]),
             }
         }
+        peer_rows(
+            &mut section,
+            &Peer::WARM,
+            "warm",
+            &case,
+            &written,
+            reps,
+            h2d_rate,
+            None,
+        );
         let mut cold_seconds = None;
         if may_drop {
             let cold_reps = if quick { 1 } else { 5 };
@@ -692,14 +637,7 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
             .expect("a series for each run");
             let ceiling_rate =
                 Spread::of(ceiling.iter().map(|&s| gbps(file_len, s)).collect()).median;
-            row(
-                &mut section,
-                "disk ceiling: 16 threads of 8 MiB O_DIRECT reads, cold (reference)",
-                &case,
-                file_len,
-                ceiling,
-                0.0,
-            );
+            row(&mut section, CEILING_ROW, &case, file_len, ceiling, 0.0);
             row(
                 &mut section,
                 "pinned-io, cold",
@@ -744,6 +682,25 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
                 ]),
             }
         }
+        if may_drop {
+            let ceiling = (section.rows.iter())
+                .find(|cells| {
+                    cells.first() == Some(&Value::Text(CEILING_ROW.into()))
+                        && cells.get(1) == Some(&Value::Text(case.clone()))
+                })
+                .and_then(|cells| cells.get(3).and_then(Value::number))
+                .unwrap_or(0.0);
+            peer_rows(
+                &mut section,
+                &Peer::COLD,
+                "cold",
+                &case,
+                &written,
+                1,
+                ceiling,
+                Some(()),
+            );
+        }
         later.push(OneGpu {
             written,
             case,
@@ -752,6 +709,8 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
         });
         progress.step(&format!("files: {label}"));
     }
+    shapes(quick, dir, &reader, may_drop, &mut section)?;
+    progress.step("files: shapes");
     let several = match other_devices(&reader) {
         Some(others) => Some(onto_others(&reader, &others, reps, &later)?),
         None => None,
