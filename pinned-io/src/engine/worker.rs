@@ -293,12 +293,16 @@ impl<'a, D: Dma> Worker<'a, D> {
         .entered();
         let dma = self.ring.dma();
         for ((held, piece), &start) in taken.iter_mut().zip(pieces).zip(starts) {
-            let copies = coalesced(piece.copies.iter().map(|copy| RingCopy {
-                host: start.wrapping_add(copy.from),
-                host_pitch: copy.pitch,
-                device: bases.of(copy.target) + copy.dst,
-                width: copy.width,
-                rows: copy.rows,
+            let copies = coalesced(piece.copies.iter().map(|copy| {
+                let base = bases.of(copy.target);
+                let copy = RingCopy {
+                    host: start.wrapping_add(copy.from),
+                    host_pitch: copy.pitch,
+                    device: base + copy.dst,
+                    width: copy.width,
+                    rows: copy.rows,
+                };
+                (base, copy)
             }));
             // From here on copies out of the chunk may be queued: lost if dropped.
             held.taken.chunk_mut().mark_pending();
@@ -525,13 +529,17 @@ impl<'a, D: Dma> Worker<'a, D> {
     }
 }
 
-/// `copies` with each plain copy that continues the one before it on both sides (the next
-/// tensor of a block, read from the bytes after it) folded into it: the DMA engine pays for
-/// every copy it starts, and a chunk of small tensors then goes in one copy.
-fn coalesced(copies: impl Iterator<Item = RingCopy>) -> Vec<RingCopy> {
+/// `copies` (each with the base of the allocation it writes into) with each plain copy that
+/// continues the one before it on both sides, in the same allocation (the next tensor of a
+/// block, read from the bytes after it), folded into it: the DMA engine pays for every copy
+/// it starts, and a chunk of small tensors then goes in one copy. Copies into different
+/// allocations stay apart even where the allocations touch: CUDA refuses a copy across two.
+fn coalesced(copies: impl Iterator<Item = (u64, RingCopy)>) -> Vec<RingCopy> {
     let mut out: Vec<RingCopy> = Vec::new();
-    for copy in copies {
+    let mut last_base = None;
+    for (base, copy) in copies {
         if let Some(last) = out.last_mut()
+            && last_base == Some(base)
             && last.rows == 1
             && copy.rows == 1
             && last.host.wrapping_add(last.width) == copy.host
@@ -541,6 +549,7 @@ fn coalesced(copies: impl Iterator<Item = RingCopy>) -> Vec<RingCopy> {
             last.host_pitch = last.width;
             continue;
         }
+        last_base = Some(base);
         out.push(copy);
     }
     out
@@ -658,14 +667,12 @@ mod tests {
 
     #[test]
     fn copies_that_continue_each_other_on_both_sides_go_as_one() {
-        let merged = coalesced(
-            [
-                copy(0, 100, 10, 1),
-                copy(10, 110, 5, 1),
-                copy(15, 115, 1, 1),
-            ]
-            .into_iter(),
-        );
+        let one = |copies: &[RingCopy]| coalesced(copies.iter().map(|&copy| (100, copy)));
+        let merged = one(&[
+            copy(0, 100, 10, 1),
+            copy(10, 110, 5, 1),
+            copy(15, 115, 1, 1),
+        ]);
         assert_eq!(merged, [copy(0, 100, 16, 1)]);
         // A gap on either side, or a strided copy, keeps them apart.
         let apart = [
@@ -673,10 +680,16 @@ mod tests {
             copy(11, 110, 5, 1),
             copy(16, 116, 4, 1),
         ];
-        assert_eq!(coalesced(apart.into_iter()), apart);
+        assert_eq!(one(&apart), apart);
         let apart = [copy(0, 100, 10, 1), copy(10, 111, 5, 1)];
-        assert_eq!(coalesced(apart.into_iter()), apart);
+        assert_eq!(one(&apart), apart);
         let strided = [copy(0, 100, 10, 1), copy(10, 110, 4, 2)];
-        assert_eq!(coalesced(strided.into_iter()), strided);
+        assert_eq!(one(&strided), strided);
+        // Allocations that touch: a copy each.
+        let touching = [(100, copy(0, 100, 10, 1)), (110, copy(10, 110, 5, 1))];
+        assert_eq!(
+            coalesced(touching.into_iter()),
+            touching.map(|(_, copy)| copy)
+        );
     }
 }
