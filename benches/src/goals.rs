@@ -24,14 +24,19 @@ pub enum Pick {
     Is(String),
     /// One of these texts.
     OneOf(Vec<String>),
-    /// A size label from `from` on, up to `to` if given (both included).
-    Size {
-        /// The least size, as a label (`"16 MiB"`).
-        from: String,
-        /// The largest size, if any.
-        #[serde(default)]
-        to: Option<String>,
-    },
+    /// A size label in a range.
+    Size(SizeRange),
+}
+
+/// Size labels from `from` on, up to `to` if given (both included).
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SizeRange {
+    /// The least size, as a label (`"16 MiB"`).
+    pub from: String,
+    /// The largest size, if any.
+    #[serde(default)]
+    pub to: Option<String>,
 }
 
 impl Pick {
@@ -42,7 +47,7 @@ impl Pick {
         match self {
             Self::Is(want) => text == want,
             Self::OneOf(list) => list.iter().any(|want| want == text),
-            Self::Size { from, to } => {
+            Self::Size(SizeRange { from, to }) => {
                 let bound = |label: &str| parse_size(label).unwrap_or(f64::NAN);
                 parse_size(text).is_some_and(|size| {
                     size >= bound(from) && to.as_deref().is_none_or(|to| size <= bound(to))
@@ -277,6 +282,13 @@ pub fn parse(text: &str) -> Result<Vec<Goal>, String> {
             }));
         for read in reads {
             for pick in read.rows.values_mut() {
+                if let Pick::Size(SizeRange { from, to }) = pick {
+                    for label in std::iter::once(from.as_str()).chain(to.as_deref()) {
+                        if parse_size(label).is_none() {
+                            return Err(format!("goal {name:?}: {label:?} is not a size"));
+                        }
+                    }
+                }
                 if let Pick::Is(text) = pick
                     && let Some(list) = text.strip_prefix('$')
                 {
@@ -301,6 +313,22 @@ pub fn goals() -> &'static [Goal] {
 // The rows of the sections that goals read by name: the sections name them with these, and
 // a test checks that `goals.toml` reads each.
 
+/// The files section's row of the disk's ceiling, which its cold rows are measured against.
+pub const FILES_CEILING_ROW: &str =
+    "disk ceiling: 16 threads of 8 MiB O_DIRECT reads, cold (reference)";
+/// The files section's reference row of its checkpoint shapes: as many bytes as the
+/// checkpoint (at most 1 GiB) copied from page-locked memory.
+pub const FILES_SHAPE_H2D_ROW: &str =
+    "page-locked H2D, the checkpoint's bytes up to 1 GiB (reference)";
+/// The files section's rows of the peers: InstantTensor and fastsafetensors reading through
+/// the page cache (warm), and as they come (cold).
+pub const FILES_INSTANTTENSOR_WARM_ROW: &str = "InstantTensor, buffered reads, warm";
+/// See [`FILES_INSTANTTENSOR_WARM_ROW`].
+pub const FILES_INSTANTTENSOR_COLD_ROW: &str = "InstantTensor, its default reads, cold";
+/// See [`FILES_INSTANTTENSOR_WARM_ROW`].
+pub const FILES_FASTSAFETENSORS_WARM_ROW: &str = "fastsafetensors, buffered reads, warm";
+/// See [`FILES_INSTANTTENSOR_WARM_ROW`].
+pub const FILES_FASTSAFETENSORS_COLD_ROW: &str = "fastsafetensors, its default reads, cold";
 /// The files section's row of the first tensor's latency, loads back to back.
 pub const FILES_FIRST_BACK_TO_BACK_ROW: &str =
     "pinned-io, first tensor usable, loads back to back (ms)";

@@ -149,7 +149,7 @@ fn the_readme_shows_six_figures_at_most() {
                     Value::Text(match pick {
                         pinned_bench::goals::Pick::Is(text) => text.clone(),
                         pinned_bench::goals::Pick::OneOf(list) => list[0].clone(),
-                        pinned_bench::goals::Pick::Size { from, .. } => from.clone(),
+                        pinned_bench::goals::Pick::Size(range) => range.from.clone(),
                     })
                 })
                 .collect();
@@ -224,7 +224,7 @@ fn the_goals_read_every_row_the_sections_name_for_them() {
         .flat_map(|pick| match pick {
             Pick::Is(text) => vec![text.as_str()],
             Pick::OneOf(list) => list.iter().map(String::as_str).collect(),
-            Pick::Size { .. } => Vec::new(),
+            Pick::Size(_) => Vec::new(),
         })
         .collect();
     for row in [
@@ -238,6 +238,12 @@ fn the_goals_read_every_row_the_sections_name_for_them() {
         LOADER_MEMORY_PER_CORE_ROW,
         LOADER_COLD_ROW,
         LOADER_COLD_CEILING_ROW,
+        FILES_CEILING_ROW,
+        FILES_SHAPE_H2D_ROW,
+        FILES_INSTANTTENSOR_WARM_ROW,
+        FILES_INSTANTTENSOR_COLD_ROW,
+        FILES_FASTSAFETENSORS_WARM_ROW,
+        FILES_FASTSAFETENSORS_COLD_ROW,
     ] {
         assert!(picked.contains(&row), "no goal reads the row {row:?}");
     }
@@ -267,4 +273,7 @@ fn goals_are_refused_with_what_is_wrong() {
     assert!(unlisted.contains("no list `none`"), "{unlisted}");
     let typo = parse(&goal("at_least = 1.0\nreadem = true\n")).unwrap_err();
     assert!(typo.contains("readem"), "{typo}");
+    let size = goal("at_least = 1.0\n").replace("\"$none\"", "{ from = \"16 MB\" }");
+    let size = parse(&size).unwrap_err();
+    assert!(size.contains("\"16 MB\" is not a size"), "{size}");
 }

@@ -1,7 +1,8 @@
 //! A read cut into pieces: each piece one read of a file into one chunk of the ring, then the
 //! copies out of the chunk to where its bytes belong.
 //!
-//! Small neighbours in a file share a piece (one read, one batch of copies) and large spans
+//! Small neighbours in a file share a piece (one read, and one copy where they follow each other
+//! in one allocation: see the worker's `coalesced`) and large spans
 //! are cut where the file's offsets cross multiples of the piece size, so that every piece
 //! past a span's first starts on a block boundary that a read past the page cache can use.
 

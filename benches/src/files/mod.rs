@@ -1,8 +1,8 @@
 //! `files`: safetensors checkpoints from a file to the GPU — one of 205 large bf16 tensors
-//! and one of 2,000 small ones — warm (in the page cache) and cold (cache dropped, where
-//! the process may), against in the same run: page-locked H2D, the disk's `O_DIRECT`
-//! ceiling, an mmap with one pageable copy per tensor, the file read into a `Vec` and one
-//! copy, and PyTorch's two paths where `python3` has torch and safetensors.
+//! and one of 2,000 small ones, then the shapes of `shapes.rs` — warm (in the page cache)
+//! and cold (cache dropped, where the process may), against in the same run: page-locked
+//! H2D, the disk's `O_DIRECT` ceiling, an mmap with one pageable copy per tensor, the file
+//! read into a `Vec` and one copy, and the peers of `peers.rs` where `python3` has them.
 
 use std::mem::MaybeUninit;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -36,8 +36,7 @@ pub fn steps() -> usize {
     3
 }
 
-/// The row of the disk's ceiling, which the cold rows are measured against.
-const CEILING_ROW: &str = "disk ceiling: 16 threads of 8 MiB O_DIRECT reads, cold (reference)";
+use pinned_bench::goals::FILES_CEILING_ROW as CEILING_ROW;
 
 /// Drops the page cache: `true` where the process may (root on Linux).
 fn drop_caches() -> bool {
@@ -607,16 +606,7 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
                 ]),
             }
         }
-        peer_rows(
-            &mut section,
-            &Peer::WARM,
-            "warm",
-            &case,
-            &written,
-            reps,
-            h2d_rate,
-            None,
-        );
+        peer_rows(&mut section, &Peer::WARM, &case, &written, reps, h2d_rate);
         let mut cold_seconds = None;
         if may_drop {
             let cold_reps = if quick { 1 } else { 5 };
@@ -690,16 +680,7 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
                 })
                 .and_then(|cells| cells.get(3).and_then(Value::number))
                 .unwrap_or(0.0);
-            peer_rows(
-                &mut section,
-                &Peer::COLD,
-                "cold",
-                &case,
-                &written,
-                1,
-                ceiling,
-                Some(()),
-            );
+            peer_rows(&mut section, &Peer::COLD, &case, &written, 1, ceiling);
         }
         later.push(OneGpu {
             written,

@@ -30,12 +30,14 @@ pub(super) fn torch(path: &Path, pinned: bool) -> Result<f64, String> {
 pub(super) enum Peer {
     /// InstantTensor reading through the page cache (`backend=BackendPolicy.BUFFERED`).
     InstantTensorBuffered,
-    /// InstantTensor as it comes: reads past the page cache (io_uring or AIO).
+    /// InstantTensor as it comes: on a local disk, reads past the page cache (io_uring or
+    /// AIO).
     InstantTensor,
     /// fastsafetensors without GPUDirect Storage, reading through the page cache
     /// (`FASTSAFETENSORS_ODIRECT=0`).
     FastsafetensorsBuffered,
-    /// fastsafetensors without GPUDirect Storage, as it comes: reads past the page cache.
+    /// fastsafetensors without GPUDirect Storage, as it comes: on a local disk, reads past the
+    /// page cache (the versions that have `FASTSAFETENSORS_ODIRECT`).
     Fastsafetensors,
 }
 
@@ -45,15 +47,24 @@ impl Peer {
     /// Each peer as it comes, for a cold file.
     pub(super) const COLD: [Peer; 2] = [Peer::InstantTensor, Peer::Fastsafetensors];
 
-    /// The row's name, `state` being "warm" or "cold".
-    pub(super) fn row(self, state: &str) -> String {
-        let name = match self {
-            Self::InstantTensorBuffered => "InstantTensor, buffered reads",
-            Self::InstantTensor => "InstantTensor, its default reads",
-            Self::FastsafetensorsBuffered => "fastsafetensors, buffered reads",
-            Self::Fastsafetensors => "fastsafetensors, its default reads",
+    /// Whether it is a cold row's configuration.
+    pub(super) fn cold(self) -> bool {
+        Self::COLD.contains(&self)
+    }
+
+    /// The row's name.
+    pub(super) fn row(self) -> String {
+        use pinned_bench::goals::{
+            FILES_FASTSAFETENSORS_COLD_ROW, FILES_FASTSAFETENSORS_WARM_ROW,
+            FILES_INSTANTTENSOR_COLD_ROW, FILES_INSTANTTENSOR_WARM_ROW,
         };
-        format!("{name}, {state}")
+        match self {
+            Self::InstantTensorBuffered => FILES_INSTANTTENSOR_WARM_ROW,
+            Self::InstantTensor => FILES_INSTANTTENSOR_COLD_ROW,
+            Self::FastsafetensorsBuffered => FILES_FASTSAFETENSORS_WARM_ROW,
+            Self::Fastsafetensors => FILES_FASTSAFETENSORS_COLD_ROW,
+        }
+        .to_owned()
     }
 }
 
@@ -63,27 +74,40 @@ const PEER_SCRIPT: &str = r#"import os,sys,time,torch
 peer,untimed,reps,files=sys.argv[1],int(sys.argv[2]),int(sys.argv[3]),sys.argv[4:]
 torch.cuda.init()
 if peer.startswith('instanttensor'):
-    from instanttensor import safe_open,BackendPolicy
-    options={'backend':BackendPolicy.BUFFERED} if peer.endswith('buffered') else {}
-    # A list of files fails in this version without a process group: one file at a time.
+    from instanttensor import safe_open
+    options={}
+    if peer.endswith('buffered'):
+        from instanttensor import BackendPolicy
+        options['backend']=BackendPolicy.BUFFERED
+    # Tensors that own their memory (views into its ring, where `copy` is not asked, are
+    # reused while it reads on); a list of files in one call, else a file at a time.
     def load():
-        d={}
-        for name in files:
-            with safe_open(name,framework='pt',device=0,**options) as f:
-                d.update((k,v) for k,v in f.tensors())
+        try:
+            with safe_open(files if len(files)>1 else files[0],framework='pt',device=0,copy=True,**options) as f:
+                d=dict(f.tensors())
+        except (TypeError,IndexError):
+            d={}
+            for name in files:
+                with safe_open(name,framework='pt',device=0,copy=True,**options) as f:
+                    d.update(f.tensors())
+        torch.cuda.synchronize()
         return d
 else:
     from fastsafetensors import fastsafe_open
+    # Its tensors are valid while its file buffer is open: waited for inside.
     def load():
         with fastsafe_open(filenames=files,framework='pt',device='cuda:0',nogds=True) as f:
-            return {k:f.get_tensor(k) for k in f.keys()}
+            d={k:f.get_tensor(k) for k in f.keys()}
+            torch.cuda.synchronize()
+            return d
 for i in range(untimed+reps):
     t=time.perf_counter()
     d=load()
-    torch.cuda.synchronize()
     s=time.perf_counter()-t
     del d
     torch.cuda.empty_cache()
+    # As for pinned-io: the driver goes on releasing freed memory for a while.
+    time.sleep(0.25)
     if i>=untimed:
         print(s,flush=True)
 "#;
@@ -107,6 +131,8 @@ pub(super) fn peer(
         .arg(untimed.to_string())
         .arg(reps.to_string())
         .args(files);
+    // Newer versions let a second variable override the first.
+    command.env_remove("FASTSAFETENSORS_NOGDS_ODIRECT");
     match odirect {
         Some(value) => command.env("FASTSAFETENSORS_ODIRECT", value),
         None => command.env_remove("FASTSAFETENSORS_ODIRECT"),

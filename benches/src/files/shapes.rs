@@ -3,12 +3,10 @@
 //! and the peers, and cold against the disk's ceiling and the peers as they come.
 
 use super::peers::{Peer, peer};
-use super::write::{Written, write_checkpoint, write_model, write_shards};
+use super::write::{Written, model_label, write_checkpoint, write_model, write_shards};
 use super::*;
 
-/// The reference row of the shapes: as many bytes as the checkpoint (at most 1 GiB) copied
-/// from page-locked memory.
-const H2D_ROW: &str = "page-locked H2D, the checkpoint's bytes up to 1 GiB (reference)";
+use pinned_bench::goals::FILES_SHAPE_H2D_ROW as H2D_ROW;
 
 /// Loads each shape warm and cold into `section`.
 pub(super) fn shapes(
@@ -24,42 +22,31 @@ pub(super) fn shapes(
     } else {
         (40 << 20, 205)
     };
-    let written = |what: std::io::Result<Written>| {
+    let checked = |what: std::io::Result<Written>| {
         what.map_err(|e| format!("writing a checkpoint: {}", cuda_pinned::ErrorChain(&e)))
     };
-    let cases = [
+    let tiny = 4 << 10;
+    // Written, loaded and removed in turn: the disk and the page cache hold one at a time.
+    type Writer<'a> = Box<dyn Fn() -> std::io::Result<Written> + 'a>;
+    let cases: [(String, Writer<'_>); 3] = [
         (
-            "tiny: 20000 × 4 KiB".to_owned(),
-            written(write_checkpoint(
-                dir,
-                "pinned-bench-tiny.safetensors",
-                20_000,
-                4 << 10,
-            ))?,
+            format!("tiny: 20000 × {}", crate::report::size_label(tiny as u64)),
+            Box::new(|| write_checkpoint(dir, "pinned-bench-tiny.safetensors", 20_000, tiny)),
         ),
         (
-            if quick {
-                "model-shaped: an 8-layer decoder, 0.3 B parameters".to_owned()
-            } else {
-                "model-shaped: a 22-layer decoder, 1.1 B parameters".to_owned()
-            },
-            written(write_model(dir, "pinned-bench-model.safetensors", quick))?,
+            model_label(quick),
+            Box::new(|| write_model(dir, "pinned-bench-model.safetensors", quick)),
         ),
         (
             format!(
                 "sharded: {shard_count} × {} in 16 files",
                 crate::report::size_label(shard_each as u64)
             ),
-            written(write_shards(
-                dir,
-                "pinned-bench-sharded",
-                16,
-                shard_count,
-                shard_each,
-            ))?,
+            Box::new(|| write_shards(dir, "pinned-bench-sharded", 16, shard_count, shard_each)),
         ),
     ];
-    for (case, written) in &cases {
+    for (case, write) in &cases {
+        let written = &checked(write())?;
         let path = &written.path;
         for file in &written.files {
             warm_page_cache(file)?;
@@ -93,16 +80,7 @@ pub(super) fn shapes(
             warm,
             h2d_rate,
         );
-        peer_rows(
-            section,
-            &Peer::WARM,
-            "warm",
-            case,
-            written,
-            reps,
-            h2d_rate,
-            None,
-        );
+        peer_rows(section, &Peer::WARM, case, written, reps, h2d_rate);
         if may_drop {
             let file_len: usize = (written.files.iter())
                 .map(|file| std::fs::metadata(file).map_or(0, |m| m.len() as usize))
@@ -126,8 +104,7 @@ pub(super) fn shapes(
             .expect("a series for each run");
             let ceiling_rate =
                 Spread::of(ceiling.iter().map(|&s| gbps(file_len, s)).collect()).median;
-            let ceiling_name = "disk ceiling: 16 threads of 8 MiB O_DIRECT reads, cold (reference)";
-            row(section, ceiling_name, case, file_len, ceiling, 0.0);
+            row(section, CEILING_ROW, case, file_len, ceiling, 0.0);
             row(
                 section,
                 "pinned-io, cold",
@@ -136,41 +113,30 @@ pub(super) fn shapes(
                 cold,
                 ceiling_rate,
             );
-            peer_rows(
-                section,
-                &Peer::COLD,
-                "cold",
-                case,
-                written,
-                1,
-                ceiling_rate,
-                Some(()),
-            );
+            peer_rows(section, &Peer::COLD, case, written, 1, ceiling_rate);
         }
     }
     Ok(())
 }
 
-/// A row for each of `peers` loading `written` (`reps` timed loads after one untimed one
-/// where warm; one load after the page cache is dropped where `cold`), or a note of why not.
-#[allow(clippy::too_many_arguments)]
+/// A row for each of `peers` loading `written`: `reps` timed loads after an untimed one for
+/// the warm peers; one load after the page cache is dropped for the cold ones (a fresh
+/// process, its library's start-up included). Or a note of why not.
 pub(super) fn peer_rows(
     section: &mut Section,
     peers: &[Peer],
-    state: &str,
     case: &str,
     written: &Written,
     reps: usize,
     reference: f64,
-    cold: Option<()>,
 ) {
     for &which in peers {
-        if cold.is_some() {
+        let cold = which.cold();
+        if cold {
             drop_caches();
         }
-        let untimed = usize::from(cold.is_none());
-        let name = which.row(state);
-        match peer(which, &written.files, untimed, reps) {
+        let name = which.row();
+        match peer(which, &written.files, usize::from(!cold), reps) {
             Ok(seconds) => row(section, &name, case, written.bytes, seconds, reference),
             Err(why) => section.row(vec![
                 Value::Text(name),

@@ -88,34 +88,29 @@ pub(super) fn write_checkpoint(
     })
 }
 
-/// The tensors of a decoder shaped like a small language model (Llama's layout): one large
-/// embedding and output head, and per layer four attention projections, three MLP weights,
-/// their biases and two norms of a few KiB each.
+/// The tensors of a decoder shaped like a small language model: one large embedding and
+/// output head, and per layer four attention projections (keys and values grouped, an eighth
+/// of the queries' width), three MLP weights, their biases and two norms of a few KiB each.
 fn decoder(layers: usize, hidden: usize, intermediate: usize, vocab: usize) -> Vec<Tensor> {
     let tensor = |name: String, elements: usize| Tensor { name, elements };
+    let grouped = hidden / 8;
     let mut tensors = vec![tensor("model.embed_tokens.weight".into(), vocab * hidden)];
     for layer in 0..layers {
         let at = |part: &str| format!("model.layers.{layer}.{part}");
-        for projection in ["q", "k", "v", "o"] {
-            tensors.push(tensor(
-                at(&format!("self_attn.{projection}_proj.weight")),
-                hidden * hidden,
-            ));
-            tensors.push(tensor(
-                at(&format!("self_attn.{projection}_proj.bias")),
-                hidden,
-            ));
+        for (projection, outputs) in [("q", hidden), ("k", grouped), ("v", grouped), ("o", hidden)]
+        {
+            let name = |what: &str| at(&format!("self_attn.{projection}_proj.{what}"));
+            tensors.push(tensor(name("weight"), outputs * hidden));
+            tensors.push(tensor(name("bias"), outputs));
         }
         for (weight, outputs) in [
             ("gate", intermediate),
             ("up", intermediate),
             ("down", hidden),
         ] {
-            tensors.push(tensor(
-                at(&format!("mlp.{weight}_proj.weight")),
-                hidden * intermediate,
-            ));
-            tensors.push(tensor(at(&format!("mlp.{weight}_proj.bias")), outputs));
+            let name = |what: &str| at(&format!("mlp.{weight}_proj.{what}"));
+            tensors.push(tensor(name("weight"), hidden * intermediate));
+            tensors.push(tensor(name("bias"), outputs));
         }
         tensors.push(tensor(at("input_layernorm.weight"), hidden));
         tensors.push(tensor(at("post_attention_layernorm.weight"), hidden));
@@ -125,14 +120,29 @@ fn decoder(layers: usize, hidden: usize, intermediate: usize, vocab: usize) -> V
     tensors
 }
 
-/// A checkpoint shaped like a decoder: TinyLlama's 1.1 B parameters (22 layers of 2,048),
-/// or, for a short run, 8 layers of 1,024.
-pub(super) fn write_model(dir: &Path, name: &str, quick: bool) -> std::io::Result<Written> {
-    let tensors = if quick {
-        decoder(8, 1024, 2816, 32_000)
+/// The decoder of a run: TinyLlama's shape (22 layers of 2,048), or, for a short run, 8
+/// layers of 1,024.
+fn model(quick: bool) -> (usize, Vec<Tensor>) {
+    if quick {
+        (8, decoder(8, 1024, 2816, 32_000))
     } else {
-        decoder(22, 2048, 5632, 32_000)
-    };
+        (22, decoder(22, 2048, 5632, 32_000))
+    }
+}
+
+/// The model-shaped checkpoint's label: its layers and parameters.
+pub(super) fn model_label(quick: bool) -> String {
+    let (layers, tensors) = model(quick);
+    let parameters: usize = tensors.iter().map(|t| t.elements).sum();
+    format!(
+        "model-shaped: {layers} decoder layers, {:.2} B parameters",
+        parameters as f64 / 1e9
+    )
+}
+
+/// A checkpoint shaped like a decoder (see [`model`]).
+pub(super) fn write_model(dir: &Path, name: &str, quick: bool) -> std::io::Result<Written> {
+    let (_, tensors) = model(quick);
     let path = dir.join(name);
     let bytes = write_tensors(&path, &tensors)?;
     Ok(Written {
@@ -152,13 +162,14 @@ pub(super) fn write_shards(
     tensors: usize,
     each: usize,
 ) -> std::io::Result<Written> {
-    let per_shard = tensors.div_ceil(shards);
+    assert!(tensors >= shards, "{tensors} tensors in {shards} shards");
     let mut files = Vec::with_capacity(shards);
     let mut weight_map = Vec::with_capacity(tensors);
     let mut bytes = 0;
     for shard in 0..shards {
         let file_name = format!("{name}-{:05}-of-{shards:05}.safetensors", shard + 1);
-        let list: Vec<Tensor> = (shard * per_shard..((shard + 1) * per_shard).min(tensors))
+        // As even as they go: every shard holds tensors.
+        let list: Vec<Tensor> = (shard * tensors / shards..(shard + 1) * tensors / shards)
             .map(|i| Tensor {
                 name: format!("layer.{i}.weight"),
                 elements: each / 2,
@@ -215,6 +226,20 @@ mod tests {
         }
         // Each layer: four projections and three MLP weights, each with its bias, and two norms.
         assert_eq!(model.tensors, 3 + 2 * 16);
+        // Every shard holds tensors, however the count divides.
+        let uneven = write_shards(dir.path(), "u", 16, 100, 4096).unwrap();
+        for file in &uneven.files {
+            let header = pinned_io::Checkpoint::open(file).unwrap();
+            assert!(header.tensors().count() >= 6, "{}", file.display());
+        }
+        assert_eq!(
+            model_label(false),
+            "model-shaped: 22 decoder layers, 1.10 B parameters"
+        );
+        assert_eq!(
+            model_label(true),
+            "model-shaped: 8 decoder layers, 0.15 B parameters"
+        );
         let paths: Vec<_> = sharded.files.clone();
         drop(sharded);
         assert!(paths.iter().all(|path| !path.exists()));
