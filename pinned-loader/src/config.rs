@@ -118,7 +118,8 @@ impl LoaderConfig {
     /// This process's share of the samples in distributed training: rank `rank` of `world_size`.
     ///
     /// Shares are split as by `DistributedSampler` (equal counts; the order padded by wrapping
-    /// around unless `drop_last`).
+    /// around unless `drop_last`). [`Ranks::from_env`](crate::Ranks::from_env) reads them from
+    /// what torchrun, an MPI launcher or Slurm set.
     pub fn shard(mut self, rank: usize, world_size: usize) -> Self {
         self.shard = (rank, world_size);
         self

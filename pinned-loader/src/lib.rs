@@ -120,7 +120,7 @@
 //! |---|---|
 //! | `Dataset.__getitem__` + `collate_fn` | [`SampleDataset::get`] (the loader collates), or [`Dataset::write`] (the dataset writes into the batch itself) |
 //! | `DataLoader(batch_size, num_workers, prefetch_factor, shuffle, drop_last, persistent_workers, in_order)` | [`LoaderConfig`] |
-//! | `DistributedSampler(rank, num_replicas)` | [`LoaderConfig::shard`] |
+//! | `DistributedSampler(rank, num_replicas)` | [`LoaderConfig::shard`], the ranks from the launcher's environment by [`Ranks::from_env`] |
 //! | `pin_memory=True` | always |
 //! | `pin_memory_device` / one process per GPU | [`LoaderConfig::device`]: one loader per GPU, sharing a pool |
 //! | `.to(device, non_blocking=True)` | [`DeviceLoader`], [`DeviceBatch::ready_on`] |
@@ -144,6 +144,7 @@ mod field_buffer;
 mod fields;
 mod files;
 mod loader;
+mod ranks;
 mod sampler;
 mod slot;
 mod stats;
@@ -154,6 +155,7 @@ pub use config::LoaderConfig;
 pub use device::{Assembly, DeviceBatch, DeviceEpoch, DeviceLoader};
 pub use field_buffer::FieldBuffer;
 pub use loader::{Epoch, Loader};
+pub use ranks::{Launcher, Ranks, RanksError};
 
 // Datasets and the fields of their samples.
 pub use cuda_pinned::copy_streaming;
