@@ -6,7 +6,7 @@
 //! `safetensors` crate's `Metadata::validate`, and go further where its reader is lenient: a
 //! duplicate key or an unknown field is refused rather than silently dropped.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fmt;
 use std::fs::File;
 use std::io;
@@ -274,7 +274,7 @@ impl<'de, V: Deserialize<'de>> Deserialize<'de> for Pairs<V> {
 
 /// The first key that appears more than once, if any.
 pub(crate) fn first_duplicate<V>(pairs: &[(String, V)]) -> Option<&str> {
-    let mut seen = HashSet::with_capacity(pairs.len());
+    let mut seen = foldhash::HashSet::with_capacity_and_hasher(pairs.len(), Default::default());
     pairs
         .iter()
         .map(|(key, _)| key.as_str())

@@ -253,7 +253,7 @@ impl Checkpoint {
             let split = options.split.as_ref().and_then(|split| split(spec));
             let (extent, shape) = extent(spec, split.as_ref(), self.files[file].path())?;
             plan.push(Planned {
-                name: spec.name().to_owned(),
+                name: spec.name().into(),
                 dtype: spec.dtype(),
                 shape,
                 file,
@@ -298,7 +298,7 @@ impl Checkpoint {
 /// One selected tensor: where its bytes lie in its file, and at which offset of which block
 /// they go.
 struct Planned {
-    name: String,
+    name: Arc<str>,
     dtype: Dtype,
     shape: Vec<usize>,
     file: usize,

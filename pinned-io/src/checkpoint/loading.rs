@@ -1,7 +1,6 @@
 //! A load under way and its result: the tensors on each device, each ready on its own event,
 //! the order they landed in, and the load's figures.
 
-use std::collections::HashMap;
 use std::mem::MaybeUninit;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
@@ -16,6 +15,9 @@ use cuda_pinned::ring::Cuda;
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
+
+/// Each tensor's index by name.
+pub(super) type Names = foldhash::HashMap<Arc<str>, usize>;
 
 /// A tensor's readiness: not yet queued, queued behind an event, or failed.
 #[derive(Default)]
@@ -130,7 +132,7 @@ pub(super) struct OnDevice {
 pub struct Loading {
     pub(super) primary: OnDevice,
     pub(super) replicas: Vec<OnDevice>,
-    pub(super) names: HashMap<String, usize>,
+    pub(super) names: Names,
     /// The read: the reader's crew does the work.
     pub(super) reading: Reading<Cuda>,
     pub(super) stream: Stream,
@@ -287,7 +289,7 @@ impl<'a> Iterator for Landed<'a> {
 /// figures.
 #[derive(Debug)]
 pub struct Loaded {
-    names: HashMap<String, usize>,
+    names: Names,
     /// The reader's device's tensors, then each replica's.
     copies: Vec<Vec<LoadedTensor>>,
     report: LoadReport,
@@ -320,7 +322,7 @@ impl Loaded {
 
 /// One tensor of a load, on one device.
 pub struct LoadedTensor {
-    pub(super) name: String,
+    pub(super) name: Arc<str>,
     pub(super) dtype: Dtype,
     pub(super) shape: Vec<usize>,
     pub(super) split: Option<super::Split>,

@@ -121,7 +121,7 @@ impl Checkpoint {
     fn open_files(paths: &[PathBuf], index: Option<&ShardIndex>) -> Result<Self> {
         let mut files = Vec::with_capacity(paths.len());
         let mut headers = Vec::with_capacity(paths.len());
-        let mut seen: HashMap<&str, usize> = HashMap::new();
+        let mut seen: foldhash::HashMap<&str, usize> = foldhash::HashMap::default();
         for (shard, path) in paths.iter().enumerate() {
             let file = DataFile::open(path)?;
             let header = Header::read(file.std_file(), path)?;
@@ -131,6 +131,7 @@ impl Checkpoint {
             files.push(file);
             headers.push(header);
         }
+        seen.reserve(headers.iter().map(|header| header.tensors().len()).sum());
         for (shard, header) in headers.iter().enumerate() {
             for tensor in header.tensors() {
                 if let Some(first) = seen.insert(tensor.name(), shard) {
