@@ -8,7 +8,7 @@ use cuda_pinned::{DefaultPinned, Device, DeviceSliceMut, PinnedAllocator, Pinned
 
 use cuda_pinned::ring::Cuda;
 
-use crate::engine::{Crew, Done, Job, ReadRing, Reading};
+use crate::engine::{Done, Engine, Job, ReadRing, Reading};
 use crate::error::{Error, Result};
 use crate::file::{DIRECT_ALIGN, DataFile, ReadMode};
 use crate::plan::{self, Span};
@@ -145,7 +145,7 @@ impl Default for ReaderConfig {
 /// # Ok::<(), pinned_io::Error>(())
 /// ```
 pub struct FileReader {
-    crew: Arc<Crew<Cuda>>,
+    crew: Arc<Engine<Cuda>>,
     device: Device,
     config: ReaderConfig,
 }
@@ -199,7 +199,7 @@ impl FileReader {
         }?
         .read_in_parts_of(config.read_bytes);
         Ok(Self {
-            crew: Arc::new(Crew::new(ring, config.threads)?),
+            crew: Arc::new(Engine::new(ring, config.threads)?),
             device,
             config,
         })

@@ -571,7 +571,7 @@ fn fan_out(
         })
         .collect();
     let (arrivals, meter) = (arrivals.clone(), meter.clone());
-    // Crew threads sink at once. A block tracks one event per stream, the latest it is given:
+    // Engine threads sink at once. A block tracks one event per stream, the latest it is given:
     // recorded and given in one order, so that the one it keeps is the one recorded last.
     let in_order = Mutex::new(());
     Box::new(move |targets: &[usize], stream: &Stream| {

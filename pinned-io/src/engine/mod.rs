@@ -17,7 +17,7 @@
 //!
 //! | file | stage |
 //! |---|---|
-//! | `crew.rs` | the way in: [`Crew::run`] a read, or [`Crew::start`] one and follow it ([`Reading`]) |
+//! | `way_in.rs` | the way in, [`Engine`] (cuda-pinned's crew over a [`ReadRing`]): [`Engine::run`] a read, or [`Engine::start`] one and follow it ([`Reading`]) |
 //! | `job.rs` | [`Job`]: the pieces, the files, what to take next, the targets' counts |
 //! | `worker.rs` | a thread's turn: piece → chunk → read → copies queued (or parked) → targets |
 //! | `read.rs` | reading a piece, or a run of neighbours past the page cache |
@@ -28,7 +28,6 @@
 //! | `ring.rs` | [`ReadRing`]: chunks with room for aligned reads, and the memory they lie in |
 
 mod arrival;
-pub(crate) mod crew;
 mod job;
 mod lead;
 mod outcome;
@@ -37,9 +36,10 @@ mod read;
 mod ring;
 #[cfg(test)]
 mod tests;
+pub(crate) mod way_in;
 mod worker;
 
 pub(crate) use arrival::{Bases, Destination, Sink};
-pub(crate) use crew::{Crew, Reading};
 pub(crate) use job::{Done, Job};
 pub(crate) use ring::ReadRing;
+pub(crate) use way_in::{Engine, Reading};

@@ -286,7 +286,7 @@ fn read_in_parts(
     let fake = Fake::default();
     fake.dst_base.store(base as usize, Ordering::Relaxed);
     *fake.writes.lock().unwrap() = vec![0; total as usize];
-    let crew = Crew::new(ring_in_parts(&fake, chunk, count, part), threads).unwrap();
+    let crew = Engine::new(ring_in_parts(&fake, chunk, count, part), threads).unwrap();
     let pieces = cut(spans, crew.ring().capacity()).unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
     let sink_seen = seen.clone();
@@ -526,7 +526,7 @@ fn a_failed_copy_is_the_jobs_error_and_its_chunk_is_reused_after_the_stream() {
     fake.dst_base
         .store(dst.as_mut_ptr() as usize, Ordering::Relaxed);
     *fake.writes.lock().unwrap() = vec![0; 64 << 10];
-    let crew = Crew::new(ring(&fake, 3 * DIRECT_ALIGN, 2), 1).unwrap();
+    let crew = Engine::new(ring(&fake, 3 * DIRECT_ALIGN, 2), 1).unwrap();
     let spans = [Span {
         file: 0,
         offset: 0,
@@ -553,7 +553,7 @@ fn a_failed_copy_is_the_jobs_error_and_its_chunk_is_reused_after_the_stream() {
 
 /// A job of `spans` pieces of a fresh file, for the crew tests.
 fn job_for(
-    crew: &Crew<Fake>,
+    crew: &Engine<Fake>,
     dst: &mut [u8],
     sink: Box<Sink<Fake>>,
 ) -> (tempfile::NamedTempFile, Job<Fake>) {
@@ -582,7 +582,7 @@ fn a_submitted_job_completes_on_the_crew_alone_and_calls_done_once() {
     fake.dst_base
         .store(dst.as_mut_ptr() as usize, Ordering::Relaxed);
     *fake.writes.lock().unwrap() = vec![0; dst.len()];
-    let crew = Crew::new(ring(&fake, DIRECT_ALIGN, 2), 3).unwrap();
+    let crew = Engine::new(ring(&fake, DIRECT_ALIGN, 2), 3).unwrap();
     let sinks = Arc::new(AtomicUsize::new(0));
     let dones = Arc::new(AtomicUsize::new(0));
     let (seen, finished) = (sinks.clone(), dones.clone());
@@ -612,7 +612,7 @@ fn a_panicking_sink_fails_the_job_and_nobody_hangs() {
     fake.dst_base
         .store(dst.as_mut_ptr() as usize, Ordering::Relaxed);
     *fake.writes.lock().unwrap() = vec![0; dst.len()];
-    let crew = Crew::new(ring(&fake, DIRECT_ALIGN, 2), 2).unwrap();
+    let crew = Engine::new(ring(&fake, DIRECT_ALIGN, 2), 2).unwrap();
     let sink = Box::new(|_: &[usize], _: &()| -> Result<()> { panic!("a sink that panics") });
     let (_file, job) = job_for(&crew, &mut dst, sink);
     let job = Arc::new(job);
@@ -634,7 +634,7 @@ fn a_panicking_sink_fails_the_job_and_nobody_hangs() {
 fn a_job_completes_once_however_its_last_counts_interleave() {
     let fake = Fake::default();
     let mut dst = vec![0u8; 100];
-    let crew = Crew::new(ring(&fake, DIRECT_ALIGN, 1), 1).unwrap();
+    let crew = Engine::new(ring(&fake, DIRECT_ALIGN, 1), 1).unwrap();
     let (_file, job) = job_for(&crew, &mut dst, Box::new(|_: &[usize], _: &()| Ok(())));
     let done = Arc::new(AtomicUsize::new(0));
     let counted = done.clone();
@@ -667,7 +667,7 @@ fn reads_through_the_page_cache_write_nothing_outside_their_piece() {
             let ring = unsafe { ReadRing::new(fake.clone(), start, chunk, 1, Box::new(memory)) }
                 .unwrap()
                 .read_in_parts_of(part);
-            let crew = Crew::new(ring, threads).unwrap();
+            let crew = Engine::new(ring, threads).unwrap();
             let span = rows(offset as u64, len as u64, 1, 1);
             let span = Span {
                 dst: dst.as_mut_ptr() as u64,
@@ -711,7 +711,7 @@ fn the_first_target_is_queued_before_the_pieces_after_it() {
     let base = dst.as_mut_ptr() as u64;
     fake.dst_base.store(base as usize, Ordering::Relaxed);
     *fake.writes.lock().unwrap() = vec![0; dst.len()];
-    let crew = Crew::new(ring_in_parts(&fake, chunk, chunks, DIRECT_ALIGN), 4).unwrap();
+    let crew = Engine::new(ring_in_parts(&fake, chunk, chunks, DIRECT_ALIGN), 4).unwrap();
     let split = (lead * chunk) as u64;
     let rest = (6 * chunk) as u64 - split;
     let spans = [rows(0, split, 1, split), rows(split, rest, 1, rest)];

@@ -95,7 +95,7 @@ fn faulty(
             Ok(())
         }),
     );
-    let crew = Crew::new(ring, threads).unwrap();
+    let crew = Engine::new(ring, threads).unwrap();
     let result = crew.run(&Arc::new(job));
     let (live, lost) = {
         let c = crew.ring().census();
@@ -131,7 +131,7 @@ fn a_sink_panicking_mid_run_loses_no_chunk() {
         fake.dst_base
             .store(dst.as_mut_ptr() as usize, Ordering::Relaxed);
         *fake.writes.lock().unwrap() = vec![0; len];
-        let crew = Crew::new(ring_in_parts(&fake, 8192, 8, 8192 / parts), threads).unwrap();
+        let crew = Engine::new(ring_in_parts(&fake, 8192, 8, 8192 / parts), threads).unwrap();
         // A target per KiB, so that a run of pieces completes several.
         let spans: Vec<Span> = (0..len.div_ceil(1024))
             .map(|i| Span {
@@ -400,7 +400,7 @@ fn a_panic_reading_a_part_fails_the_job_and_leaves_nothing_behind() {
             fake.dst_base
                 .store(dst.as_mut_ptr() as usize, Ordering::Relaxed);
             *fake.writes.lock().unwrap() = vec![0; dst.len()];
-            let crew = Crew::new(ring_in_parts(&fake, chunk, 2, DIRECT_ALIGN), threads).unwrap();
+            let crew = Engine::new(ring_in_parts(&fake, chunk, 2, DIRECT_ALIGN), threads).unwrap();
             let done = Arc::new(AtomicUsize::new(0));
             let counted = done.clone();
             let (_file, mut job) = job_for(&crew, &mut dst, Box::new(|_: &[usize], _: &()| Ok(())));

@@ -173,7 +173,7 @@ fn run_case(case: &Case) -> std::result::Result<(), String> {
     fake.dst_base.store(dst_base, Ordering::Relaxed);
     *fake.writes.lock().unwrap() = vec![0; total];
     let ring = ring_in_parts(&fake, case.chunk, case.chunks, case.part);
-    let crew = Arc::new(Crew::new(ring, case.threads).unwrap());
+    let crew = Arc::new(Engine::new(ring, case.threads).unwrap());
     let sink_calls = Arc::new(AtomicUsize::new(0));
     let part_reads = Arc::new(AtomicUsize::new(0));
     let data_file = DataFile::open(file.path()).unwrap();

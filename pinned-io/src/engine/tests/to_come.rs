@@ -10,7 +10,7 @@ struct ToCome {
     _file: tempfile::NamedTempFile,
     bytes: Vec<u8>,
     fake: Fake,
-    crew: Crew<Fake>,
+    crew: Engine<Fake>,
     job: Arc<Job<Fake>>,
     done: Arc<AtomicUsize>,
 }
@@ -19,7 +19,7 @@ fn job_to_come(chunks: usize) -> ToCome {
     let chunk = 4 * DIRECT_ALIGN;
     let (file, bytes) = file_of(6 * chunk);
     let fake = Fake::default();
-    let crew = Crew::new(ring_in_parts(&fake, chunk, chunks, DIRECT_ALIGN), 3).unwrap();
+    let crew = Engine::new(ring_in_parts(&fake, chunk, chunks, DIRECT_ALIGN), 3).unwrap();
     let width = 2 * chunk as u64;
     let spans: Vec<Span> = (0..3)
         .map(|target| Span {
@@ -144,7 +144,7 @@ fn a_job_whose_destination_never_comes_gives_its_chunks_back_and_completes() {
 fn a_job_without_pieces_completes_once_named_or_abandoned() {
     for named in [true, false] {
         let fake = Fake::default();
-        let crew = Crew::new(ring(&fake, DIRECT_ALIGN, 2), 2).unwrap();
+        let crew = Engine::new(ring(&fake, DIRECT_ALIGN, 2), 2).unwrap();
         // One target without bytes.
         let job = Arc::new(Job::to_come(
             Vec::new(),
@@ -188,7 +188,7 @@ fn a_job_named_late_completes_after_what_naming_it_does() {
     let base = dst.as_mut_ptr() as u64;
     fake.dst_base.store(base as usize, Ordering::Relaxed);
     *fake.writes.lock().unwrap() = vec![0; dst.len()];
-    let crew = Crew::new(ring_in_parts(&fake, chunk, 4, 2 * DIRECT_ALIGN), 1).unwrap();
+    let crew = Engine::new(ring_in_parts(&fake, chunk, 4, 2 * DIRECT_ALIGN), 1).unwrap();
     let width = chunk as u64;
     let spans: Vec<Span> = [(0, width), (width, width), (2 * width, 0)]
         .into_iter()

@@ -1,6 +1,6 @@
-//! The reader's crew: the engine's threads over a reader's ring, and the one way in for a
-//! read — [`Crew::run`] for a read whose caller waits, [`Crew::start`] for one it follows
-//! ([`Reading`]).
+//! The way in: the reader's [`Engine`] (cuda-pinned's crew of threads over a reader's ring),
+//! and the one entry for a read — [`Engine::run`] for a read whose caller waits,
+//! [`Engine::start`] for one it follows ([`Reading`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,12 +13,12 @@ use super::ring::ReadRing;
 use super::worker::Worker;
 use crate::error::{Error, Result};
 
-/// The ring and the threads that move pieces through it.
-pub(crate) struct Crew<D: Dma> {
+/// The reader's engine: its ring and the crew of threads that move pieces through it.
+pub(crate) struct Engine<D: Dma> {
     crew: ring::Crew<ReadRing<D>, Job<D>>,
 }
 
-impl<D: Dma> Crew<D> {
+impl<D: Dma> Engine<D> {
     /// A crew of `threads` threads over `ring`; threads the system refuses to start leave
     /// their share to the others (and a reading caller).
     ///
@@ -96,11 +96,11 @@ impl<D: Dma> Crew<D> {
     }
 }
 
-/// A read started by [`Crew::start`]: named a destination once it exists, or abandoned;
+/// A read started by [`Engine::start`]: named a destination once it exists, or abandoned;
 /// waited for, or stopped.
 pub(crate) struct Reading<D: Dma> {
     job: Arc<Job<D>>,
-    crew: Arc<Crew<D>>,
+    crew: Arc<Engine<D>>,
 }
 
 impl<D: Dma> Reading<D> {
