@@ -194,4 +194,28 @@ mod tests {
         assert_eq!(chain.matches("mmap failed").count(), 1, "{chain}");
         assert!(chain.ends_with(&io::Error::from_raw_os_error(libc::ENOMEM).to_string()));
     }
+
+    /// A failed load's waiters get a copy of its error as their cause; the copy keeps the
+    /// system's error code.
+    #[test]
+    fn a_failed_load_hands_each_waiter_its_error_as_the_cause() {
+        let error = Error::io(
+            Path::new("w.safetensors"),
+            "reading",
+            io::Error::from_raw_os_error(libc::EIO),
+        );
+        let waiter = Error::Failed(Arc::new(error.clone()));
+        assert_eq!(waiter.to_string(), "the checkpoint's load failed");
+        let chain = cuda_pinned::ErrorChain(&waiter).to_string();
+        assert!(chain.starts_with("the checkpoint's load failed: w.safetensors: reading: "));
+        let Error::Io { source, .. } = &error.clone() else {
+            panic!("a copy of another kind");
+        };
+        assert_eq!(source.raw_os_error(), Some(libc::EIO));
+        let stopped = Error::Stopped("it was dropped");
+        assert_eq!(
+            stopped.to_string(),
+            "the checkpoint's load stopped: it was dropped"
+        );
+    }
 }

@@ -236,7 +236,7 @@ impl Loading {
 
 impl Drop for Loading {
     fn drop(&mut self) {
-        self.reading.stop(Error::Stopped("the load was dropped"));
+        self.reading.stop(Error::Stopped("it was dropped"));
         self.reading.wait();
         // No copy of the load may run once its memory can be freed: the replicas' streams
         // too, where a failed copy may have left some queued without an event. Copies of
