@@ -298,6 +298,48 @@ fn row(
     section.row(cells);
 }
 
+/// Cold loads of `written` taking turns with the disk's ceiling over the same files, `reps`
+/// times, each after the page cache is dropped (the disk's rate drifts within a run); writes
+/// both rows and returns pinned-io's seconds and the ceiling's median rate.
+fn cold_against_ceiling(
+    section: &mut Section,
+    case: &str,
+    written: &Written,
+    reader: &FileReader,
+    reps: usize,
+) -> Result<(Vec<f64>, f64), String> {
+    let lens = (written.files.iter())
+        .map(|file| {
+            let len = std::fs::metadata(file).map_err(|e| cuda_pinned::ErrorChain(&e).to_string());
+            Ok((file, len?.len() as usize))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let file_len = lens.iter().map(|&(_, len)| len).sum();
+    let mut ceiling_run =
+        as_run(|| (lens.iter()).try_for_each(|&(file, len)| direct_ceiling(file, len)));
+    let mut cold_run = as_run(|| ours(&written.path, reader));
+    let [ceiling, cold]: [Vec<f64>; 2] = taking_turns(
+        reps,
+        || {
+            drop_caches();
+        },
+        &mut [&mut ceiling_run, &mut cold_run],
+    )?
+    .try_into()
+    .expect("a series for each run");
+    let ceiling_rate = Spread::of(ceiling.iter().map(|&s| gbps(file_len, s)).collect()).median;
+    row(section, CEILING_ROW, case, file_len, ceiling, 0.0);
+    row(
+        section,
+        "pinned-io, cold",
+        case,
+        written.bytes,
+        cold.clone(),
+        ceiling_rate,
+    );
+    Ok((cold, ceiling_rate))
+}
+
 /// Reads `path` through the page cache, so that it is there for the next reader.
 fn warm_page_cache(path: &Path) -> Result<(), String> {
     let mut file =
@@ -610,32 +652,8 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
         let mut cold_seconds = None;
         if may_drop {
             let cold_reps = if quick { 1 } else { 5 };
-            let file_len = std::fs::metadata(&path)
-                .map_err(|e| cuda_pinned::ErrorChain(&e).to_string())?
-                .len() as usize;
-            // The disk's rate drifts within a run: the ceiling and pinned-io take turns.
-            let mut ceiling_run = as_run(|| direct_ceiling(&path, file_len));
-            let mut cold_run = as_run(|| ours(&path, &reader));
-            let [ceiling, cold]: [Vec<f64>; 2] = taking_turns(
-                cold_reps,
-                || {
-                    drop_caches();
-                },
-                &mut [&mut ceiling_run, &mut cold_run],
-            )?
-            .try_into()
-            .expect("a series for each run");
-            let ceiling_rate =
-                Spread::of(ceiling.iter().map(|&s| gbps(file_len, s)).collect()).median;
-            row(&mut section, CEILING_ROW, &case, file_len, ceiling, 0.0);
-            row(
-                &mut section,
-                "pinned-io, cold",
-                &case,
-                bytes,
-                cold.clone(),
-                ceiling_rate,
-            );
+            let (cold, ceiling_rate) =
+                cold_against_ceiling(&mut section, &case, &written, &reader, cold_reps)?;
             cold_seconds = Some(cold);
             let vec = timed(
                 cold_reps,
@@ -671,16 +689,7 @@ pub fn run(quick: bool, dir: &Path, progress: &mut Progress) -> Result<Vec<Secti
                     Value::Text(String::new()),
                 ]),
             }
-        }
-        if may_drop {
-            let ceiling = (section.rows.iter())
-                .find(|cells| {
-                    cells.first() == Some(&Value::Text(CEILING_ROW.into()))
-                        && cells.get(1) == Some(&Value::Text(case.clone()))
-                })
-                .and_then(|cells| cells.get(3).and_then(Value::number))
-                .unwrap_or(0.0);
-            peer_rows(&mut section, &Peer::COLD, &case, &written, 1, ceiling);
+            peer_rows(&mut section, &Peer::COLD, &case, &written, 1, ceiling_rate);
         }
         later.push(OneGpu {
             written,

@@ -82,37 +82,9 @@ pub(super) fn shapes(
         );
         peer_rows(section, &Peer::WARM, case, written, reps, h2d_rate);
         if may_drop {
-            let file_len: usize = (written.files.iter())
-                .map(|file| std::fs::metadata(file).map_or(0, |m| m.len() as usize))
-                .sum();
             let cold_reps = if quick { 1 } else { 3 };
-            let mut ceiling_run = as_run(|| {
-                (written.files.iter()).try_for_each(|file| {
-                    let len = std::fs::metadata(file).map_or(0, |m| m.len() as usize);
-                    direct_ceiling(file, len)
-                })
-            });
-            let mut cold_run = as_run(|| ours(path, reader));
-            let [ceiling, cold]: [Vec<f64>; 2] = taking_turns(
-                cold_reps,
-                || {
-                    drop_caches();
-                },
-                &mut [&mut ceiling_run, &mut cold_run],
-            )?
-            .try_into()
-            .expect("a series for each run");
-            let ceiling_rate =
-                Spread::of(ceiling.iter().map(|&s| gbps(file_len, s)).collect()).median;
-            row(section, CEILING_ROW, case, file_len, ceiling, 0.0);
-            row(
-                section,
-                "pinned-io, cold",
-                case,
-                written.bytes,
-                cold,
-                ceiling_rate,
-            );
+            let (_, ceiling_rate) =
+                cold_against_ceiling(section, case, written, reader, cold_reps)?;
             peer_rows(section, &Peer::COLD, case, written, 1, ceiling_rate);
         }
     }

@@ -48,8 +48,9 @@ impl<D: Dma> ReadRing<D> {
         let base = start.wrapping_add(start.align_offset(DIRECT_ALIGN));
         debug_assert!(capacity.is_multiple_of(DIRECT_ALIGN));
         // SAFETY: `count` chunks of `capacity + 2 * DIRECT_ALIGN` bytes from the aligned
-        // start lie in the `bytes_for` bytes (the caller's); the memory goes with the ring,
-        // and only once it settled (see `Drop`).
+        // start lie in the `bytes_for` bytes, which are page-locked and used by nothing else
+        // (the caller's contract); the memory goes with the ring, and only once it settled
+        // (else never: see `Drop`).
         let ring = unsafe { Ring::new(dma, base, capacity + 2 * DIRECT_ALIGN, count) }?;
         Ok(Self {
             ring,
