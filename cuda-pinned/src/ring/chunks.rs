@@ -59,6 +59,16 @@ struct Chunks<E> {
     lost: bool,
 }
 
+/// The ring's memory, shared by the threads that take its chunks.
+struct Base(*mut u8);
+
+// SAFETY: an address alone, never dereferenced here: each chunk's bytes are used by the one
+// thread that holds it taken (`Ring::new`'s contract), whichever thread that is.
+unsafe impl Send for Base {}
+
+// SAFETY: as above; sharing the ring hands out addresses, not access.
+unsafe impl Sync for Base {}
+
 /// A count of a ring's chunks ([`Ring::census`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Census {
@@ -78,7 +88,9 @@ pub struct Census {
 /// copy can still use it, and leaks it otherwise.
 pub struct Ring<D: Dma> {
     dma: D,
-    base: usize,
+    /// The first chunk's first byte: a pointer, so that the chunks' addresses keep the
+    /// memory's provenance.
+    base: Base,
     chunk_bytes: usize,
     chunks: Mutex<Chunks<D::Event>>,
     freed: Condvar,
@@ -112,7 +124,7 @@ impl<D: Dma> Ring<D> {
         }
         Ok(Self {
             dma,
-            base: base as usize,
+            base: Base(base),
             chunk_bytes,
             chunks: Mutex::new(Chunks {
                 free,
@@ -136,7 +148,7 @@ impl<D: Dma> Ring<D> {
 
     /// The first byte of `chunk`.
     pub fn start_of(&self, chunk: &Chunk<D::Event>) -> *mut u8 {
-        (self.base + chunk.offset) as *mut u8
+        self.base.0.wrapping_add(chunk.offset)
     }
 
     /// The oldest free chunk (the likeliest to have finished its copies), waiting while every
